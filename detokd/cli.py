@@ -1,0 +1,156 @@
+"""The command line: `detokd serve | demo | tokenizer | config`. Only argument parsing
+and exit codes live here; each command's work lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import __version__
+from .config import Config, ConfigError, load, to_toml
+from .tokenizer import TokenizerError
+
+EXIT_CONFIG = 2
+
+
+def _serve_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--config", "-c", metavar="FILE", help="TOML config file (every key optional; flags override it)")
+    sp.add_argument("--input", metavar="ADDR", help="address to bind the PULL socket for schedulers (tcp://, ipc://)")
+    sp.add_argument("--worker", metavar="ADDR", action="append", dest="workers", help="a worker's address; repeat for workers 0, 1, ...")
+    sp.add_argument("--feedback", metavar="ADDR", help="the scheduler's address for `stopped` messages")
+    sp.add_argument("--tokenizer", metavar="SPEC", help="tokenizer folder, tokenizer.json, or packaged name (default: deepseek)")
+    sp.add_argument("--max-states", type=int, metavar="N", help="live request states at most (oldest evicted beyond)")
+    sp.add_argument("--max-prompt-tail", type=int, metavar="N", help="prompt ids used as context for the first characters")
+    sp.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])
+    sp.add_argument("--metrics-port", type=int, metavar="PORT", help="serve /health and /metrics on this port")
+    sp.add_argument("--shards", type=int, default=1, metavar="N", help="run N detokd processes on derived addresses (input.0, input.1, ...)")
+
+
+def _overrides(ns: argparse.Namespace) -> dict:
+    keys = ("input", "workers", "feedback", "tokenizer", "max_states", "max_prompt_tail", "log_level", "metrics_port")
+    return {k: getattr(ns, k) for k in keys}
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    cfg = load(ns.config, _overrides(ns))
+    _setup_logging(cfg.log_level)
+    if ns.shards > 1:
+        return _serve_shards(ns, cfg)
+    from .server import Server
+
+    return Server(cfg).run()
+
+
+def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
+    from .launch import derive_address, run_shards
+
+    if cfg.metrics_port is not None and cfg.metrics_port + ns.shards - 1 > 65535:
+        raise ConfigError("metrics_port + shards exceeds 65535")
+    try:
+        inputs = [derive_address(cfg.input, i) for i in range(ns.shards)]
+    except ValueError as exc:
+        raise ConfigError(f"--shards: {exc}") from exc
+
+    def argv(i: int) -> list[str]:
+        args = ["serve", "--input", inputs[i]]
+        if ns.config:
+            args += ["--config", ns.config]
+        for w in cfg.workers:
+            args += ["--worker", w]
+        for flag, value in (
+            ("--feedback", cfg.feedback),
+            ("--tokenizer", cfg.tokenizer),
+            ("--max-states", cfg.max_states),
+            ("--max-prompt-tail", cfg.max_prompt_tail),
+            ("--log-level", cfg.log_level),
+            ("--metrics-port", None if cfg.metrics_port is None else cfg.metrics_port + i),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        return args
+
+    logging.getLogger("detokd.launch").info("%d shards: %s", ns.shards, ", ".join(inputs))
+    return run_shards(argv, ns.shards)
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from .demo import run
+
+    return run(streams=ns.streams, steps=ns.steps, tokenizer=ns.tokenizer, show=not ns.quiet)
+
+
+def cmd_tokenizer(ns: argparse.Namespace) -> int:
+    from .decoder import make_codec, self_check
+    from .tokenizer import load as load_tokenizer
+
+    vocab = load_tokenizer(ns.spec)
+    codec = make_codec(vocab)
+    print(f"tokenizer  {ns.spec}")
+    print(f"ids        {vocab.size} ({len(vocab.special)} special)")
+    print(f"decoder    {' + '.join(vocab.decoder_types()) or 'none'}")
+    print(f"codec      {codec.name}")
+    bad = self_check(vocab, codec, trials=ns.trials, seed=1)
+    print(f"self-check {'ok' if bad is None else 'FAILED: ' + bad} ({ns.trials} random streams)")
+    return 0 if bad is None else 1
+
+
+def cmd_config(ns: argparse.Namespace) -> int:
+    cfg = load(ns.config, {})
+    sys.stdout.write(to_toml(cfg))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="detokd",
+        description="Detokenizer sidecar for LLM serving engines: token ids in over ZMQ, exact streamed text out.",
+    )
+    ap.add_argument("--version", action="version", version=f"detokd {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sp = sub.add_parser("serve", help="run the detokenizer", description="Run detokd: PULL token batches, PUSH text to workers.")
+    _serve_args(sp)
+    sp.set_defaults(func=cmd_serve)
+
+    dp = sub.add_parser("demo", help="stream real multilingual text through a live detokd", description=(
+        "Start `detokd serve`, a synthetic scheduler replaying real text as concurrent streams, and a worker; "
+        "show one stream live and check every stream against the reference decode."))
+    dp.add_argument("--streams", type=int, default=64, help="concurrent requests (default 64)")
+    dp.add_argument("--steps", type=int, default=400, help="tokens per stream (default 400)")
+    dp.add_argument("--tokenizer", default=None, help="tokenizer to use (default: the config default)")
+    dp.add_argument("--quiet", action="store_true", help="no live text, just the summary")
+    dp.set_defaults(func=cmd_demo)
+
+    tp = sub.add_parser("tokenizer", help="load a tokenizer and verify detokd decodes it exactly")
+    tp.add_argument("spec", help="tokenizer folder, tokenizer.json, or packaged name")
+    tp.add_argument("--trials", type=int, default=500)
+    tp.set_defaults(func=cmd_tokenizer)
+
+    cp = sub.add_parser("config", help="print the effective config as TOML")
+    cp.add_argument("--config", "-c", metavar="FILE")
+    cp.set_defaults(func=cmd_config)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ConfigError, TokenizerError) as exc:
+        print(f"detokd: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""Incremental decoding: token ids in, exact text out, O(new ids) per step.
+
+The text of a request is `decode(tail + out)[len(decode(tail)):]` (PROTOCOL.md).
+Every decoder here decodes the whole sequence tail + out *incrementally* and drops
+the first `len(decode(tail))` characters of what it commits, so the prompt's own
+text can never leak into the output, also when the prompt ends mid-character.
+
+A decoder commits text only once no later id can change it, and never takes text
+back. Three codecs, one per shape of tokenizer decoder:
+
+- ByteCodec, for byte-level BPE: each id maps to fixed bytes; the text is the
+  lossy UTF-8 decode of their concatenation, done by an incremental UTF-8 decoder
+  that holds an incomplete character until it completes (or the stream ends).
+- PieceCodec, for decoders that map each token to text on its own, with one rule
+  for the first token of the text (SentencePiece's Replace/Fuse/Strip and Metaspace,
+  WordPiece's "##" joins and clean-up): two precomputed tables, `first` and `next`.
+  With ByteFallback, runs of <0xXX> tokens become text only when the run ends:
+  Hugging Face turns a whole invalid run into U+FFFD per byte, so a later byte can
+  rewrite characters an earlier one completed.
+- WindowCodec, the exact generic path for any other decoder: it decodes a bounded
+  window of ids with the tokenizer itself and commits the prefix that the last id
+  cannot change.
+
+Each codec's tables are computed from the tokenizer's own decoder and verified
+against the tokenizer's decode at start-up; `make_codec` falls back to the window
+path for a tokenizer whose tables do not verify.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import random
+from typing import Protocol
+
+from .tokenizer import Vocab
+
+log = logging.getLogger("detokd.decoder")
+
+REPLACEMENT = "\ufffd"
+_utf8 = codecs.getincrementaldecoder("utf-8")
+
+
+class Decoder(Protocol):
+    def step(self, ids: list[int]) -> str:
+        """Feed new ids (all < vocab size); return the text they commit."""
+
+    def finish(self) -> str:
+        """End of stream: return what is still held, decoded as the tokenizer would."""
+
+
+class Codec(Protocol):
+    name: str
+
+    def new(self, tail: list[int], skip_special: bool) -> Decoder: ...
+
+
+def _skip_count(vocab: Vocab, tail: list[int], skip_special: bool, primed: str) -> int:
+    """How many characters of committed text still belong to the prompt.
+
+    `primed` is what a decoder committed while fed the tail; the oracle's prompt
+    text is the tail's full decode, which may end in characters (U+FFFD for a cut
+    character) that the decoder has not committed yet.
+    """
+    if not tail:
+        return 0
+    return max(0, len(vocab.decode(tail, skip_special)) - len(primed))
+
+
+# --- byte-level BPE ----------------------------------------------------------------------
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's reversible byte <-> printable character map, inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class ByteDecoder:
+    __slots__ = ("table", "utf8", "skip")
+
+    def __init__(self, table: list[bytes], skip: int) -> None:
+        self.table = table
+        self.utf8 = _utf8("replace")
+        self.skip = skip
+
+    def step(self, ids: list[int]) -> str:
+        table = self.table
+        if len(ids) == 1:
+            text = self.utf8.decode(table[ids[0]])
+        else:
+            text = self.utf8.decode(b"".join([table[i] for i in ids]))
+        if self.skip and text:
+            text, self.skip = text[self.skip :], max(0, self.skip - len(text))
+        return text
+
+    def finish(self) -> str:
+        text = self.utf8.decode(b"", True)
+        if self.skip and text:
+            text, self.skip = text[self.skip :], max(0, self.skip - len(text))
+        return text
+
+
+class ByteCodec:
+    """Byte-level BPE: a token is a fixed byte string; skipped specials are empty."""
+
+    name = "bytes"
+
+    def __init__(self, vocab: Vocab) -> None:
+        alphabet = _byte_level_alphabet()
+        table: list[bytes] = []
+        for tok in vocab.tokens:
+            if tok is None:
+                table.append(b"")
+            elif all(c in alphabet for c in tok):
+                table.append(bytes([alphabet[c] for c in tok]))
+            else:  # added tokens outside the byte alphabet decode to their own UTF-8
+                table.append(tok.encode())
+        self.vocab = vocab
+        self.keep = table
+        self.skip = [b"" if i in vocab.special else t for i, t in enumerate(table)]
+
+    def new(self, tail: list[int], skip_special: bool) -> ByteDecoder:
+        table = self.skip if skip_special else self.keep
+        d = ByteDecoder(table, 0)
+        primed = d.step(tail) if tail else ""
+        d.skip = _skip_count(self.vocab, tail, skip_special, primed)
+        return d
+
+    def verify_tokens(self) -> list[int]:
+        """Ids whose single-token decode disagrees with the table (should be none)."""
+        ids = list(range(self.vocab.size))
+        ref = self.vocab.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        return [i for i, r in zip(ids, ref) if self.keep[i].decode("utf-8", "replace") != r]
+
+
+# --- per-token pieces (SentencePiece, WordPiece, Metaspace) ----------------------------------
+
+
+class PieceDecoder:
+    __slots__ = ("first", "next", "byte", "strip", "fresh", "run", "run_first", "skip")
+
+    def __init__(self, codec: PieceCodec, skip_special: bool) -> None:
+        self.first = codec.first_skip if skip_special else codec.first_keep
+        self.next = codec.next_skip if skip_special else codec.next_keep
+        self.byte = codec.byte
+        self.strip = codec.strip
+        self.fresh = True  # no token has reached the decoder yet
+        self.run: bytearray | None = None  # open ByteFallback run
+        self.run_first = False
+        self.skip = 0
+
+    def _close_run(self) -> str:
+        run, self.run = self.run, None
+        try:
+            text = run.decode("utf-8")
+        except UnicodeDecodeError:
+            text = REPLACEMENT * len(run)  # Hugging Face's ByteFallback: one per byte
+        if self.run_first and self.strip and text[:1] == " ":
+            text = text[1:]
+        return text
+
+    def step(self, ids: list[int]) -> str:
+        out = []
+        byte = self.byte
+        for i in ids:
+            b = byte[i]
+            if b >= 0:
+                if self.run is None:
+                    self.run = bytearray()
+                    self.run_first = self.fresh
+                    self.fresh = False
+                self.run.append(b)
+                continue
+            piece = (self.first if self.fresh else self.next)[i]
+            if piece is None:  # a skipped special token: invisible to the decoder
+                continue
+            self.fresh = False
+            if self.run is not None:
+                out.append(self._close_run())
+            out.append(piece)
+        return self._drop("".join(out))
+
+    def finish(self) -> str:
+        return self._drop(self._close_run() if self.run is not None else "")
+
+    def _drop(self, text: str) -> str:
+        if self.skip and text:
+            text, self.skip = text[self.skip :], max(0, self.skip - len(text))
+        return text
+
+
+class PieceCodec:
+    """Decoders that render each token alone, given only whether it comes first."""
+
+    name = "pieces"
+
+    def __init__(self, vocab: Vocab) -> None:
+        types = vocab.decoder_types()
+        dec = vocab.backend.decoder
+        anchor = "a"  # a plain token to stand before each one, making it "not first"
+        base = dec.decode([anchor])
+        self.vocab = vocab
+        self.strip = "Strip" in types
+        fallback = "ByteFallback" in types
+        n = vocab.size
+        self.byte = [-1] * n
+        first: list[str | None] = [None] * n
+        nxt: list[str | None] = [None] * n
+        for i, tok in enumerate(vocab.tokens):
+            if tok is None:
+                first[i] = nxt[i] = ""
+                continue
+            if fallback and len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+                try:
+                    self.byte[i] = int(tok[3:5], 16)
+                    continue
+                except ValueError:
+                    pass
+            first[i] = dec.decode([tok])
+            pair = dec.decode([anchor, tok])
+            nxt[i] = pair[len(base) :] if pair.startswith(base) else pair
+        self.first_keep, self.next_keep = first, nxt
+        self.first_skip = [None if i in vocab.special else p for i, p in enumerate(first)]
+        self.next_skip = [None if i in vocab.special else p for i, p in enumerate(nxt)]
+
+    def new(self, tail: list[int], skip_special: bool) -> PieceDecoder:
+        d = PieceDecoder(self, skip_special)
+        primed = d.step(tail) if tail else ""
+        d.skip = _skip_count(self.vocab, tail, skip_special, primed)
+        return d
+
+
+# --- the generic window ----------------------------------------------------------------------
+
+
+class WindowDecoder:
+    """Decodes a bounded window of ids with the tokenizer and commits what is stable.
+
+    Invariant: the first `done` characters of decode(window) have been committed
+    (or belong to the prompt). The last `hold` ids, an open byte run, and trailing
+    U+FFFD stay uncommitted; the window is cut at the front only where the cut
+    leaves the text's end unchanged, so `done` stays meaningful.
+    """
+
+    __slots__ = ("codec", "skip_special", "ids", "done", "text")
+
+    def __init__(self, codec: WindowCodec, tail: list[int], skip_special: bool) -> None:
+        self.codec = codec
+        self.skip_special = skip_special
+        self.ids = list(tail)
+        self.text = codec.vocab.decode(self.ids, skip_special) if tail else ""
+        self.done = len(self.text)  # the prompt's text is never emitted
+
+    def step(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        codec = self.codec
+        self.ids.extend(ids)
+        decode = codec.vocab.decode
+        text = decode(self.ids, self.skip_special)
+        cut = len(self.ids) - codec.hold
+        if codec.byte_runs:
+            while cut > 0 and codec.is_byte[self.ids[cut - 1]]:
+                cut -= 1
+        stable = decode(self.ids[:cut], self.skip_special) if cut > 0 else ""
+        n = _common_prefix(stable, text)
+        while n > self.done and text[n - 1] == REPLACEMENT:
+            n -= 1
+        out = text[self.done : n] if n > self.done else ""
+        self.done = max(self.done, n)
+        self.text = text
+        self._trim()
+        return out
+
+    def finish(self) -> str:
+        out = self.text[self.done :]
+        self.done = len(self.text)
+        return out
+
+    def _trim(self) -> None:
+        codec = self.codec
+        excess = len(self.ids) - codec.window
+        if excess <= 0:
+            return
+        # Cut no further than the committed text reaches, and only where the rest
+        # decodes to exactly the end of the current text.
+        for d in range(excess, len(self.ids) - codec.context):
+            rest = self.ids[d:]
+            text = codec.vocab.decode(rest, self.skip_special)
+            gone = len(self.text) - len(text)
+            if 0 <= gone <= self.done and self.text.endswith(text):
+                self.ids, self.text, self.done = rest, text, self.done - gone
+                return
+
+
+def _common_prefix(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class WindowCodec:
+    name = "window"
+
+    def __init__(self, vocab: Vocab, hold: int = 1, context: int = 8, window: int = 32) -> None:
+        self.vocab = vocab
+        # transformers' clean-up rewrites across up to three tokens (" ' " -> "'").
+        self.hold = 3 if vocab.cleanup else hold
+        self.context = context
+        self.window = window
+        self.byte_runs = "ByteFallback" in vocab.decoder_types()
+        self.is_byte = [
+            bool(tok and len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">")) for tok in vocab.tokens
+        ]
+
+    def new(self, tail: list[int], skip_special: bool) -> WindowDecoder:
+        return WindowDecoder(self, tail, skip_special)
+
+
+# --- choosing a codec ----------------------------------------------------------------------
+
+
+def make_codec(vocab: Vocab, prefer: str = "auto") -> Codec:
+    """The fastest codec that reproduces this tokenizer's decode exactly."""
+    if prefer == "window":
+        return WindowCodec(vocab)
+    types = vocab.decoder_types()
+    candidate: Codec | None = None
+    if vocab.cleanup:
+        candidate = None  # transformers' clean-up is not per-token: only the window is exact
+    elif types == ["ByteLevel"]:
+        candidate = ByteCodec(vocab)
+    elif types and set(types) <= {"Replace", "ByteFallback", "Fuse", "Strip", "Metaspace", "WordPiece"}:
+        candidate = PieceCodec(vocab)
+    if candidate is not None:
+        bad = self_check(vocab, candidate)
+        if bad is None:
+            return candidate
+        log.warning("tokenizer %s: %s codec disagrees with decode (%s); using the window codec", vocab.name, candidate.name, bad)
+    elif prefer != "auto":
+        raise ValueError(f"no {prefer} codec for tokenizer {vocab.name}")
+    return WindowCodec(vocab)
+
+
+def self_check(vocab: Vocab, codec: Codec, trials: int = 200, seed: int = 0) -> str | None:
+    """Decode random id streams, split at random, and compare with the tokenizer's decode."""
+    rng = random.Random(seed)
+    sample = vocab.backend.encode("Hello, wörld! 你好，世界 🤖👍🏽 Привет عالم नमस्ते\n\tdef f(x): return x**2").ids
+    specials = sorted(vocab.special) or [0]
+    for t in range(trials):
+        n = rng.randrange(1, 24)
+        pool = [rng.randrange(vocab.size) for _ in range(4)] + sample + specials[:8]
+        ids = [rng.choice(pool) for _ in range(n)]
+        k = rng.randrange(0, len(ids))
+        tail, out = ids[:k], ids[k:]
+        skip = bool(t & 1)
+        d = codec.new(tail, skip)
+        got = []
+        i = 0
+        while i < len(out):
+            j = i + rng.randrange(1, 4)
+            got.append(d.step(out[i:j]))
+            i = j
+        got.append(d.finish())
+        want = vocab.decode(tail + out, skip)[len(vocab.decode(tail, skip)) :]
+        if "".join(got) != want:
+            return f"ids {tail}|{out} skip={skip}: {''.join(got)!r} != {want!r}"
+    return None

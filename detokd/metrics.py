@@ -1,0 +1,164 @@
+"""What the loop publishes, and the /health and /metrics endpoint that reads it.
+
+The loop only bumps plain integers on `Stats`; the HTTP thread reads them when
+scraped. It never calls into the loop's state, so a saturated or stuck loop cannot
+stop /health from answering (with 503 once the loop has not turned for
+`health_timeout` seconds).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+log = logging.getLogger("detokd.metrics")
+
+# Step latency buckets in seconds: a healthy step is tens of microseconds.
+BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.frames = 0
+        self.bad_frames = 0
+        self.rows = 0
+        self.tokens = 0
+        self.started = 0
+        self.stops = 0
+        self.aborts = 0
+        self.evictions = 0
+        self.errors: dict[str, int] = {}
+        self.live = 0
+        self.workers: dict[int, tuple[int, int, bool]] = {}  # index -> (sent, dropped, writable)
+        self.step_counts = [0] * (len(BUCKETS) + 1)
+        self.step_sum = 0.0
+        self.step_max = 0.0
+        self.last_turn = time.monotonic()
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def step(self, seconds: float) -> None:
+        self.step_counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+        self.step_sum += seconds
+        if seconds > self.step_max:
+            self.step_max = seconds
+
+
+class _Collector:
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats
+        for name, value, doc in (
+            ("frames", s.frames, "inbound frames"),
+            ("bad_frames", s.bad_frames, "inbound frames that did not decode"),
+            ("rows", s.rows, "inbound token rows"),
+            ("tokens", s.tokens, "output token ids decoded"),
+            ("requests_started", s.started, "requests started"),
+            ("stops_detected", s.stops, "stop strings detokd detected itself"),
+            ("aborts", s.aborts, "requests aborted by the engine"),
+            ("evictions", s.evictions, "requests evicted to stay within max_states"),
+        ):
+            yield CounterMetricFamily(f"detokd_{name}", doc, value=value)
+        errors = CounterMetricFamily("detokd_errors", "error rows sent, by kind", labels=["kind"])
+        for kind, n in sorted(s.errors.items()):
+            errors.add_metric([kind], n)
+        yield errors
+        yield GaugeMetricFamily("detokd_live_requests", "request states held", value=s.live)
+        sent = CounterMetricFamily("detokd_worker_messages", "text messages queued per worker", labels=["worker"])
+        dropped = CounterMetricFamily("detokd_worker_dropped", "messages lost to a full worker queue", labels=["worker"])
+        writable = GaugeMetricFamily("detokd_worker_writable", "1 while the worker's send queue has room", labels=["worker"])
+        for w, (n_sent, n_dropped, ok) in sorted(s.workers.items()):
+            sent.add_metric([str(w)], n_sent)
+            dropped.add_metric([str(w)], n_dropped)
+            writable.add_metric([str(w)], 1 if ok else 0)
+        yield sent
+        yield dropped
+        yield writable
+        counts = list(s.step_counts)
+        cumulative, buckets = 0, []
+        for bound, n in zip(BUCKETS, counts):
+            cumulative += n
+            buckets.append((repr(bound), cumulative))
+        buckets.append(("+Inf", cumulative + counts[-1]))
+        yield HistogramMetricFamily("detokd_step_seconds", "time to process one inbound batch", buckets=buckets, sum_value=s.step_sum)
+        yield GaugeMetricFamily("detokd_loop_idle_seconds", "time since the loop last turned", value=time.monotonic() - s.last_turn)
+
+
+class MetricsServer:
+    """/health and /metrics on a thread of their own."""
+
+    def __init__(self, stats: Stats, host: str, port: int, health_timeout: float) -> None:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(stats))
+        timeout = health_timeout
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path.split("?")[0] == "/health":
+                    idle = time.monotonic() - stats.last_turn
+                    ok = idle <= timeout
+                    body = (b"ok\n" if ok else f"loop stuck for {idle:.1f}s\n".encode())
+                    self._reply(200 if ok else 503, body, "text/plain")
+                elif self.path.split("?")[0] == "/metrics":
+                    self._reply(200, generate_latest(registry), "text/plain; version=0.0.4")
+                else:
+                    self._reply(404, b"not found\n", "text/plain")
+
+            def _reply(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # scrapes are not worth a log line
+                pass
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="detokd-metrics", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        log.info("health and metrics on port %d", self.port)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class RateLimitedLog:
+    """At most `burst` lines per `period` seconds; the rest are counted and summarized,
+    so a flood of bad frames cannot fill the disk."""
+
+    def __init__(self, logger: logging.Logger, burst: int = 10, period: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.burst = burst
+        self.period = period
+        self.clock = clock
+        self.window = clock()
+        self.count = 0
+        self.suppressed = 0
+
+    def warning(self, msg: str, *args) -> None:
+        now = self.clock()
+        if now - self.window >= self.period:
+            if self.suppressed:
+                self.logger.warning("%d similar messages suppressed in the last %.0fs", self.suppressed, self.period)
+            self.window, self.count, self.suppressed = now, 0, 0
+        if self.count < self.burst:
+            self.count += 1
+            self.logger.warning(msg, *args)
+        else:
+            self.suppressed += 1

@@ -1,0 +1,107 @@
+"""Loading a tokenizer and caching every vocabulary fact detokd needs.
+
+Nothing on the per-token path may ask the tokenizer for a vocabulary-sized fact
+(vLLM #30343: `len(tokenizer)` rebuilt the added vocabulary on every token), so
+`Vocab` computes them once here: the id bound, the special ids, each id's token
+string, and what kind of decoder the tokenizer runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import zoo
+
+log = logging.getLogger("detokd.tokenizer")
+
+
+class TokenizerError(RuntimeError):
+    """The configured tokenizer cannot be found or loaded."""
+
+
+@dataclass(frozen=True, eq=False)
+class Vocab:
+    name: str
+    hf: object  # transformers' fast tokenizer: the oracle's decode
+    backend: object  # its tokenizers.Tokenizer
+    size: int  # ids in [0, size) are in the vocabulary
+    special: frozenset[int]
+    tokens: tuple[str | None, ...]  # id -> token string as the decoder sees it
+    decoder: dict | None  # the decoder's JSON description
+    cleanup: bool  # transformers' clean_up_tokenization_spaces
+    extra: dict = field(default_factory=dict)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """The reference text of `ids`, exactly as transformers' fast `decode` gives it."""
+        if self.cleanup:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        # Same result without transformers' Python overhead (no clean-up to apply).
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decoder_types(self) -> list[str]:
+        d = self.decoder
+        if d is None:
+            return []
+        if d.get("type") == "Sequence":
+            return [x.get("type") for x in d.get("decoders", [])]
+        return [d.get("type")]
+
+
+def resolve(spec: str) -> Path:
+    """Map a config's `tokenizer` value to a folder or tokenizer.json file."""
+    path = Path(os.path.expanduser(spec))
+    if path.is_dir():
+        if not (path / "tokenizer.json").exists() and not (path / "tokenizer.model").exists():
+            raise TokenizerError(f"tokenizer folder {spec!r} holds neither tokenizer.json nor tokenizer.model")
+        return path
+    if path.is_file():
+        return path
+    if spec in zoo.NAMES:
+        try:
+            return zoo.build(spec)
+        except Exception as exc:  # a packaged tokenizer's builder failing is a config problem
+            raise TokenizerError(f"packaged tokenizer {spec!r} could not be built: {exc}") from exc
+    raise TokenizerError(
+        f"tokenizer {spec!r} is neither a folder, a tokenizer.json file, nor a packaged name "
+        f"({', '.join(zoo.NAMES)})"
+    )
+
+
+def load(spec: str) -> Vocab:
+    path = resolve(spec)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub, even by accident
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        if path.is_dir():
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(path))
+        else:
+            from transformers import PreTrainedTokenizerFast
+
+            hf = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    except Exception as exc:
+        raise TokenizerError(f"cannot load tokenizer {spec!r} from {path}: {exc}") from exc
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise TokenizerError(f"tokenizer {spec!r} has no fast (tokenizers) backend")
+    size = len(hf)
+    tokens = tuple(backend.id_to_token(i) for i in range(size))
+    special = frozenset(hf.all_special_ids) | frozenset(
+        i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
+    )
+    described = json.loads(backend.to_str())
+    return Vocab(
+        name=spec,
+        hf=hf,
+        backend=backend,
+        size=size,
+        special=frozenset(i for i in special if 0 <= i < size),
+        tokens=tokens,
+        decoder=described.get("decoder"),
+        cleanup=bool(getattr(hf, "clean_up_tokenization_spaces", False)),
+    )
