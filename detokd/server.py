@@ -32,14 +32,8 @@ MAX_FRAMES_PER_TURN = 256  # then refresh the heartbeat and metrics before readi
 class Server:
     def __init__(self, cfg: Config, vocab: Vocab | None = None) -> None:
         self.cfg = cfg
-        self.vocab = vocab or load(cfg.tokenizer)
-        t0 = time.perf_counter()
-        self.codec = make_codec(self.vocab, cfg.codec)
-        log.info(
-            "tokenizer %s: %d ids, %s codec (built and verified in %.2fs)",
-            cfg.tokenizer, self.vocab.size, self.codec.name, time.perf_counter() - t0,
-        )
-        self.stats = Stats()
+        # Bind first: an address in use is a config error worth knowing before the
+        # seconds a tokenizer takes to load.
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.setsockopt(zmq.LINGER, 0)
@@ -47,7 +41,19 @@ class Server:
             self.input.bind(cfg.input)
         except zmq.ZMQError as exc:
             self.ctx.destroy(linger=0)
-            raise ConfigError(f"cannot bind input {cfg.input}: {exc}") from exc
+            raise ConfigError(f"cannot bind input {cfg.input}: {exc.strerror}") from exc
+        try:
+            self.vocab = vocab or load(cfg.tokenizer)
+        except Exception:
+            self.ctx.destroy(linger=0)
+            raise
+        t0 = time.perf_counter()
+        self.codec = make_codec(self.vocab, cfg.codec)
+        log.info(
+            "tokenizer %s: %d ids, %s codec (built and verified in %.2fs)",
+            cfg.tokenizer, self.vocab.size, self.codec.name, time.perf_counter() - t0,
+        )
+        self.stats = Stats()
         self.feedback = None
         if cfg.feedback:
             self.feedback = self.ctx.socket(zmq.PUSH)

@@ -1,0 +1,118 @@
+"""The command line: help, and one clear line with exit code 2 for a bad config."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from detokd.config import Config, load
+
+DETOKD = [sys.executable, "-m", "detokd"]
+
+
+def run(*args, timeout=120):
+    return subprocess.run([*DETOKD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("cmd", [[], ["serve"], ["demo"], ["tokenizer"], ["config"]])
+def test_help_describes_every_command(cmd):
+    r = run(*cmd, "--help")
+    assert r.returncode == 0
+    assert "usage: detokd" in r.stdout
+
+
+def test_serve_help_lists_every_override():
+    out = run("serve", "--help").stdout
+    for flag in ("--config", "--input", "--worker", "--feedback", "--tokenizer", "--max-states", "--max-prompt-tail", "--log-level", "--metrics-port", "--shards"):
+        assert flag in out
+
+
+def one_line_error(r, *needles):
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0]
+
+
+def test_unknown_key(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('input = "ipc:///tmp/x.sock"\nbogus = 1\n')
+    one_line_error(run("serve", "--config", str(f)), "bogus")
+
+
+def test_wrong_type(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('max_states = "many"\n')
+    one_line_error(run("serve", "--config", str(f)), "max_states")
+
+
+def test_not_toml(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("this is = = not toml\n")
+    one_line_error(run("serve", "--config", str(f)), "TOML")
+
+
+def test_missing_config_file(tmp_path):
+    one_line_error(run("serve", "--config", str(tmp_path / "nope.toml")), "nope.toml")
+
+
+def test_unreadable_tokenizer(tmp_path):
+    one_line_error(run("serve", "--tokenizer", str(tmp_path / "missing")), "missing")
+    (tmp_path / "empty").mkdir()
+    one_line_error(run("serve", "--tokenizer", str(tmp_path / "empty")), "tokenizer.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    one_line_error(run("serve", "--tokenizer", str(tmp_path / "bad.json")), "bad.json")
+
+
+def test_address_in_use(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run("serve", "--input", f"tcp://127.0.0.1:{port}", "--worker", f"ipc://{tmp_path}/w.sock")
+    one_line_error(r, f"tcp://127.0.0.1:{port}")
+
+
+def test_bad_address_flag():
+    one_line_error(run("serve", "--input", "localhost:5555"), "input")
+
+
+def test_default_config_file_matches_the_built_in_defaults():
+    assert load("configs/default.toml", {}) == Config()
+
+
+def test_two_worker_example_config_loads():
+    cfg = load("configs/two-workers.toml", {})
+    assert len(cfg.workers) == 2
+
+
+def test_flags_override_the_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('max_states = 10\nworkers = ["ipc:///tmp/a.sock"]\n')
+    cfg = load(str(f), {"max_states": 20, "workers": ["ipc:///tmp/b.sock", "ipc:///tmp/c.sock"]})
+    assert (cfg.max_states, cfg.workers) == (20, ["ipc:///tmp/b.sock", "ipc:///tmp/c.sock"])
+
+
+def test_config_command_prints_loadable_toml(tmp_path):
+    r = run("config")
+    assert r.returncode == 0
+    f = tmp_path / "printed.toml"
+    f.write_text(r.stdout)
+    assert load(str(f), {}) == Config()
+
+
+def test_tokenizer_command_verifies_the_packaged_default():
+    r = run("tokenizer", "deepseek", "--trials", "50")
+    assert r.returncode == 0, r.stderr
+    assert "codec      bytes" in r.stdout and "self-check ok" in r.stdout
+
+
+def test_demo_streams_and_checks_every_stream():
+    r = run("demo", "--streams", "4", "--steps", "60", "--quiet", timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all 4 streams match the reference decode exactly" in r.stdout
