@@ -38,7 +38,7 @@ from .tokenizer import Vocab
 log = logging.getLogger("detokd.decoder")
 
 REPLACEMENT = "\ufffd"
-_utf8 = codecs.getincrementaldecoder("utf-8")
+_utf8_decode = codecs.utf_8_decode
 
 
 class Decoder(Protocol):
@@ -84,28 +84,50 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 class ByteDecoder:
-    __slots__ = ("table", "utf8", "skip")
+    """Bytes pending an incomplete character, and the tables to map ids to bytes.
 
-    def __init__(self, table: list[bytes], skip: int) -> None:
+    Most tokens are whole characters on their own; `texts` holds their text, so the
+    common step (one id, nothing pending) is a list lookup with no UTF-8 decode.
+    """
+
+    __slots__ = ("table", "texts", "pending", "skip")
+
+    def __init__(self, table: list[bytes], texts: list[str | None], skip: int) -> None:
         self.table = table
-        self.utf8 = _utf8("replace")
+        self.texts = texts
+        self.pending = b""
         self.skip = skip
 
     def step(self, ids: list[int]) -> str:
-        table = self.table
-        if len(ids) == 1:
-            text = self.utf8.decode(table[ids[0]])
+        if len(ids) == 1 and not self.pending:
+            text = self.texts[ids[0]]
+            if text is None:
+                text, n = _utf8_decode(self.table[ids[0]], "replace", False)
+                self.pending = self.table[ids[0]][n:]
         else:
-            text = self.utf8.decode(b"".join([table[i] for i in ids]))
+            table = self.table
+            data = self.pending + b"".join([table[i] for i in ids])
+            # C's incremental UTF-8: invalid bytes become U+FFFD (maximal subparts, as
+            # Rust's from_utf8_lossy), an incomplete character at the end stays pending.
+            text, n = _utf8_decode(data, "replace", False)
+            self.pending = data[n:]
         if self.skip and text:
             text, self.skip = text[self.skip :], max(0, self.skip - len(text))
         return text
 
     def finish(self) -> str:
-        text = self.utf8.decode(b"", True)
+        text = _utf8_decode(self.pending, "replace", True)[0] if self.pending else ""
+        self.pending = b""
         if self.skip and text:
             text, self.skip = text[self.skip :], max(0, self.skip - len(text))
         return text
+
+
+def _whole(b: bytes) -> str | None:
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 class ByteCodec:
@@ -126,10 +148,14 @@ class ByteCodec:
         self.vocab = vocab
         self.keep = table
         self.skip = [b"" if i in vocab.special else t for i, t in enumerate(table)]
+        self.keep_texts = [_whole(t) for t in self.keep]
+        self.skip_texts = [_whole(t) for t in self.skip]
 
     def new(self, tail: list[int], skip_special: bool) -> ByteDecoder:
-        table = self.skip if skip_special else self.keep
-        d = ByteDecoder(table, 0)
+        if skip_special:
+            d = ByteDecoder(self.skip, self.skip_texts, 0)
+        else:
+            d = ByteDecoder(self.keep, self.keep_texts, 0)
         primed = d.step(tail) if tail else ""
         d.skip = _skip_count(self.vocab, tail, skip_special, primed)
         return d
@@ -248,18 +274,28 @@ class WindowDecoder:
     (or belong to the prompt). The last `hold` ids, an open byte run, and trailing
     U+FFFD stay uncommitted; the window is cut at the front only where the cut
     leaves the text's end unchanged, so `done` stays meaningful.
+
+    With skip_special, special ids never enter the window: the tokenizer drops them
+    before its decoder runs, so they are invisible to it. Kept, they would hide an
+    open byte run at the window's end (the run goes on across them) and, after an
+    unfinished character, pile up in a window that can never be cut.
     """
 
-    __slots__ = ("codec", "skip_special", "ids", "done", "text")
+    __slots__ = ("codec", "skip_special", "hidden", "ids", "done", "text")
 
     def __init__(self, codec: WindowCodec, tail: list[int], skip_special: bool) -> None:
         self.codec = codec
         self.skip_special = skip_special
-        self.ids = list(tail)
+        self.hidden = codec.vocab.special if skip_special else frozenset()
+        hidden = self.hidden
+        self.ids = [i for i in tail if i not in hidden]
         self.text = codec.vocab.decode(self.ids, skip_special) if tail else ""
         self.done = len(self.text)  # the prompt's text is never emitted
 
     def step(self, ids: list[int]) -> str:
+        hidden = self.hidden
+        if hidden:
+            ids = [i for i in ids if i not in hidden]
         if not ids:
             return ""
         codec = self.codec

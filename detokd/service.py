@@ -84,25 +84,33 @@ class Detokenizer:
         OutRow = p.OutRow
         n_tok = 0
         for row in rows:
-            st = get(row.rid)
-            if st is None or st.slow or row.start is not None or row.finish is not None or row.seq != st.n_ids:
+            rid = row.rid
+            st = get(rid)
+            if st is None or st.slow or row.start is not None or row.finish is not None:
                 self._guarded(row)
                 continue
             ids = row.ids
-            if ids:
-                if max(ids) >= size or min(ids) < 0:
+            n = len(ids)
+            seq = st.n_ids
+            if row.seq != seq:
+                self._guarded(row)
+                continue
+            if n == 1:
+                if not 0 <= ids[0] < size:
                     self._guarded(row)
                     continue
-                n_tok += len(ids)
-                st.n_ids += len(ids)
-                try:
-                    text = st.step(ids)
-                except Exception:
-                    self._internal(row, st)
-                    continue
-            else:
-                text = ""
-            st.outbox.append(OutRow(row.rid, text, None, st.n_ids, row.meta, None))
+            elif n and (max(ids) >= size or min(ids) < 0):
+                self._guarded(row)
+                continue
+            seq += n
+            st.n_ids = seq
+            n_tok += n
+            try:
+                text = st.step(ids) if n else ""
+            except Exception:
+                self._internal(row, st)
+                continue
+            st.outbox.append(OutRow(rid, text, None, seq, row.meta, None))
         stats = self.stats
         stats.rows += len(rows)
         stats.tokens += n_tok
