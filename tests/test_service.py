@@ -1,0 +1,487 @@
+"""The request state machine (detokd.service.Detokenizer), in-process, real tokenizers.
+
+Rows go in through `Detokenizer.tokens`; what each worker would receive is read from the
+router's per-worker row lists before anything is sent. Tokenizers: deepseek (byte-level
+BPE, the default), and mistral_v3 (SentencePiece with byte fallback) for stop strings.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import fast_codec, oracle, vocab
+from detokd import protocol as p
+from detokd.metrics import Stats
+from detokd.protocol import Finish, OutRow, Row, Start
+from detokd.router import Router
+from detokd.service import Detokenizer
+
+
+class Service:
+    """A Detokenizer with two workers; `step` returns what each worker got from one batch."""
+
+    def __init__(self, ctx: zmq.Context, name: str = "deepseek", max_states: int = 64) -> None:
+        self.vocab = vocab(name)
+        self.router = Router(ctx, ["inproc://w0", "inproc://w1"], hwm=1000, linger_ms=0)
+        self.stats = Stats()
+        self.det = Detokenizer(
+            fast_codec(name), self.vocab.size, self.router, max_states=max_states, max_prompt_tail=8, stats=self.stats
+        )
+
+    def step(self, *rows: Row) -> tuple[list[OutRow], list[OutRow]]:
+        self.det.tokens(list(rows))
+        out = []
+        for w in self.router.workers.values():
+            out.append(list(w.rows))
+            w.rows.clear()  # in place, as Router.flush: live requests hold this list
+        return out[0], out[1]
+
+    def stopped(self) -> list[p.StoppedRow]:
+        rows, self.det.stopped = self.det.stopped, []
+        return rows
+
+    def live(self, rid: str) -> bool:
+        return rid in self.det.table
+
+    def encode(self, text: str) -> list[int]:
+        return self.vocab.backend.encode(text, add_special_tokens=False).ids
+
+    def token(self, text: str) -> int:
+        return self.vocab.backend.token_to_id(text)
+
+
+_rids = itertools.count()
+
+
+class Req:
+    """The engine's side of one request: sends `start` first and keeps `seq`."""
+
+    def __init__(self, **start) -> None:
+        self.rid = f"r{next(_rids)}"
+        self.start = Start(**start)
+        self.seq = 0
+        self.sent_start = False
+
+    def row(self, ids=(), finish: Finish | None = None, meta=p.NIL) -> Row:
+        start = None if self.sent_start else self.start
+        self.sent_start = True
+        row = Row(self.rid, list(ids), self.seq, start, finish, meta)
+        self.seq += len(ids)
+        return row
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+def svc(ctx):
+    s = Service(ctx)
+    yield s
+    s.router.close()
+
+
+@pytest.fixture
+def mistral(ctx):
+    s = Service(ctx, "mistral_v3")
+    yield s
+    s.router.close()
+
+
+def texts_of(rows: list[OutRow], rid: str) -> list[str]:
+    return [r.text for r in rows if r.rid == rid]
+
+
+# --- rows in, rows out --------------------------------------------------------------------
+
+
+def test_one_output_row_per_input_row_in_arrival_order(svc) -> None:
+    a, b, c = Req(worker=0), Req(worker=1), Req(worker=0)
+    hello, world, bonjour = svc.encode("Hello"), svc.encode(" world"), svc.encode("Bonjour")
+    w0, w1 = svc.step(a.row(hello), b.row(), c.row(bonjour), a.row(world))
+    assert [(r.rid, r.n_ids) for r in w0] == [(a.rid, len(hello)), (c.rid, len(bonjour)), (a.rid, len(hello + world))]
+    assert [(r.rid, r.text, r.n_ids) for r in w1] == [(b.rid, "", 0)]
+    assert "".join(texts_of(w0, a.rid)) == "Hello world"
+    assert all(r.error is None and r.finish is None for r in w0 + w1)
+
+
+def test_each_row_is_decoded_with_its_own_requests_flags(svc) -> None:
+    """SGLang #11944 decoded a whole batch with request 0's skip flag."""
+    ids = [svc.token("<｜begin▁of▁sentence｜>")] + svc.encode("Hi") + [svc.token("<｜end▁of▁sentence｜>")]
+    keep, skip = Req(skip_special_tokens=False), Req(skip_special_tokens=True)
+    w0, _ = svc.step(skip.row(ids), keep.row(ids), skip.row(ids))
+    assert texts_of(w0, skip.rid) == ["Hi", "Hi"]
+    assert texts_of(w0, keep.rid) == ["<｜begin▁of▁sentence｜>Hi<｜end▁of▁sentence｜>"]
+
+
+def test_the_prompt_tail_gives_the_first_characters_their_context(svc) -> None:
+    prompt = svc.encode("Tell me: 🤖")
+    a = Req(prompt_tail=prompt[:-1])  # the prompt ends inside the emoji
+    w0, _ = svc.step(a.row(prompt[-1:] + svc.encode(" ok")))
+    assert w0[0].text == oracle(svc.vocab, prompt[:-1], prompt[-1:] + svc.encode(" ok"), True) == " ok"
+
+
+def test_a_request_ends_with_its_finishing_row(svc) -> None:
+    a = Req()
+    hi, there = svc.encode("Hi"), svc.encode(" there")
+    svc.step(a.row(hi))
+    (done,), _ = svc.step(a.row(there, Finish("length")))
+    assert (done.text, done.finish, done.n_ids) == (" there", Finish("length"), len(hi + there))
+    assert not svc.live(a.rid)
+
+
+# --- the engine's stops -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop", ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"])
+def test_a_stop_token_is_not_rendered(svc, stop) -> None:
+    """Also id 0 (<｜begin▁of▁sentence｜>), which a truthiness check never trims (SGLang #33151)."""
+    sid = svc.token(stop)
+    a = Req(skip_special_tokens=False)
+    svc.step(a.row(svc.encode("Answer")))
+    (done,), _ = svc.step(a.row(svc.encode(" 42") + [sid], Finish("stop", sid)))
+    assert done.text == " 42"
+    assert done.n_ids == len(svc.encode("Answer") + svc.encode(" 42")) + 1  # the stop token counts
+    assert done.finish == Finish("stop", sid)
+
+
+def test_id_zero_is_a_stop_token_like_any_other(svc) -> None:
+    assert svc.token("<｜begin▁of▁sentence｜>") == 0
+    a = Req(skip_special_tokens=False)
+    (done,), _ = svc.step(a.row(svc.encode("x") + [0], Finish("stop", 0)))
+    assert done.text == "x"
+
+
+def test_no_stop_trim_renders_the_stop_token(svc) -> None:
+    sid = svc.token("<｜end▁of▁sentence｜>")
+    a = Req(skip_special_tokens=False, no_stop_trim=True)
+    (done,), _ = svc.step(a.row(svc.encode("x") + [sid], Finish("stop", sid)))
+    assert done.text == "x<｜end▁of▁sentence｜>"
+
+
+def test_a_stop_token_that_is_not_the_last_id_is_left_alone(svc) -> None:
+    sid = svc.token("<｜end▁of▁sentence｜>")
+    a = Req(skip_special_tokens=False)
+    (done,), _ = svc.step(a.row([sid] + svc.encode("x"), Finish("stop", sid)))
+    assert done.text == "<｜end▁of▁sentence｜>x"
+
+
+def test_engine_stop_string_is_cut_at_its_last_occurrence_in_unsent_text(svc) -> None:
+    """The engine stopped right after the last occurrence; an earlier one stays."""
+    a = Req()
+    svc.step(a.row(svc.encode("Think: END? ")))
+    (done,), _ = svc.step(a.row(svc.encode("Yes. END. Then END tail"), Finish("stop", "END")))
+    assert done.text == "Yes. END. Then "
+    assert done.finish == Finish("stop", "END")
+
+
+def test_engine_stop_string_with_no_stop_trim_is_kept(svc) -> None:
+    a = Req(no_stop_trim=True)
+    (done,), _ = svc.step(a.row(svc.encode("Yes END tail"), Finish("stop", "END")))
+    assert done.text == "Yes END"
+
+
+def test_engine_stop_string_in_text_already_sent_cannot_be_cut(svc) -> None:
+    """Only unsent text can be cut: declare the stop in Start.stop for exact trims."""
+    a = Req()
+    (first,), _ = svc.step(a.row(svc.encode("Yes END")))
+    (done,), _ = svc.step(a.row(svc.encode(" more"), Finish("stop", "END")))
+    assert (first.text, done.text) == ("Yes END", " more")
+
+
+# --- stream=false -------------------------------------------------------------------------
+
+
+def test_without_streaming_the_whole_text_comes_in_the_finishing_row(svc) -> None:
+    a = Req(stream=False)
+    parts = [svc.encode("Hello"), svc.encode(" wörld 🤖"), [], svc.encode(" done")]
+    rows = [svc.step(a.row(ids))[0][0] for ids in parts]
+    (done,), _ = svc.step(a.row(svc.encode("!"), Finish("length")))
+    assert [r.text for r in rows] == ["", "", "", ""]
+    assert [r.n_ids for r in rows] == list(itertools.accumulate(map(len, parts)))
+    assert done.text == "Hello wörld 🤖 done!"
+
+
+def test_without_streaming_stop_tokens_are_still_trimmed(svc) -> None:
+    sid = svc.token("<｜end▁of▁sentence｜>")
+    a = Req(stream=False, skip_special_tokens=False)
+    svc.step(a.row(svc.encode("Hello")))
+    (done,), _ = svc.step(a.row([sid], Finish("stop", sid)))
+    assert done.text == "Hello"
+
+
+# --- stops detokd finds itself ----------------------------------------------------------------
+
+
+def test_a_stop_string_finishes_the_request_at_once(mistral) -> None:
+    s = mistral
+    a = Req(worker=1, stop=["STOP"])
+    ids = s.encode("Hello STOP world")
+    _, rows = s.step(a.row(ids))
+    assert [(r.text, r.finish) for r in rows] == [("Hello ", Finish("stop", "STOP"))]
+    assert rows[0].n_ids == len(ids)
+
+
+def test_the_stopped_feedback_counts_ids_through_the_completing_one(mistral) -> None:
+    s = mistral
+    ids = s.encode("Hello STOP world and more")
+    through = next(k for k in range(1, len(ids) + 1) if "STOP" in s.vocab.decode(ids[:k], True))
+    a = Req(stop=["STOP"], vid=3)
+    s.step(a.row(ids[:2]))
+    s.step(a.row(ids[2:]))
+    assert s.stopped() == [p.StoppedRow(a.rid, 3, "STOP", through)]
+
+
+def test_rows_after_a_detected_stop_are_swallowed_until_the_engines_finish(mistral) -> None:
+    s = mistral
+    a = Req(stop=["STOP"])
+    s.step(a.row(s.encode("Hello STOP")))
+    assert s.step(a.row(s.encode(" more"))) == ([], [])
+    assert s.step(a.row(s.encode(" and more"))) == ([], [])
+    assert s.live(a.rid)
+    assert s.step(a.row(s.encode("."), Finish("length"))) == ([], [])
+    assert not s.live(a.rid)
+    assert s.stopped() == [p.StoppedRow(a.rid, 0, "STOP", len(s.encode("Hello STOP")))]
+
+
+def test_a_stop_found_in_the_finishing_row_frees_the_request(mistral) -> None:
+    s = mistral
+    a = Req(stop=["STOP"])
+    (done,), _ = s.step(a.row(s.encode("Hello STOP there"), Finish("length")))
+    assert (done.text, done.finish) == ("Hello ", Finish("stop", "STOP"))
+    assert not s.live(a.rid)
+
+
+def test_a_stop_string_spanning_rows_is_never_sent_in_part(mistral) -> None:
+    s = mistral
+    a = Req(stop=["</answer>"])
+    ids = s.encode("The answer is 42</answer> and then")
+    texts = []
+    for i in ids:
+        rows, _ = s.step(a.row([i]))
+        texts += [r.text for r in rows]
+        if rows[0].finish is not None:
+            break
+    assert "".join(texts) == "The answer is 42"
+    assert all("<" not in t for t in texts)
+
+
+def test_a_stop_equal_to_a_special_tokens_text_needs_it_rendered(mistral) -> None:
+    s = mistral
+    eos = s.token("</s>")
+    ids = s.encode("Hi") + [eos] + s.encode("there")
+    shown, hidden = Req(stop=["</s>"], skip_special_tokens=False), Req(stop=["</s>"])
+    (stop_row, plain), _ = s.step(shown.row(ids), hidden.row(ids))
+    assert (stop_row.text, stop_row.finish) == ("Hi", Finish("stop", "</s>"))
+    assert (plain.text, plain.finish) == ("Hi there", None)
+
+
+def test_no_stop_trim_keeps_a_detected_stop_string(mistral) -> None:
+    s = mistral
+    a = Req(stop=["STOP"], no_stop_trim=True)
+    (done,), _ = s.step(a.row(s.encode("Hello STOP world")))
+    assert (done.text, done.finish) == ("Hello STOP", Finish("stop", "STOP"))
+
+
+def test_without_streaming_a_detected_stop_sends_the_whole_text_cut(mistral) -> None:
+    s = mistral
+    a = Req(stop=["STOP"], stream=False)
+    (first,), _ = s.step(a.row(s.encode("Hello there,")))
+    (done,), _ = s.step(a.row(s.encode("friend STOP world")))  # "▁friend": SentencePiece adds the space
+    assert first.text == ""
+    assert (done.text, done.finish) == ("Hello there, friend ", Finish("stop", "STOP"))
+
+
+# --- stop strings through the service, any split ------------------------------------------------
+
+FRAGMENTS = (
+    "Hello, wörld! ", "Привет, мир. ", "你好，世界。", "𠀋𪚥 ", "👍🏽👩‍👩‍👧‍👦 ", "def f(x):\n\treturn x\n", "  \n\n",
+)
+STOPS = ("END", "</answer>", "\n\n", "。", "👍🏽", "wörld", "x\n", "ab", "abc", "bca")
+ALPHABET = "".join(sorted(set("".join(FRAGMENTS + STOPS))))
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(end, stop) of the first stop string to complete; ties go to the longer."""
+    for end in range(1, len(text) + 1):
+        hits = [s for s in stops if len(s) <= end and text[end - len(s) : end] == s]
+        if hits:
+            return end, max(hits, key=len)
+    return None
+
+
+def cut(text: str, stops: list[str], keep: bool) -> tuple[str, str | None]:
+    hit = first_stop(text, stops)
+    if hit is None:
+        return text, None
+    end, s = hit
+    return (text[:end] if keep else text[: end - len(s)]), s
+
+
+@st.composite
+def stop_cases(draw, name: str):
+    v = vocab(name)
+    stops = draw(st.lists(st.sampled_from(STOPS), min_size=1, max_size=3, unique=True))
+    piece = st.one_of(st.sampled_from(FRAGMENTS), st.sampled_from(stops), st.text(st.sampled_from(ALPHABET), max_size=5))
+    pieces = draw(st.lists(piece, max_size=8))
+    ids = v.backend.encode("".join(pieces), add_special_tokens=False).ids
+    for pos, i in draw(st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, v.size - 1)), max_size=2)):
+        ids.insert(pos % (len(ids) + 1), i)
+    prompt = v.backend.encode(draw(st.sampled_from(FRAGMENTS)), add_special_tokens=False).ids
+    tail = prompt[: draw(st.integers(0, len(prompt)))][-8:]
+    skip = draw(st.booleans())
+    full = oracle(v, tail, ids, skip)
+    if full:  # a stop that surely occurs: a piece of the text it will produce
+        a = draw(st.integers(0, len(full) - 1))
+        piece = full[a : a + draw(st.integers(1, 4))]
+        if "\ufffd" not in piece:
+            stops.append(piece)
+    sizes = draw(st.lists(st.integers(0, 5), max_size=len(ids) + 2))
+    rows, at = [], 0
+    for n in sizes:
+        rows.append(ids[at : at + n])
+        at += n
+    rows.append(ids[at:])
+    return tail, rows, skip, stops, draw(st.booleans()), draw(st.booleans())
+
+
+@pytest.mark.parametrize("name", ["deepseek", "mistral_v3"])
+def test_detected_stops_cut_the_text_at_the_first_to_complete(ctx, name) -> None:
+    s = Service(ctx, name)
+
+    @settings(max_examples=settings.default.max_examples)
+    @given(case=stop_cases(name))
+    def check(case) -> None:
+        tail, rows, skip, stops, keep, stream = case
+        ids = [i for r in rows for i in r]
+        want, matched = cut(oracle(s.vocab, tail, ids, skip), stops, keep)
+        a = Req(prompt_tail=tail, skip_special_tokens=skip, stop=stops, no_stop_trim=keep, stream=stream)
+        out = []
+        for k, r in enumerate(rows):
+            w0, _ = s.step(a.row(r, Finish("length") if k == len(rows) - 1 else None))
+            out += w0
+        assert all(r.error is None for r in out)
+        assert "".join(r.text for r in out) == want
+        assert out[-1].finish == (Finish("length") if matched is None else Finish("stop", matched))
+        assert [r.finish for r in out[:-1]] == [None] * (len(out) - 1)  # nothing after the stop
+        if not stream:
+            assert "".join(r.text for r in out[:-1]) == ""
+        assert not s.live(a.rid)
+        fed = s.stopped()
+        if matched is None:
+            assert fed == []
+            assert len(out) == len(rows)
+            return
+        ((rid, vid, found, n_ids),) = [(f.rid, f.vid, f.matched, f.n_ids) for f in fed]
+        assert (rid, vid, found) == (a.rid, 0, matched)
+        # The id that completed the stop: the first prefix of ids whose text holds it
+        # (SentencePiece holds a byte-fallback run until it ends, so there it may come later).
+        complete = [first_stop(oracle(s.vocab, tail, ids[:k], skip), stops) is not None for k in range(len(ids) + 1)]
+        assert complete[n_ids]
+        if name == "deepseek":
+            assert n_ids == complete.index(True)
+
+    try:
+        check()
+    finally:
+        s.router.close()
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def test_a_sequence_gap_fails_the_request(svc) -> None:
+    a = Req(worker=1)
+    svc.step(a.row(svc.encode("Hello")))
+    a.seq += 1  # a row was lost
+    _, (err,) = svc.step(a.row(svc.encode(" world")))
+    assert (err.rid, err.error, err.text) == (a.rid, "sequence_gap", "")
+    assert not svc.live(a.rid)
+    _, (again,) = svc.step(a.row(svc.encode("!")))  # later rows: the same answer, same worker
+    assert again.error == "sequence_gap"
+
+
+@pytest.mark.parametrize("bad", [-1, -(2**40), "size", 2**40], ids=["-1", "very-negative", "size", "huge"])
+def test_ids_outside_the_vocabulary_fail_the_request(svc, bad) -> None:
+    bad = svc.vocab.size if bad == "size" else bad
+    a = Req(worker=1)
+    svc.step(a.row(svc.encode("Hello")))
+    _, (err,) = svc.step(a.row([bad]))
+    assert err.error == "bad_ids"
+    b = Req(worker=1)  # in the middle of a longer row, on the first row
+    _, (err,) = svc.step(b.row(svc.encode("Hi") + [bad] + svc.encode("there")))
+    assert err.error == "bad_ids"
+    assert not svc.live(a.rid) and not svc.live(b.rid)
+
+
+def test_a_prompt_tail_outside_the_vocabulary_fails_the_request(svc) -> None:
+    a = Req(worker=1, prompt_tail=[5, svc.vocab.size])
+    _, (err,) = svc.step(a.row(svc.encode("Hi")))
+    assert err.error == "bad_ids"
+
+
+def test_a_row_of_an_unknown_rid_gets_an_error_at_every_worker(svc) -> None:
+    w0, w1 = svc.step(Row("nobody", [1, 2], 0))
+    assert [(r.rid, r.error) for r in w0] == [(r.rid, r.error) for r in w1] == [("nobody", "unknown_rid")]
+
+
+def test_eviction_tells_the_evicted_requests_worker_at_once(ctx) -> None:
+    s = Service(ctx, max_states=2)
+    try:
+        old, mid, new = Req(worker=1), Req(worker=0), Req(worker=0)
+        s.step(old.row(s.encode("a")), mid.row(s.encode("b")))
+        w0, w1 = s.step(new.row(s.encode("c")))
+        assert [(r.rid, r.error) for r in w1] == [(old.rid, "evicted")]
+        assert [(r.rid, r.error) for r in w0] == [(new.rid, None)]
+        assert not s.live(old.rid) and s.live(mid.rid) and s.live(new.rid)
+        w0, w1 = s.step(old.row(s.encode("d")))  # its engine has not heard yet
+        assert w0 == [] and [(r.rid, r.error) for r in w1] == [(old.rid, "evicted")]
+    finally:
+        s.router.close()
+
+
+def test_a_start_with_a_new_vid_restarts_the_request(svc) -> None:
+    a = Req(prompt_tail=svc.encode("Say:"))
+    svc.step(a.row(svc.encode("Hello there")))
+    again = Req(prompt_tail=svc.encode("Say:"), vid=1)
+    again.rid = a.rid  # the engine retracted and re-runs it; seq counts from 0 again
+    (row,), _ = svc.step(again.row(svc.encode("Bye")))
+    assert (row.text, row.n_ids, row.error) == ("Bye", len(svc.encode("Bye")), None)
+    (row,), _ = svc.step(again.row(svc.encode(" now"), Finish("length")))
+    assert row.text == " now"
+
+
+def test_a_start_with_the_same_vid_does_not_restart(svc) -> None:
+    a = Req()
+    svc.step(a.row(svc.encode("Hello")))
+    (row,), _ = svc.step(Row(a.rid, svc.encode(" world"), a.seq, a.start))
+    assert (row.text, row.error) == (" world", None)
+
+
+def test_abort_frees_the_state_and_later_rows_are_unknown(svc) -> None:
+    a = Req(worker=1)
+    svc.step(a.row(svc.encode("Hello")))
+    svc.det.abort([a.rid])
+    assert not svc.live(a.rid)
+    w0, w1 = svc.step(a.row(svc.encode(" world")))
+    assert [r.error for r in w0] == [r.error for r in w1] == ["unknown_rid"]
+
+
+def test_meta_passes_through_as_the_same_bytes(svc) -> None:
+    meta = msgspec.Raw(msgspec.msgpack.encode({"logprobs": [-0.5, -1.25], "t": "é"}))
+    a = Req(worker=1)
+    _, (first,) = svc.step(a.row(svc.encode("Hi"), meta=meta))
+    _, (done,) = svc.step(a.row(svc.encode("!"), Finish("length"), meta=meta))
+    w0, _ = svc.step(Row("nobody", [1], 0, meta=meta))
+    for r in (first, done, w0[0]):
+        assert bytes(r.meta) == bytes(meta)
+    assert bytes(OutRow("x").meta) == b"\xc0"  # no meta: MessagePack nil

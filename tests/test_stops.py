@@ -1,0 +1,234 @@
+"""Stop strings (issue "Stop strings"): StopScanner and trim_engine_stop.
+
+The rules (PROTOCOL.md "Stop strings", docs/stop-strings.md): the stop that ends the text
+is the first to complete, and of those completing on the same character the longer; the
+text ends just before it, or just after it with no_stop_trim. While no stop has completed,
+the scanner holds back exactly the longest tail of the text that is a proper prefix of
+some stop string, and sends everything else at once. None of this depends on how the text
+is split into steps. The tests compare against a naive reading of these rules.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from detokd.stops import StopScanner, automaton, trim_engine_stop
+
+# --- the rules, naively ---------------------------------------------------------------------
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(end, stop) of the first stop string to complete in text; ties go to the longer."""
+    for end in range(1, len(text) + 1):
+        hits = [s for s in stops if s and len(s) <= end and text[end - len(s) : end] == s]
+        if hits:
+            return end, max(hits, key=len)
+    return None
+
+
+def cut(text: str, stops: list[str], keep: bool) -> tuple[str, str | None]:
+    """The whole text a request ends with, and the stop that ended it."""
+    hit = first_stop(text, stops)
+    if hit is None:
+        return text, None
+    end, s = hit
+    return (text[:end] if keep else text[: end - len(s)]), s
+
+
+def pending(text: str, stops: list[str]) -> str:
+    """The longest tail of text that is a proper prefix of some stop string."""
+    for k in range(len(text), 0, -1):
+        tail = text[-k:]
+        if any(len(s) > k and s.startswith(tail) for s in stops):
+            return tail
+    return ""
+
+
+def scan(stops: list[str], chunks: list[str], keep: bool) -> tuple[list[str], str | None, str]:
+    """Feed chunks until a stop completes: (texts sent per chunk, the stop, what flush gives)."""
+    sc = StopScanner(stops, keep)
+    sent = []
+    for chunk in chunks:
+        text, found = sc.feed(chunk)
+        sent.append(text)
+        if found is not None:
+            return sent, found, ""
+    return sent, None, sc.flush()
+
+
+# --- unit cases -----------------------------------------------------------------------------
+
+
+def test_text_without_stops_passes_through_at_once() -> None:
+    assert scan(["END"], ["hello ", "world"], False) == (["hello ", "world"], None, "")
+
+
+def test_a_stop_within_one_chunk_cuts_the_text_before_it() -> None:
+    assert scan(["END"], ["hello END world"], False) == (["hello "], "END", "")
+
+
+def test_no_stop_trim_keeps_the_stop_string() -> None:
+    assert scan(["END"], ["hello END world"], True) == (["hello END"], "END", "")
+
+
+def test_a_stop_split_across_chunks_is_found_and_never_sent() -> None:
+    assert scan(["END"], ["abc E", "N", "D and more"], False) == (["abc ", "", ""], "END", "")
+
+
+def test_only_a_possible_beginning_of_a_stop_is_held_back() -> None:
+    """Not a fixed max_len - 1 characters: "hello" could begin no stop string."""
+    sc = StopScanner(["<|im_end|>"], False)
+    assert sc.feed("hello") == ("hello", None) and sc.held == ""
+    assert sc.feed(" <|im") == (" ", None) and sc.held == "<|im"
+    assert sc.feed("_start|>") == ("<|im_start|>", None) and sc.held == ""
+
+
+def test_the_held_tail_is_the_longest_one_that_could_still_become_a_stop() -> None:
+    sc = StopScanner(["abcd", "bcx"], False)
+    assert sc.feed("zabc") == ("z", None) and sc.held == "abc"
+    # "abcd" can no longer complete, but "bcx" just did.
+    assert sc.feed("x") == ("a", "bcx")
+
+
+def test_the_first_stop_to_complete_wins_over_one_that_began_earlier() -> None:
+    assert scan(["abcdef", "cd"], ["abcdef"], False) == (["ab"], "cd", "")
+
+
+def test_of_stops_completing_on_the_same_character_the_longer_wins() -> None:
+    assert scan(["cd", "bcd"], ["abcd"], False) == (["a"], "bcd", "")
+    assert scan(["bcd", "cd"], ["ab", "cd"], True) == (["a", "bcd"], "bcd", "")
+
+
+def test_a_stop_inside_a_longer_stop_string_is_found() -> None:
+    """Aho-Corasick's failure links: "bc" ends inside the text of a longer candidate."""
+    assert scan(["abd", "bc"], ["ab", "c"], False) == (["", "a"], "bc", "")
+
+
+def test_stops_of_multibyte_characters() -> None:
+    assert scan(["你好", "👍🏽"], ["ok 你", "好 no"], False) == (["ok ", ""], "你好", "")
+    assert scan(["👍🏽"], ["yes 👍", "🏽!"], True) == (["yes ", "👍🏽"], "👍🏽", "")
+    # 👍 alone (no skin tone) is not the stop: it is sent once the next character shows it.
+    assert scan(["👍🏽"], ["a 👍", "!"], False) == (["a ", "👍!"], None, "")
+
+
+def test_flush_gives_back_a_held_tail_that_never_completed() -> None:
+    sc = StopScanner(["</answer>"], False)
+    assert sc.feed("x </ans") == ("x ", None)
+    assert sc.flush() == "</ans"
+    assert sc.held == "" and sc.state == 0
+
+
+def test_empty_stop_strings_are_ignored() -> None:
+    assert scan(["", "Z"], ["abc"], False) == (["abc"], None, "")
+
+
+def test_requests_with_the_same_stop_list_share_one_automaton() -> None:
+    assert automaton(["a", "b"]) is automaton(["a", "b"])
+    assert StopScanner(["x!"], False).ac is StopScanner(["x!"], True).ac
+
+
+# --- properties -------------------------------------------------------------------------------
+
+# A small alphabet makes stops overlap and recur; multi-byte characters and the texts of
+# special tokens (which appear in the text with skip_special_tokens=False) come along.
+ALPHABET = "abcé你👍🏽 \n"
+SPECIAL_TEXTS = ("</s>", "<|im_end|>", "<｜end▁of▁sentence｜>", "[SEP]")
+stop_lists = st.lists(
+    st.one_of(st.text(st.sampled_from(ALPHABET), min_size=1, max_size=4), st.sampled_from(SPECIAL_TEXTS)),
+    min_size=1,
+    max_size=5,
+)
+
+
+@st.composite
+def streams(draw) -> tuple[list[str], list[str], bool]:
+    """(stops, chunks, keep): text with stop strings (or their beginnings) inserted."""
+    stops = draw(stop_lists)
+    pieces = draw(
+        st.lists(
+            st.one_of(
+                st.text(st.sampled_from(ALPHABET), max_size=6),
+                st.sampled_from(stops),
+                st.sampled_from(stops).flatmap(lambda s: st.integers(0, len(s)).map(lambda k: s[:k])),
+            ),
+            max_size=8,
+        )
+    )
+    text = "".join(pieces)
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]  # empty chunks too
+    return stops, chunks, draw(st.booleans())
+
+
+@given(streams())
+def test_final_text_is_cut_at_the_first_stop_to_complete(case) -> None:
+    stops, chunks, keep = case
+    sent, found, flushed = scan(stops, chunks, keep)
+    assert ("".join(sent) + flushed, found) == cut("".join(chunks), stops, keep)
+
+
+@given(streams())
+def test_sent_text_is_always_a_prefix_of_the_final_text(case) -> None:
+    stops, chunks, keep = case
+    final, _ = cut("".join(chunks), stops, keep)
+    sent = ""
+    for text in scan(stops, chunks, keep)[0]:
+        sent += text
+        assert final.startswith(sent)
+
+
+@given(streams())
+def test_held_back_is_exactly_the_longest_tail_that_may_begin_a_stop(case) -> None:
+    stops, chunks, keep = case
+    sc = StopScanner(stops, keep)
+    fed = sent = ""
+    for chunk in chunks:
+        text, found = sc.feed(chunk)
+        if found is not None:
+            break
+        fed += chunk
+        sent += text
+        assert sc.held == pending(fed, stops)
+        assert sent + sc.held == fed
+
+
+# --- cost -------------------------------------------------------------------------------------
+
+
+def test_each_step_scans_only_its_new_characters() -> None:
+    """Over a long stream that keeps almost matching, each feed scans its own characters
+    and no more: never the text before them, nor the held tail again."""
+    stops = ["<|im_end|>", "<|endoftext|>", "\n\nUser:", "a" * 40 + "!"]
+    sc = StopScanner(stops, False)
+    unit = "text <|im_en, " + "a" * 39 + " and \n\nUser, 你好 👍🏽 <|endoftext"
+    total = 0
+    for k in range(20_000):
+        chunk = unit[k % len(unit) : k % len(unit) + 1 + k % 5]
+        before = sc.scanned
+        text, found = sc.feed(chunk)
+        assert found is None
+        assert sc.scanned - before == len(chunk)
+        assert len(sc.held) < max(map(len, stops))
+        total += len(chunk)
+    assert sc.scanned == total
+
+
+# --- the engine's own stop string -------------------------------------------------------------
+
+
+def test_engine_stop_is_cut_at_its_last_occurrence() -> None:
+    """The engine stopped right after the occurrence that ended the request; an earlier
+    one (say, in a reasoning section it did not check) stays."""
+    assert trim_engine_stop("a STOP b STOP c", "STOP", False) == "a STOP b "
+
+
+def test_engine_stop_with_no_stop_trim_keeps_it() -> None:
+    assert trim_engine_stop("a STOP b STOP c", "STOP", True) == "a STOP b STOP"
+
+
+@pytest.mark.parametrize("matched", [None, "", 0, 2, "absent"])
+def test_engine_stop_that_is_no_string_in_the_text_leaves_it_alone(matched) -> None:
+    """Stop token ids (0 included) are trimmed as ids by the service, not as text here."""
+    assert trim_engine_stop("text 0 2", matched, False) == "text 0 2"
