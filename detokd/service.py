@@ -144,6 +144,13 @@ class Detokenizer:
             self._unknown(row)
             return
         ids = row.ids
+        finish = row.finish
+        if st.stopped:
+            # detokd finished it already and the worker has its finishing row: until the
+            # engine catches up, its rows (even malformed ones) get no row at all.
+            if finish is not None:
+                self.table.pop(rid)
+            return
         if row.seq != st.n_ids:
             self._fail(rid, st, p.SEQUENCE_GAP, row)
             return
@@ -152,11 +159,6 @@ class Detokenizer:
             return
         st.n_ids += len(ids)
         self.stats.tokens += len(ids)
-        finish = row.finish
-        if st.stopped:  # detokd finished it already; the engine has not caught up yet
-            if finish is not None:
-                self.table.pop(rid)
-            return
         if finish is not None:
             m = finish.matched
             # A stop token is not rendered (SGLang #33151: id 0 is falsy, never trimmed).
@@ -222,6 +224,8 @@ class Detokenizer:
         st = Request(start.worker, self.router.workers[start.worker].rows, start, decoder, stops)
         for old_rid, old in self.table.put(rid, st):
             self.stats.evictions += 1
+            if old.stopped:  # finished from the worker's view; only the engine's row was pending
+                continue
             self.stats.error(p.EVICTED)
             self.dead.add(old_rid, old.worker, p.EVICTED)
             old.outbox.append(p.OutRow(old_rid, "", None, old.n_ids, p.NIL, p.EVICTED))

@@ -485,3 +485,27 @@ def test_meta_passes_through_as_the_same_bytes(svc) -> None:
     for r in (first, done, w0[0]):
         assert bytes(r.meta) == bytes(meta)
     assert bytes(OutRow("x").meta) == b"\xc0"  # no meta: MessagePack nil
+
+
+
+def test_rows_after_a_detected_stop_get_no_row_even_when_out_of_sequence(svc) -> None:
+    """The worker already has the finishing row: a stale error row would contradict it."""
+    r = Req(stop=["END"])
+    ids = svc.encode("one END two three")
+    w0, _ = svc.step(r.row(ids))
+    assert w0[-1].finish == Finish("stop", "END")
+    late = Row(r.rid, [100], r.seq + 5)  # out of sequence, and still swallowed
+    assert svc.step(late) == ([], [])
+    assert svc.step(r.row([], finish=Finish("stop", "END"))) == ([], [])
+    assert not svc.live(r.rid)
+
+
+def test_evicting_a_request_detokd_already_stopped_sends_no_error(ctx) -> None:
+    s = Service(ctx, max_states=1)
+    try:
+        stopped, other = Req(stop=["END"]), Req()
+        s.step(stopped.row(s.encode("one END two")))
+        w0, _ = s.step(other.row([100]))
+        assert [(row.rid, row.error) for row in w0] == [(other.rid, None)]
+    finally:
+        s.router.close()
