@@ -103,6 +103,8 @@ class MetricsServer:
         timeout = health_timeout
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = 10  # a client that connects and never sends a request lets go of its thread
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 if self.path.split("?")[0] == "/health":
                     idle = time.monotonic() - stats.last_turn
@@ -162,3 +164,45 @@ class RateLimitedLog:
             self.logger.warning(msg, *args)
         else:
             self.suppressed += 1
+
+
+class RateLimitFilter(logging.Filter):
+    """A logger filter: per message template, at most `burst` records per `period`
+    seconds, and none longer than `max_len` characters. The first record let through
+    after a suppressed spell says how many were dropped.
+
+    Installed on the loop's loggers, whose messages quote what peers send (rids,
+    control ops, worker numbers): a flood of hostile frames costs a few lines.
+    """
+
+    def __init__(self, burst: int = 10, period: float = 10.0, max_len: int = 300, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.burst = burst
+        self.period = period
+        self.max_len = max_len
+        self.clock = clock
+        self.windows: dict[str, list] = {}  # template -> [window start, let through, suppressed]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = record.msg if isinstance(record.msg, str) else type(record.msg).__name__
+        now = self.clock()
+        w = self.windows.get(key)
+        if w is None:
+            if len(self.windows) >= 1000:  # templates are few; never let this grow
+                self.windows.clear()
+            w = self.windows[key] = [now, 0, 0]
+        suppressed = 0
+        if now - w[0] >= self.period:
+            suppressed = w[2]
+            w[0], w[1], w[2] = now, 0, 0
+        if w[1] >= self.burst:
+            w[2] += 1
+            return False
+        w[1] += 1
+        msg = record.getMessage()
+        if len(msg) > self.max_len:
+            msg = f"{msg[: self.max_len]}... ({len(msg)} characters)"
+        if suppressed:
+            msg = f"{msg} [{suppressed} similar messages suppressed]"
+        record.msg, record.args = msg, None
+        return True

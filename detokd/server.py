@@ -18,7 +18,7 @@ import zmq
 from . import protocol as p
 from .config import Config, ConfigError
 from .decoder import make_codec
-from .metrics import MetricsServer, RateLimitedLog, Stats
+from .metrics import MetricsServer, RateLimitedLog, RateLimitFilter, Stats
 from .router import Router
 from .service import Detokenizer
 from .tokenizer import Vocab, load
@@ -60,7 +60,14 @@ class Server:
             self.feedback.setsockopt(zmq.SNDHWM, cfg.send_hwm)
             self.feedback.setsockopt(zmq.LINGER, cfg.linger_ms)
             self.feedback.connect(cfg.feedback)
-        self.router = Router(self.ctx, list(cfg.workers), hwm=cfg.send_hwm, linger_ms=cfg.linger_ms)
+        try:
+            self.router = Router(self.ctx, list(cfg.workers), hwm=cfg.send_hwm, linger_ms=cfg.linger_ms, stats=self.stats)
+        except ValueError as exc:
+            self.input.close(linger=0)
+            if self.feedback is not None:
+                self.feedback.close(linger=0)
+            self.ctx.term()
+            raise ConfigError(str(exc)) from exc
         self.service = Detokenizer(
             self.codec,
             self.vocab.size,
@@ -77,6 +84,12 @@ class Server:
                 self.close()
                 raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
         self.bad_log = RateLimitedLog(log)
+        # What peers send chooses what these log (rids, ops, worker numbers): each
+        # message template gets a bounded rate and a bounded length.
+        for name in ("detokd.server", "detokd.service", "detokd.router"):
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
+                logger.addFilter(RateLimitFilter())
         self.running = False
 
     def stop(self, *_args) -> None:
@@ -127,10 +140,13 @@ class Server:
             return
         try:
             msg = p.decode_inbound(frame)
-        except p.DecodeError as exc:
-            salvaged = p.salvage_rows(frame)
+        except Exception as exc:  # DecodeError; RecursionError for nesting deeper than msgspec goes
             stats.bad_frames += 1
             self.bad_log.warning("bad frame (%d bytes): %s", len(frame), exc)
+            try:
+                salvaged = p.salvage_rows(frame)
+            except Exception:
+                salvaged = None
             if salvaged is None:
                 return
             rows, bad = salvaged
@@ -148,9 +164,12 @@ class Server:
         stats.step(time.perf_counter() - t0)
 
     def _send(self) -> None:
-        for worker, rows in self.router.flush():
+        router = self.router
+        for worker, rows in router.flush():
             self.bad_log.warning("worker %d's queue is full: %d rows lost, their requests failed", worker.index, len(rows))
             self.service.stalled(worker.index, rows)
+            # Told once it has room again (the engine may send no more rows for them).
+            router.owe(worker.index, [p.OutRow(r.rid, "", None, r.n_ids, p.NIL, r.error or p.WORKER_STALLED) for r in rows])
         stopped = self.service.stopped
         if stopped:
             self.service.stopped = []
@@ -170,6 +189,7 @@ class Server:
         self.bad_log.warning("multipart message of %d frames dropped: the protocol is one frame per message", parts)
 
     def _publish(self) -> None:
+        self.router.settle(self.service.table.__contains__)
         stats = self.stats
         stats.live = len(self.service.table)
         stats.workers = {w.index: (w.sent, w.dropped, self.router.writable(w.index)) for w in self.router.workers.values()}

@@ -1,0 +1,204 @@
+"""/health and /metrics of a real `detokd serve` process, over real HTTP.
+
+detokd is told metrics_port 0 and serves on a free port of 127.0.0.1, which it
+logs. /metrics is read with the Prometheus client's own text parser, and every
+counter is checked against traffic whose counts the test knows exactly.
+"""
+
+from __future__ import annotations
+
+import http.client
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from test_reliability import (
+    Engine,
+    Req,
+    Sink,
+    http_get,
+    make_ids,
+    metric,
+    metrics_port,
+    scrape,
+    wait_until,
+    write_config,
+    zctx,  # noqa: F401 (fixture)
+)
+
+
+def test_health_is_200_while_the_loop_turns_and_503_while_it_is_stuck(detokd, tmp_path, zctx):  # noqa: F811
+    """health_timeout 0.5 s: an idle loop still turns (it polls with a timeout), so
+    /health says 200; blocked for 3 s (the debug_stall op), /health says 503 within
+    the timeout and /metrics still answers; once the loop turns again, 200, and the
+    frames that waited are served exactly."""
+    waiting = Req("waiting", make_ids(random.Random(1), 40))  # (loads the oracle now, not in the stall)
+    cfg = write_config(tmp_path, debug_ops=True, health_timeout=0.5)
+    d = detokd(args=["--config", cfg, "--metrics-port", "0"])
+    sink = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    # Clients that connect and never send a request hold a thread each, not the endpoint.
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+    assert http_get(port, "/health") == (200, b"ok\n")
+    time.sleep(1.0)  # idle for twice the timeout: the loop must keep turning by itself
+    assert http_get(port, "/health")[0] == 200
+    assert http_get(port, "/nothing")[0] == 404
+
+    eng.send({"type": "control", "op": "debug_stall:3"})
+    t0 = time.monotonic()
+    status, body = wait_until(lambda: (lambda r: r[0] == 503 and r)(http_get(port, "/health")), 2.5, "/health 503")
+    assert b"stuck" in body
+    eng.rows([waiting.row(40)])
+    m = scrape(port)  # the loop is stuck; /metrics answers all the same
+    assert metric(m, "detokd_loop_idle_seconds") > 0.5
+    wait_until(lambda: http_get(port, "/health")[0] == 200, 10, "/health 200 after the stall")
+    assert time.monotonic() - t0 > 2.5  # it was the stall, not something else
+    sink.wait(lambda: sink.ended("waiting"), 10, "the frame that waited behind the stall")
+    assert sink.text("waiting") == waiting.expected()
+    for c in idle:
+        c.close()
+    assert d.stop() == 0
+
+
+FLOOD = r"""
+import sys, threading, random, msgspec, zmq
+inp, workers = sys.argv[1], sys.argv[2:]
+ctx = zmq.Context()
+def drain(addr):
+    s = ctx.socket(zmq.PULL)
+    s.bind(addr)
+    while True:
+        s.recv(copy=False)
+for w in workers:
+    threading.Thread(target=drain, args=(w,), daemon=True).start()
+rng = random.Random(1)
+# Whole requests in one row each (start and finish): a frame can be sent again and
+# again, since a finished rid may start anew. 64 rows of 20-200 ids per frame.
+frames = [msgspec.msgpack.encode({"type": "tokens", "rows": [
+    {"rid": f"flood-{f}-{i}", "ids": [rng.randrange(1000, 100000) for _ in range(rng.randint(20, 200))],
+     "start": {"worker": i % len(workers)}, "finish": {"reason": "length"}} for i in range(64)]})
+    for f in range(8)]
+push = ctx.socket(zmq.PUSH)
+push.connect(inp)
+n = 0
+while True:
+    push.send(frames[n % 8])
+    n += 1
+"""
+
+
+def _health_ms(port: int) -> float:
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        c.request("GET", "/health")
+        r = c.getresponse()
+        r.read()
+        assert r.status == 200, r.status
+    finally:
+        c.close()
+    return (time.perf_counter() - t0) * 1000
+
+
+def test_health_answers_within_100ms_while_the_loop_is_saturated(detokd, tmp_path):
+    """A separate process floods detokd with valid traffic (and drains its workers)
+    so the loop never waits for input; /health still answers 200, median round trip
+    of 7 under 100 ms. The flood is checked to have kept the loop busy."""
+    d = detokd(workers=2, args=["--metrics-port", "0"])
+    d.wait_ready()
+    port = metrics_port(d)
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, d.input, *d.workers], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: metric(scrape(port), "detokd_frames_total") > 200, 30, "the flood to arrive", 0.1)
+        m0, w0 = scrape(port), time.monotonic()
+        times = []
+        for _ in range(7):
+            times.append(_health_ms(port))
+            time.sleep(0.1)
+        m1, w1 = scrape(port), time.monotonic()
+        assert flood.poll() is None
+    finally:
+        flood.kill()
+        flood.wait(10)
+    busy = (metric(m1, "detokd_step_seconds_sum") - metric(m0, "detokd_step_seconds_sum")) / (w1 - w0)
+    frames = metric(m1, "detokd_frames_total") - metric(m0, "detokd_frames_total")
+    print(f"/health under flood: {sorted(round(t, 1) for t in times)} ms; loop busy {busy:.0%}, {frames:.0f} frames")
+    assert busy > 0.5 and frames > 50, (busy, frames)  # saturated: it was busy most of the window
+    assert statistics.median(times) < 100, times
+    assert d.stop() == 0
+
+
+def test_metrics_is_prometheus_text_with_every_counter_exact(detokd, zctx):  # noqa: F811
+    """Known traffic (finished, live, evicted, lost-row and unknown requests, bad
+    frames, over two workers), then /metrics parsed by prometheus_client: rows,
+    tokens, live requests, evictions, errors by kind, bad frames, per-worker
+    counters and the step latency histogram hold exactly what was sent."""
+    rng = random.Random(7)
+    d = detokd(workers=2, args=["--max-states", "8", "--metrics-port", "0"])
+    sinks = [Sink(zctx, a) for a in d.workers]
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    rows = tokens = frames = 0
+    per_worker = [0, 0]
+
+    def send(batch: list[dict], decoded: int) -> None:
+        nonlocal rows, tokens, frames
+        eng.rows(batch)
+        rows += len(batch)
+        tokens += decoded
+        frames += 1
+
+    done = [Req(f"done{i}", make_ids(rng, 50), worker=i % 2) for i in range(6)]
+    while not all(r.done for r in done):
+        going = [r for r in done if not r.done]
+        for w in {r.worker for r in going}:  # one message per worker per frame
+            per_worker[w] += 1
+        batch = [r.row(rng.randint(1, 9)) for r in going]
+        send(batch, sum(len(r["ids"]) for r in batch))
+    live = [Req(f"live{i}", make_ids(rng, 50), worker=1) for i in range(10)]
+    for r in live:  # 8 fit: live8 and live9 evict live0 and live1 (worker 1 hears in the same message)
+        send([r.row(5, finish=False)], 5)
+        per_worker[1] += 1
+    send([{"rid": "live9", "ids": [1, 2], "seq": 99}], 0)  # a lost row: sequence_gap, to worker 1
+    per_worker[1] += 1
+    send([{"rid": "nobody", "ids": [1, 2, 3], "seq": 0}], 0)  # unknown_rid, to both workers
+    per_worker[0] += 1
+    per_worker[1] += 1
+    for frame in (b"", b"\xc1", b"\x93\x01\x02\x03"):
+        eng.raw(frame)
+        frames += 1
+    for s in sinks:
+        s.wait(lambda s=s: s.ended("nobody"), 10, "the last row's answer")
+    for r in done:
+        assert sinks[r.worker].text(r.rid) == r.expected()
+
+    status, body = http_get(port, "/metrics")
+    assert status == 200
+    m = wait_until(lambda: (lambda m: metric(m, "detokd_frames_total") == frames and m)(scrape(port)), 10, "every frame counted")
+    assert metric(m, "detokd_rows_total") == rows
+    assert metric(m, "detokd_tokens_total") == tokens
+    assert metric(m, "detokd_requests_started_total") == 16
+    assert metric(m, "detokd_live_requests") == 7  # 10 live, 2 evicted, 1 failed on its lost row
+    assert metric(m, "detokd_evictions_total") == 2
+    assert metric(m, "detokd_errors_total", kind="evicted") == 2
+    assert metric(m, "detokd_errors_total", kind="sequence_gap") == 1
+    assert metric(m, "detokd_errors_total", kind="unknown_rid") == 1
+    assert metric(m, "detokd_bad_frames_total") == 3
+    for w in (0, 1):
+        assert metric(m, "detokd_worker_messages_total", worker=str(w)) == sinks[w].messages == per_worker[w]
+        assert metric(m, "detokd_worker_dropped_total", worker=str(w)) == 0
+        assert metric(m, "detokd_worker_writable", worker=str(w)) == 1
+    # The step histogram: one observation per frame that was decoded, cumulative buckets.
+    count = metric(m, "detokd_step_seconds_count")
+    assert count == frames - 3
+    buckets = sorted((float(k[1][1]), v) for k, v in m.items() if k[0] == "detokd_step_seconds_bucket")
+    assert buckets[-1] == (float("inf"), count)
+    assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))
+    assert 0 < metric(m, "detokd_step_seconds_sum") < count  # seconds: well under a second a step
+    assert d.stop() == 0
