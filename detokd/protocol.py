@@ -16,7 +16,7 @@ from msgspec import Raw, Struct
 NIL = Raw(b"\xc0")  # MessagePack nil, the default of every opaque field
 
 
-class Start(Struct, frozen=True):
+class Start(Struct, frozen=True, gc=False):
     worker: int = 0
     vid: int = 0
     prompt_tail: list[int] = []
@@ -27,12 +27,12 @@ class Start(Struct, frozen=True):
     stream: bool = True
 
 
-class Finish(Struct, frozen=True):
+class Finish(Struct, frozen=True, gc=False):
     reason: str
     matched: Union[str, int, None] = None
 
 
-class Row(Struct):
+class Row(Struct, gc=False):
     rid: str
     ids: list[int] = []
     seq: int = 0
@@ -72,7 +72,7 @@ class Control(Struct, tag_field="type", tag="control"):
 Inbound = Union[Tokens, Embeddings, Abort, Register, Control]
 
 
-class OutRow(Struct, array_like=False):
+class OutRow(Struct, gc=False):
     rid: str
     text: str = ""
     finish: Union[Finish, None] = None
