@@ -34,6 +34,7 @@ class Stats:
         self.stops = 0
         self.aborts = 0
         self.evictions = 0
+        self.gc_collected = 0  # objects the periodic collection freed: cycles someone made
         self.errors: dict[str, int] = {}
         self.live = 0
         self.workers: dict[int, tuple[int, int, bool]] = {}  # index -> (sent, dropped, writable)
@@ -67,6 +68,7 @@ class _Collector:
             ("stops_detected", s.stops, "stop strings detokd detected itself"),
             ("aborts", s.aborts, "requests aborted by the engine"),
             ("evictions", s.evictions, "requests evicted to stay within max_states"),
+            ("gc_collected", s.gc_collected, "unreachable objects the periodic collection freed (cycles)"),
         ):
             yield CounterMetricFamily(f"detokd_{name}", doc, value=value)
         errors = CounterMetricFamily("detokd_errors", "error rows sent, by kind", labels=["kind"])
@@ -138,32 +140,6 @@ class MetricsServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-class RateLimitedLog:
-    """At most `burst` lines per `period` seconds; the rest are counted and summarized,
-    so a flood of bad frames cannot fill the disk."""
-
-    def __init__(self, logger: logging.Logger, burst: int = 10, period: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.logger = logger
-        self.burst = burst
-        self.period = period
-        self.clock = clock
-        self.window = clock()
-        self.count = 0
-        self.suppressed = 0
-
-    def warning(self, msg: str, *args) -> None:
-        now = self.clock()
-        if now - self.window >= self.period:
-            if self.suppressed:
-                self.logger.warning("%d similar messages suppressed in the last %.0fs", self.suppressed, self.period)
-            self.window, self.count, self.suppressed = now, 0, 0
-        if self.count < self.burst:
-            self.count += 1
-            self.logger.warning(msg, *args)
-        else:
-            self.suppressed += 1
 
 
 class RateLimitFilter(logging.Filter):

@@ -18,7 +18,7 @@ import zmq
 from . import protocol as p
 from .config import Config, ConfigError
 from .decoder import make_codec
-from .metrics import MetricsServer, RateLimitedLog, RateLimitFilter, Stats
+from .metrics import MetricsServer, RateLimitFilter, Stats
 from .router import Router
 from .service import Detokenizer
 from .tokenizer import Vocab, load
@@ -27,6 +27,7 @@ log = logging.getLogger("detokd.server")
 
 POLL_MS = 100  # the loop turns at least this often, so /health sees it alive when idle
 MAX_FRAMES_PER_TURN = 256  # then refresh the heartbeat and metrics before reading on
+GC_INTERVAL = 1.0  # seconds between collections of the young generations
 
 
 class Server:
@@ -83,7 +84,6 @@ class Server:
             except OSError as exc:
                 self.close()
                 raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
-        self.bad_log = RateLimitedLog(log)
         # What peers send chooses what these log (rids, ops, worker numbers): each
         # message template gets a bounded rate and a bounded length.
         for name in ("detokd.server", "detokd.service", "detokd.router"):
@@ -104,6 +104,12 @@ class Server:
         # permanent: keep it out of every future collection, so no step pauses on it.
         gc.collect()
         gc.freeze()
+        # Steps create no cycles (reference counting frees all they allocate), so the
+        # collector's automatic runs would only pause steps to traverse live state. It
+        # runs once a second over the young generations instead, between batches; what
+        # it finds is counted, and anything above zero is a cycle to fix.
+        gc.disable()
+        self.next_gc = time.monotonic() + GC_INTERVAL
         self.running = True
         log.info("serving: input %s, %d worker(s)", self.cfg.input, len(self.router.workers))
         poller = zmq.Poller()
@@ -126,6 +132,7 @@ class Server:
                         break
                 self._publish()
         finally:
+            gc.enable()
             log.info("stopping: sends get up to %d ms to leave", self.cfg.linger_ms)
             self.close()
         return 0
@@ -142,7 +149,7 @@ class Server:
             msg = p.decode_inbound(frame)
         except Exception as exc:  # DecodeError; RecursionError for nesting deeper than msgspec goes
             stats.bad_frames += 1
-            self.bad_log.warning("bad frame (%d bytes): %s", len(frame), exc)
+            log.warning("bad frame (%d bytes): %s", len(frame), exc)
             try:
                 salvaged = p.salvage_rows(frame)
             except Exception:
@@ -166,7 +173,7 @@ class Server:
     def _send(self) -> None:
         router = self.router
         for worker, rows in router.flush():
-            self.bad_log.warning("worker %d's queue is full: %d rows lost, their requests failed", worker.index, len(rows))
+            log.warning("worker %d's queue is full: %d rows lost, their requests failed", worker.index, len(rows))
             self.service.stalled(worker.index, rows)
             # Told once it has room again (the engine may send no more rows for them).
             router.owe(worker.index, [p.OutRow(r.rid, "", None, r.n_ids, p.NIL, r.error or p.WORKER_STALLED) for r in rows])
@@ -178,7 +185,7 @@ class Server:
                     self.feedback.send(p.encode(p.Stopped(stopped)), zmq.NOBLOCK)
                 except zmq.Again:
                     self.stats.error("feedback_dropped")
-                    self.bad_log.warning("feedback queue full: %d stopped rows lost", len(stopped))
+                    log.warning("feedback queue full: %d stopped rows lost", len(stopped))
 
     def _drop_multipart(self) -> None:
         parts = 1
@@ -186,9 +193,13 @@ class Server:
             self.input.recv()
             parts += 1
         self.stats.bad_frames += 1
-        self.bad_log.warning("multipart message of %d frames dropped: the protocol is one frame per message", parts)
+        log.warning("multipart message of %d frames dropped: the protocol is one frame per message", parts)
 
     def _publish(self) -> None:
+        now = time.monotonic()
+        if now >= self.next_gc:
+            self.stats.gc_collected += gc.collect(1)
+            self.next_gc = now + GC_INTERVAL
         self.router.settle(self.service.table.__contains__)
         stats = self.stats
         stats.live = len(self.service.table)
