@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 
 # CI explores more; every profile has no deadline (tokenizer calls vary with load).
 settings.register_profile("dev", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
