@@ -42,6 +42,11 @@ _utf8_decode = codecs.utf_8_decode
 
 
 class Decoder(Protocol):
+    # While not None, the text of one more id `i` is `quick[i]` when that is not None:
+    # the caller may look it up instead of calling step (the decoder's state would not
+    # change). None while the decoder holds anything back.
+    quick: list[str | None] | None
+
     def step(self, ids: list[int]) -> str:
         """Feed new ids (all < vocab size); return the text they commit."""
 
@@ -90,13 +95,17 @@ class ByteDecoder:
     common step (one id, nothing pending) is a list lookup with no UTF-8 decode.
     """
 
-    __slots__ = ("table", "texts", "pending", "skip")
+    __slots__ = ("table", "texts", "pending", "skip", "quick")
 
-    def __init__(self, table: list[bytes], texts: list[str | None], skip: int) -> None:
+    def __init__(self, table: list[bytes], texts: list[str | None]) -> None:
         self.table = table
         self.texts = texts
         self.pending = b""
-        self.skip = skip
+        self.skip = 0
+        self.quick = texts
+
+    def settle(self) -> None:
+        self.quick = None if self.pending or self.skip else self.texts
 
     def step(self, ids: list[int]) -> str:
         if len(ids) == 1 and not self.pending:
@@ -113,6 +122,7 @@ class ByteDecoder:
             self.pending = data[n:]
         if self.skip and text:
             text, self.skip = text[self.skip :], max(0, self.skip - len(text))
+        self.settle()
         return text
 
     def finish(self) -> str:
@@ -120,6 +130,7 @@ class ByteDecoder:
         self.pending = b""
         if self.skip and text:
             text, self.skip = text[self.skip :], max(0, self.skip - len(text))
+        self.settle()
         return text
 
 
@@ -153,11 +164,12 @@ class ByteCodec:
 
     def new(self, tail: list[int], skip_special: bool) -> ByteDecoder:
         if skip_special:
-            d = ByteDecoder(self.skip, self.skip_texts, 0)
+            d = ByteDecoder(self.skip, self.skip_texts)
         else:
-            d = ByteDecoder(self.keep, self.keep_texts, 0)
+            d = ByteDecoder(self.keep, self.keep_texts)
         primed = d.step(tail) if tail else ""
         d.skip = _skip_count(self.vocab, tail, skip_special, primed)
+        d.settle()
         return d
 
     def verify_tokens(self) -> list[int]:
@@ -171,7 +183,7 @@ class ByteCodec:
 
 
 class PieceDecoder:
-    __slots__ = ("first", "next", "byte", "strip", "fresh", "run", "run_first", "skip")
+    __slots__ = ("first", "next", "byte", "strip", "fresh", "run", "run_first", "skip", "quick")
 
     def __init__(self, codec: PieceCodec, skip_special: bool) -> None:
         self.first = codec.first_skip if skip_special else codec.first_keep
@@ -182,6 +194,10 @@ class PieceDecoder:
         self.run: bytearray | None = None  # open ByteFallback run
         self.run_first = False
         self.skip = 0
+        self.quick = None
+
+    def settle(self) -> None:
+        self.quick = None if self.fresh or self.run is not None or self.skip else self.next
 
     def _close_run(self) -> str:
         run, self.run = self.run, None
@@ -220,6 +236,7 @@ class PieceDecoder:
     def _drop(self, text: str) -> str:
         if self.skip and text:
             text, self.skip = text[self.skip :], max(0, self.skip - len(text))
+        self.settle()
         return text
 
 
@@ -261,6 +278,7 @@ class PieceCodec:
         d = PieceDecoder(self, skip_special)
         primed = d.step(tail) if tail else ""
         d.skip = _skip_count(self.vocab, tail, skip_special, primed)
+        d.settle()
         return d
 
 
@@ -282,6 +300,7 @@ class WindowDecoder:
     """
 
     __slots__ = ("codec", "skip_special", "hidden", "ids", "done", "text")
+    quick = None  # every step goes through the tokenizer
 
     def __init__(self, codec: WindowCodec, tail: list[int], skip_special: bool) -> None:
         self.codec = codec

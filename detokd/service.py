@@ -24,13 +24,14 @@ log = logging.getLogger("detokd.service")
 
 
 class Request:
-    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "finish", "stops", "keep_stop", "stream", "parts", "stopped", "slow")
+    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "finish", "stops", "keep_stop", "stream", "parts", "stopped", "slow", "decoder")
 
     def __init__(self, worker: int, outbox: list, start: p.Start, decoder, stops: StopScanner | None) -> None:
         self.worker = worker
         self.outbox = outbox  # the router's row list for this worker
         self.vid = start.vid
         self.n_ids = 0
+        self.decoder = decoder
         self.step = decoder.step
         self.finish = decoder.finish
         self.stops = stops
@@ -96,20 +97,26 @@ class Detokenizer:
                 self._guarded(row)
                 continue
             if n == 1:
-                if not 0 <= ids[0] < size:
+                i = ids[0]
+                if not 0 <= i < size:
                     self._guarded(row)
                     continue
+                quick = st.decoder.quick
+                text = quick[i] if quick is not None else None
             elif n and (max(ids) >= size or min(ids) < 0):
                 self._guarded(row)
                 continue
+            else:
+                text = None if n else ""
             seq += n
             st.n_ids = seq
             n_tok += n
-            try:
-                text = st.step(ids) if n else ""
-            except Exception:
-                self._internal(row, st)
-                continue
+            if text is None:
+                try:
+                    text = st.step(ids)
+                except Exception:
+                    self._internal(row, st)
+                    continue
             st.outbox.append(OutRow(rid, text, None, seq, row.meta, None))
         stats = self.stats
         stats.rows += len(rows)

@@ -203,6 +203,24 @@ def test_emitted_text_is_never_taken_back(name: str, kind: str) -> None:
     check_each(name, kind, prop)
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_the_quick_lookup_gives_what_step_would(name: str) -> None:
+    """The service's fast path reads `decoder.quick[i]` for a one-id row instead of
+    calling step: it must give the same text and leave the stream unchanged."""
+
+    def prop(v, codec, case: Case) -> None:
+        stepped, looked = codec.new(case.tail, case.skip), codec.new(case.tail, case.skip)
+        for row in case.rows:
+            want = stepped.step(list(row))
+            quick = looked.quick
+            text = quick[row[0]] if quick is not None and len(row) == 1 else None
+            got = looked.step(list(row)) if text is None else text
+            assert got == want
+        assert looked.finish() == stepped.finish()
+
+    check_each(name, "fast", prop)
+
+
 # --- explicit cases -----------------------------------------------------------------------
 
 
