@@ -51,6 +51,38 @@ def oracle(v: Vocab, tail: list[int], out: list[int], skip: bool) -> str:
     return full[len(v.hf.decode(tail, skip_special_tokens=skip)) :]
 
 
+# The stop-string rules of docs/stop-strings.md, read naively: the oracle of the stop tests.
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(end, stop) of the first stop string to complete in text; ties go to the longer."""
+    for end in range(1, len(text) + 1):
+        hits = [s for s in stops if s and len(s) <= end and text[end - len(s) : end] == s]
+        if hits:
+            return end, max(hits, key=len)
+    return None
+
+
+def cut(text: str, stops: list[str], keep: bool) -> tuple[str, str | None]:
+    """The whole text a request ends with, and the stop that ended it."""
+    hit = first_stop(text, stops)
+    if hit is None:
+        return text, None
+    end, s = hit
+    return (text[:end] if keep else text[: end - len(s)]), s
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs: a zombie still answers kill(0), but is dead for tests."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 class Detokd:
     """A `detokd serve` subprocess on ipc:// addresses in a temporary folder."""
 

@@ -30,6 +30,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import alive
 from detokd import protocol as P
 from detokd.client import (
     DetokdError,
@@ -881,18 +882,6 @@ def _sse(port: int, body: dict) -> tuple[list[str], list[dict]]:
     return deltas, events
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_sse_example(tmp_path: Path, deepseek) -> None:
     import importlib.util
 
@@ -939,13 +928,13 @@ def test_sse_example(tmp_path: Path, deepseek) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-            if detokd_pid is not None and _alive(detokd_pid):
+            if detokd_pid is not None and alive(detokd_pid):
                 os.kill(detokd_pid, signal.SIGKILL)
     err = (tmp_path / "example.log").read_text()
     assert rc == 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     deadline = time.monotonic() + 5
-    while _alive(detokd_pid):
+    while alive(detokd_pid):
         assert time.monotonic() < deadline, "detokd outlived the example"
         time.sleep(0.02)
 
@@ -963,7 +952,7 @@ def test_sse_example_killed_takes_detokd_along(tmp_path: Path) -> None:
         proc.kill()  # no chance to clean up
         proc.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while _alive(detokd_pid):
+        while alive(detokd_pid):
             assert time.monotonic() < deadline, "detokd outlived a SIGKILLed example"
             time.sleep(0.02)
     finally:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import alive
 from detokd.launch import derive_address, run_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,19 +114,6 @@ def _pid(d: Path, i: int) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _supervise(tmp_path: Path, n: int, child: str, max_restarts: int = 5, stop_timeout: float = 5.0):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen(
@@ -146,7 +134,7 @@ def test_supervisor_restarts_a_dead_shard_and_stops_cleanly(tmp_path: Path, stop
         new = _wait(
             lambda: (p := _pid(tmp_path, 1)) not in (None, pids[1]) and p, what="restarted shard 1"
         )
-        assert _alive(new)
+        assert alive(new)
         assert _pid(tmp_path, 0) == pids[0] and _pid(tmp_path, 2) == pids[2]  # others untouched
         sup.send_signal(stop_signal)
         out, _ = sup.communicate(timeout=15)
@@ -156,7 +144,7 @@ def test_supervisor_restarts_a_dead_shard_and_stops_cleanly(tmp_path: Path, stop
     assert sup.returncode == 0, out
     assert "shard 1" in out and "exited" in out  # the unexpected exit was logged
     for pid in (pids[0], new, pids[2]):
-        assert not _alive(pid)
+        assert not alive(pid)
 
 
 def test_supervisor_gives_up_on_a_crash_loop(tmp_path: Path) -> None:
@@ -181,7 +169,7 @@ def test_supervisor_kills_a_shard_that_ignores_sigterm(tmp_path: Path) -> None:
             sup.kill()
     assert sup.returncode == 1, out
     assert "killing" in out
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
@@ -191,7 +179,7 @@ def test_shards_die_with_a_killed_supervisor(tmp_path: Path) -> None:
         pids = [_wait(lambda i=i: _pid(tmp_path, i), what=f"shard {i} pid") for i in range(2)]
         sup.kill()  # SIGKILL: no chance to forward anything
         sup.communicate(timeout=15)
-        _wait(lambda: not any(_alive(p) for p in pids), what="orphaned shards to exit")
+        _wait(lambda: not any(alive(p) for p in pids), what="orphaned shards to exit")
     finally:
         if sup.poll() is None:
             sup.kill()

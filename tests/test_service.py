@@ -15,7 +15,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import fast_codec, oracle, vocab
+from conftest import cut, fast_codec, first_stop, oracle, vocab
 from detokd import protocol as p
 from detokd.metrics import Stats
 from detokd.protocol import Finish, OutRow, Row, Start
@@ -308,23 +308,6 @@ FRAGMENTS = (
 )
 STOPS = ("END", "</answer>", "\n\n", "。", "👍🏽", "wörld", "x\n", "ab", "abc", "bca")
 ALPHABET = "".join(sorted(set("".join(FRAGMENTS + STOPS))))
-
-
-def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """(end, stop) of the first stop string to complete; ties go to the longer."""
-    for end in range(1, len(text) + 1):
-        hits = [s for s in stops if len(s) <= end and text[end - len(s) : end] == s]
-        if hits:
-            return end, max(hits, key=len)
-    return None
-
-
-def cut(text: str, stops: list[str], keep: bool) -> tuple[str, str | None]:
-    hit = first_stop(text, stops)
-    if hit is None:
-        return text, None
-    end, s = hit
-    return (text[:end] if keep else text[: end - len(s)]), s
 
 
 @st.composite

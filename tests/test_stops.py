@@ -14,27 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import cut, first_stop
 from detokd.stops import StopScanner, automaton, trim_engine_stop
 
 # --- the rules, naively ---------------------------------------------------------------------
-
-
-def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """(end, stop) of the first stop string to complete in text; ties go to the longer."""
-    for end in range(1, len(text) + 1):
-        hits = [s for s in stops if s and len(s) <= end and text[end - len(s) : end] == s]
-        if hits:
-            return end, max(hits, key=len)
-    return None
-
-
-def cut(text: str, stops: list[str], keep: bool) -> tuple[str, str | None]:
-    """The whole text a request ends with, and the stop that ended it."""
-    hit = first_stop(text, stops)
-    if hit is None:
-        return text, None
-    end, s = hit
-    return (text[:end] if keep else text[: end - len(s)]), s
 
 
 def pending(text: str, stops: list[str]) -> str:
