@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Callable
-
 from . import protocol as p
 from .decoder import Codec
 from .metrics import Stats
@@ -24,7 +22,7 @@ log = logging.getLogger("detokd.service")
 
 
 class Request:
-    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "finish", "stops", "keep_stop", "stream", "parts", "stopped", "slow", "decoder")
+    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "finish", "stops", "keep_stop", "parts", "stopped", "slow", "decoder")
 
     def __init__(self, worker: int, outbox: list, start: p.Start, decoder, stops: StopScanner | None) -> None:
         self.worker = worker
@@ -36,7 +34,6 @@ class Request:
         self.finish = decoder.finish
         self.stops = stops
         self.keep_stop = start.no_stop_trim
-        self.stream = start.stream
         self.parts: list[str] | None = None if start.stream else []
         self.stopped = False  # detokd matched a stop string and finished the request
         # Rows of a plain streaming request take the loop's fast path.

@@ -492,3 +492,24 @@ def test_evicting_a_request_detokd_already_stopped_sends_no_error(ctx) -> None:
         assert [(row.rid, row.error) for row in w0] == [(other.rid, None)]
     finally:
         s.router.close()
+
+
+@pytest.mark.parametrize("name", ["deepseek", "mistral_v3"])
+def test_a_live_request_costs_well_under_4_kib(ctx, name) -> None:
+    """State per request: the table slot, the request, its decoder and stop scanner."""
+    import tracemalloc
+
+    s = Service(ctx, name, max_states=4096)
+    try:
+        tail = s.encode("User: hello there, how are you?")[-8:]
+        rows = [Row(f"m{i}", [], 0, Start(prompt_tail=tail, stop=["</answer>", "STOP"])) for i in range(2000)]
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot()
+        s.step(*rows)
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        grown = sum(d.size_diff for d in after.compare_to(before, "filename"))
+        assert len(s.det.table) == 2000
+        assert grown / 2000 < 1024
+    finally:
+        s.router.close()
