@@ -1,0 +1,571 @@
+#!/usr/bin/env python
+"""Baseline detokenizers that scripts/bench.py runs beside detokd, through the same harness.
+
+Each baseline is written here from its published algorithm (no code copied):
+
+naive         every step re-decodes all of the request's ids (prompt tail + output) and
+              sends the new suffix of the text; holds the text back while it ends in U+FFFD.
+              O(length) per token: the quadratic strawman.
+sglang        SGLang's DetokenizerManager: per request `decode_ids`, `surr_offset`,
+              `read_offset`, `decoded_text`, `sent_offset`; each step one transformers
+              `batch_decode` of every request's surrounding window and one of its read
+              window, new text = read[len(surr):], committed only when it does not end in
+              U+FFFD (else `find_printable_text`). The first 5 prompt ids prime the window.
+              Its state lives in Python objects and the garbage collector is not frozen,
+              as in the real one (unless a `freeze_gc` control message says so). The
+              other baselines freeze it after start-up, as detokd does.
+decodestream  vLLM's FastIncrementalDetokenizer: one `tokenizers.decoders.DecodeStream`
+              per request, primed with a prompt suffix, `step(tokenizer, id)` per id,
+              and a fresh stream when the tokenizer raises "Invalid prefix encountered".
+              Like vLLM it never flushes an incomplete character at the end.
+floor         the speed floor: msgpack decode, a join of precomputed per-token bytes,
+              an incremental UTF-8 decoder (codecs) per request, msgpack encode. Nothing
+              else: no clean-up, no special-token spacing, no stop handling.
+
+The algorithms are classes with a per-request `step(ids) -> str` / `finish() -> str`
+interface (tests/test_baselines.py checks them in-process), plus a class-level
+`step_batch` that the server loop calls once per inbound message (SGLang's batching).
+
+Server (the same harness as detokd, PROTOCOL.md v1, the subset the benchmark uses):
+
+    python scripts/baselines.py --algo naive|sglang|decodestream|floor \\
+        --input ipc:///tmp/x/in --worker ipc:///tmp/x/w0 --tokenizer deepseek
+
+PULL-binds the input, PUSH-connects to each worker, answers every `tokens` row with one
+`text` row (rid, new text, finish, n_ids, meta copied through) and rows of one inbound
+message that go to one worker leave in one message. `abort`, `register`, `embeddings`
+and the `flush`/`freeze_gc` controls are honoured; unknown rids get an `unknown_rid`
+error row. Stop strings, `stream=false` and seq checks are not implemented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import gc
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from detokd import protocol  # noqa: E402
+from detokd.protocol import OutRow, Text  # noqa: E402
+
+log = logging.getLogger("baselines")
+
+REPLACEMENT = "\ufffd"
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def tokenizer_dir(name_or_path: str) -> Path:
+    """A zoo name (deepseek, mistral_v3, qwen2, ...) or a folder with tokenizer.json."""
+    p = Path(name_or_path)
+    if p.is_dir():
+        return p
+    if p.name == "tokenizer.json" and p.is_file():
+        return p.parent
+    from detokd import zoo
+
+    return zoo.build(name_or_path)
+
+
+class Tok:
+    """One tokenizer, loaded the ways the baselines need it (each lazily)."""
+
+    def __init__(self, name_or_path: str) -> None:
+        self.name = name_or_path
+        self.dir = tokenizer_dir(name_or_path)
+        self._fast = None
+        self._hf = None
+        self._tables: dict[bool, list[bytes]] = {}
+        self._strip_first: bool | None = None
+
+    @property
+    def fast(self):
+        """tokenizers.Tokenizer (Rust)."""
+        if self._fast is None:
+            from tokenizers import Tokenizer
+
+            self._fast = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+        return self._fast
+
+    @property
+    def hf(self):
+        """transformers' tokenizer, what SGLang's DetokenizerManager calls."""
+        if self._hf is None:
+            os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+            from transformers import AutoTokenizer
+
+            self._hf = AutoTokenizer.from_pretrained(str(self.dir))
+        return self._hf
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # -- the floor's precomputed per-token bytes
+
+    def _decoder_json(self) -> dict:
+        with open(self.dir / "tokenizer.json", encoding="utf-8") as f:
+            return json.load(f).get("decoder") or {}
+
+    def _decoder_kinds(self) -> list[dict]:
+        d = self._decoder_json()
+        return d.get("decoders", []) if d.get("type") == "Sequence" else [d]
+
+    @property
+    def strip_first_space(self) -> bool:
+        """SentencePiece decoders strip the text's one leading space (Strip start=1)."""
+        if self._strip_first is None:
+            self._strip_first = any(
+                k.get("type") == "Strip" and k.get("start", 0) > 0 for k in self._decoder_kinds()
+            )
+        return self._strip_first
+
+    def byte_table(self, skip_special_tokens: bool = True) -> list[bytes]:
+        """The bytes each id contributes to the text, for every id of the vocabulary."""
+        table = self._tables.get(skip_special_tokens)
+        if table is not None:
+            return table
+        fast = self.fast
+        kinds = {k.get("type") for k in self._decoder_kinds()}
+        n = fast.get_vocab_size(with_added_tokens=True)
+        added = fast.get_added_tokens_decoder()
+        if "ByteLevel" in kinds:
+            inv = {c: b for b, c in _bytes_to_unicode().items()}
+
+            def piece(tok: str) -> bytes:
+                return bytes(inv[c] for c in tok)
+        elif "ByteFallback" in kinds or "Metaspace" in kinds or "Replace" in kinds:
+            byte_re = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+            def piece(tok: str) -> bytes:
+                m = byte_re.fullmatch(tok)
+                if m:
+                    return bytes([int(m.group(1), 16)])
+                return tok.replace("\u2581", " ").encode()
+        else:  # WordPiece and others: an approximation, good enough for a speed floor
+
+            def piece(tok: str) -> bytes:
+                return tok.encode()
+
+        table = [b""] * n
+        for i in range(n):
+            a = added.get(i)
+            if a is not None:
+                table[i] = b"" if (a.special and skip_special_tokens) else a.content.encode()
+                continue
+            t = fast.id_to_token(i)
+            if t is not None:
+                table[i] = piece(t)
+        self._tables[skip_special_tokens] = table
+        return table
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's byte <-> printable character map of byte-level BPE.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+# --------------------------------------------------------------------------- algorithms
+
+
+class Stream:
+    """One request's incremental detokenizer."""
+
+    def __init__(
+        self,
+        tok: Tok,
+        prompt_tail: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self.tok = tok
+        self.skip = skip_special_tokens
+        self.spaces = spaces_between_special_tokens
+
+    def step(self, ids: Sequence[int]) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def finish(self) -> str:
+        return ""
+
+    @classmethod
+    def prepare(cls, tok: Tok) -> None:
+        """Load what the algorithm needs before the first request (outside any timing)."""
+        tok.fast  # noqa: B018
+
+    @classmethod
+    def step_batch(cls, streams: Sequence["Stream"], idss: Sequence[Sequence[int]], finishing: Sequence[bool]) -> list[str]:
+        """One step of many requests; a finishing request's text includes its flush."""
+        return [s.step(ids) + s.finish() if f else s.step(ids) for s, ids, f in zip(streams, idss, finishing)]
+
+
+class NaiveStream(Stream):
+    """Full re-decode of every id each step, send the new suffix."""
+
+    def __init__(self, tok, prompt_tail=(), skip_special_tokens=True, spaces_between_special_tokens=True):
+        super().__init__(tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)
+        self._decode = tok.fast.decode
+        self.ids = list(prompt_tail)
+        self.sent = len(self._decode(self.ids, skip_special_tokens=self.skip)) if self.ids else 0
+
+    def step(self, ids):
+        self.ids.extend(ids)
+        text = self._decode(self.ids, skip_special_tokens=self.skip)
+        if text.endswith(REPLACEMENT):  # maybe a character still incomplete: wait
+            return ""
+        new = text[self.sent:]
+        self.sent = len(text)
+        return new
+
+    def finish(self):
+        text = self._decode(self.ids, skip_special_tokens=self.skip)
+        new = text[self.sent:]
+        self.sent = len(text)
+        return new
+
+
+def _is_cjk(cp: int) -> bool:
+    return (
+        0x4E00 <= cp <= 0x9FFF
+        or 0x3400 <= cp <= 0x4DBF
+        or 0x20000 <= cp <= 0x2A6DF
+        or 0x2A700 <= cp <= 0x2B73F
+        or 0x2B740 <= cp <= 0x2B81F
+        or 0x2B820 <= cp <= 0x2CEAF
+        or 0xF900 <= cp <= 0xFAFF
+        or 0x2F800 <= cp <= 0x2FA1F
+    )
+
+
+def find_printable_text(text: str) -> str:
+    """The longest prefix of `text` that holds only whole words (the HF TextStreamer rule)."""
+    if text.endswith("\n"):
+        return text
+    if text and _is_cjk(ord(text[-1])):
+        return text
+    if len(text) > 1 and _is_cjk(ord(text[-2])):
+        return text[:-1]
+    return text[: text.rfind(" ") + 1]
+
+
+class SGLangStream(Stream):
+    """SGLang DetokenizerManager's incremental detokenization (surr/read windows)."""
+
+    INIT_OFFSET = 5  # prompt ids that prime the window (INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
+
+    def __init__(self, tok, prompt_tail=(), skip_special_tokens=True, spaces_between_special_tokens=True):
+        super().__init__(tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)
+        tail = list(prompt_tail)[-self.INIT_OFFSET:] if prompt_tail else []
+        self.decode_ids: list[int] = tail
+        self.surr_offset = 0
+        self.read_offset = len(tail)
+        self.decoded_text = ""
+        self.sent_offset = 0
+
+    @classmethod
+    def prepare(cls, tok: Tok) -> None:
+        tok.hf  # noqa: B018
+
+    def step(self, ids):
+        return self.step_batch([self], [ids], [False])[0]
+
+    def finish(self):
+        return self.step_batch([self], [[]], [True])[0]
+
+    @classmethod
+    def step_batch(cls, streams, idss, finishing):
+        surr_ids: list[list[int]] = []
+        read_ids: list[list[int]] = []
+        for s, ids in zip(streams, idss):
+            s.decode_ids.extend(ids)
+            read_ids.append(s.decode_ids[s.surr_offset:])
+            surr_ids.append(s.decode_ids[s.surr_offset : s.read_offset])
+        # One flag for the whole batch, from its first request, as SGLang does.
+        first = streams[0]
+        hf = first.tok.hf
+        surr_texts = hf.batch_decode(
+            surr_ids, skip_special_tokens=first.skip, spaces_between_special_tokens=first.spaces
+        )
+        read_texts = hf.batch_decode(
+            read_ids, skip_special_tokens=first.skip, spaces_between_special_tokens=first.spaces
+        )
+        out: list[str] = []
+        for i, s in enumerate(streams):
+            new_text = read_texts[i][len(surr_texts[i]):]
+            if not finishing[i]:
+                if new_text and not new_text.endswith(REPLACEMENT):
+                    s.decoded_text = s.decoded_text + new_text
+                    s.surr_offset = s.read_offset
+                    s.read_offset = len(s.decode_ids)
+                    new_text = ""
+                else:
+                    new_text = find_printable_text(new_text)
+            output_str = s.decoded_text + new_text
+            out.append(output_str[s.sent_offset:])
+            s.sent_offset = len(output_str)
+        return out
+
+
+_INVALID_PREFIX = "Invalid prefix encountered"
+
+
+class DecodeStreamStream(Stream):
+    """vLLM's FastIncrementalDetokenizer core: tokenizers' DecodeStream, one step per id."""
+
+    def __init__(self, tok, prompt_tail=(), skip_special_tokens=True, spaces_between_special_tokens=True):
+        super().__init__(tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)
+        from tokenizers.decoders import DecodeStream
+
+        self._new = DecodeStream
+        self._fast = tok.fast
+        self.stream = DecodeStream(skip_special_tokens=self.skip)
+        self._step = self.stream.step
+        suffix = list(prompt_tail)
+        if len(suffix) > 4:
+            # The shortest suffix of 4..23 ids that decodes without a replacement char.
+            for i in range(4, min(len(suffix) + 1, 24)):
+                cand = suffix[-i:]
+                if REPLACEMENT not in tok.fast.decode(cand, skip_special_tokens=self.skip):
+                    suffix = cand
+                    break
+        for t in suffix:  # prime the stream, discarding its text
+            self._protected_step(t)
+
+    def _protected_step(self, t: int):
+        try:
+            return self._step(self._fast, t)
+        except (OverflowError, TypeError):
+            return None
+        except Exception as e:  # tokenizers raises a plain Exception
+            if _INVALID_PREFIX not in str(e):
+                raise
+            # Non-monotonic byte-fallback output broke the stream: start a fresh one.
+            self.stream = self._new(skip_special_tokens=self.skip)
+            self._step = self.stream.step
+            return self._step(self._fast, t)
+
+    def step(self, ids):
+        if len(ids) == 1:
+            try:
+                return self._step(self._fast, ids[0]) or ""
+            except Exception:
+                return self._protected_step(ids[0]) or ""
+        parts = [self._protected_step(t) for t in ids]
+        return "".join([p for p in parts if p])
+
+
+class FloorStream(Stream):
+    """Join of precomputed per-token bytes + an incremental UTF-8 decoder. Nothing else."""
+
+    def __init__(self, tok, prompt_tail=(), skip_special_tokens=True, spaces_between_special_tokens=True):
+        super().__init__(tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)
+        self.table = tok.byte_table(skip_special_tokens)
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self._dec = dec.decode
+        self._strip = False
+        if prompt_tail:
+            dec.decode(b"".join([self.table[i] for i in prompt_tail]))
+        else:
+            self._strip = tok.strip_first_space
+
+    @classmethod
+    def prepare(cls, tok: Tok) -> None:
+        tok.byte_table(True)
+        tok.byte_table(False)
+
+    def step(self, ids):
+        table = self.table
+        text = self._dec(b"".join([table[i] for i in ids]))
+        if self._strip and text:
+            self._strip = False
+            if text[0] == " ":
+                return text[1:]
+        return text
+
+    def finish(self):
+        return self._dec(b"", True)
+
+
+ALGOS: dict[str, type[Stream]] = {
+    "naive": NaiveStream,
+    "sglang": SGLangStream,
+    "decodestream": DecodeStreamStream,
+    "floor": FloorStream,
+}
+
+
+def make(algo: str, tok: Tok, prompt_tail: Sequence[int] = (), skip_special_tokens: bool = True,
+         spaces_between_special_tokens: bool = True) -> Stream:
+    return ALGOS[algo](tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)
+
+
+# --------------------------------------------------------------------------- server
+
+
+def serve(algo: str, input_addr: str, workers: list[str], tokenizer: str, hwm: int = 0) -> None:
+    import zmq
+
+    cls = ALGOS[algo]
+    tok = Tok(tokenizer)
+    cls.prepare(tok)
+    batched = "step_batch" in cls.__dict__  # SGLang decodes the whole batch at once
+    floor = cls is FloorStream
+    if algo != "sglang":
+        # Start-up objects (tokenizer tables, modules) out of every future collection, as
+        # detokd does; SGLang's DetokenizerManager does not (until a freeze_gc request).
+        gc.collect()
+        gc.freeze()
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, hwm)
+    pull.bind(input_addr)
+    pushes: dict[int, zmq.Socket] = {}
+
+    def connect(index: int, address: str) -> None:
+        old = pushes.pop(index, None)
+        if old is not None:
+            old.close(linger=1000)
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.SNDHWM, hwm)
+        s.connect(address)
+        pushes[index] = s
+
+    for i, w in enumerate(workers):
+        connect(i, w)
+
+    decode_inbound = protocol.decode_inbound
+    encode = protocol.encode
+    Tokens, Abort, Control, Register, Embeddings = (
+        protocol.Tokens, protocol.Abort, protocol.Control, protocol.Register, protocol.Embeddings,
+    )
+    # rid -> [stream, n_ids, worker]
+    states: dict[str, list] = {}
+    log.info("%s serving %s -> %s (%s)", algo, input_addr, workers, tok.dir)
+
+    def send(by_worker: dict[int, list[OutRow]]) -> None:
+        for w, rows in by_worker.items():
+            sock = pushes.get(w)
+            if sock is None:
+                log.warning("no address for worker %d: %d rows dropped", w, len(rows))
+                continue
+            sock.send(encode(Text(rows)))
+
+    while True:
+        frame = pull.recv()
+        try:
+            msg = decode_inbound(frame)
+        except protocol.DecodeError as e:
+            log.warning("undecodable message: %s", e)
+            continue
+        if type(msg) is Tokens:
+            out: dict[int, list[OutRow]] = {}
+            if batched:
+                live_rows, streams, idss, fins = [], [], [], []
+            for row in msg.rows:
+                rid = row.rid
+                start = row.start
+                if start is not None:
+                    st = states[rid] = [
+                        cls(tok, start.prompt_tail, start.skip_special_tokens, start.spaces_between_special_tokens),
+                        0,
+                        start.worker,
+                    ]
+                else:
+                    st = states.get(rid)
+                    if st is None:
+                        err = OutRow(rid, "", row.finish, 0, row.meta, protocol.UNKNOWN_RID)
+                        for w in pushes:
+                            out.setdefault(w, []).append(err)
+                        continue
+                ids = row.ids
+                st[1] += len(ids)
+                if batched:
+                    live_rows.append((row, st))
+                    streams.append(st[0])
+                    idss.append(ids)
+                    fins.append(row.finish is not None)
+                    continue
+                stream = st[0]
+                if floor and not stream._strip:
+                    # The floor inline: bytes of the ids, one incremental UTF-8 decode.
+                    table = stream.table
+                    text = stream._dec(table[ids[0]] if len(ids) == 1 else b"".join([table[i] for i in ids]))
+                else:
+                    text = stream.step(ids)
+                if row.finish is not None:
+                    text += st[0].finish()
+                    del states[rid]
+                w = st[2]
+                lst = out.get(w)
+                if lst is None:
+                    lst = out[w] = []
+                lst.append(OutRow(rid, text, row.finish, st[1], row.meta))
+            if batched and streams:
+                texts = cls.step_batch(streams, idss, fins)
+                for (row, st), text in zip(live_rows, texts):
+                    if row.finish is not None:
+                        states.pop(row.rid, None)
+                    out.setdefault(st[2], []).append(OutRow(row.rid, text, row.finish, st[1], row.meta))
+            send(out)
+        elif type(msg) is Abort:
+            for rid in msg.rids:
+                states.pop(rid, None)
+        elif type(msg) is Control:
+            if msg.op == "flush":
+                states.clear()
+            elif msg.op == "freeze_gc":
+                gc.freeze()
+            else:
+                log.warning("unknown control op %r", msg.op)
+        elif type(msg) is Register:
+            connect(msg.worker, msg.address)
+        elif type(msg) is Embeddings:
+            by: dict[int, list] = {}
+            for r in msg.rows:
+                by.setdefault(r.worker, []).append(r)
+            for w, rows in by.items():
+                if w in pushes:
+                    pushes[w].send(encode(Embeddings(rows)))
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="Baseline detokenizers behind detokd's wire protocol (for scripts/bench.py).",
+    )
+    ap.add_argument("--algo", required=True, choices=sorted(ALGOS))
+    ap.add_argument("--input", required=True, help="address to PULL-bind, e.g. ipc:///tmp/x/in")
+    ap.add_argument("--worker", action="append", required=True, help="worker address to PUSH-connect (repeat)")
+    ap.add_argument("--tokenizer", default="deepseek", help="zoo name or folder with tokenizer.json")
+    ap.add_argument("--log-level", default="warning")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s baselines %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        serve(args.algo, args.input, args.worker, args.tokenizer)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
