@@ -60,16 +60,18 @@ class Codec(Protocol):
     def new(self, tail: list[int], skip_special: bool) -> Decoder: ...
 
 
-def _skip_count(vocab: Vocab, tail: list[int], skip_special: bool, primed: str) -> int:
-    """How many characters of committed text still belong to the prompt.
+def _prime(decoder, tail: list[int]) -> None:
+    """Feed the prompt tail and count the characters of its text still to drop.
 
-    `primed` is what a decoder committed while fed the tail; the oracle's prompt
-    text is the tail's full decode, which may end in characters (U+FFFD for a cut
-    character) that the decoder has not committed yet.
+    The oracle's prompt text is the tail's full decode: what the decoder committed
+    from it, plus what it still holds (an unfinished character, an open byte run) as
+    `finish` would render it. The held part comes out again, completed or not, in
+    the output's first committed text, and is dropped from there.
     """
-    if not tail:
-        return 0
-    return max(0, len(vocab.decode(tail, skip_special)) - len(primed))
+    if tail:
+        decoder.step(tail)
+        decoder.skip = len(decoder.held())
+    decoder.settle()
 
 
 # --- byte-level BPE ----------------------------------------------------------------------
@@ -125,8 +127,11 @@ class ByteDecoder:
         self.settle()
         return text
 
+    def held(self) -> str:
+        return _utf8_decode(self.pending, "replace", True)[0] if self.pending else ""
+
     def finish(self) -> str:
-        text = _utf8_decode(self.pending, "replace", True)[0] if self.pending else ""
+        text = self.held()
         self.pending = b""
         if self.skip and text:
             text, self.skip = text[self.skip :], max(0, self.skip - len(text))
@@ -167,9 +172,7 @@ class ByteCodec:
             d = ByteDecoder(self.skip, self.skip_texts)
         else:
             d = ByteDecoder(self.keep, self.keep_texts)
-        primed = d.step(tail) if tail else ""
-        d.skip = _skip_count(self.vocab, tail, skip_special, primed)
-        d.settle()
+        _prime(d, tail)
         return d
 
     def verify_tokens(self) -> list[int]:
@@ -199,14 +202,22 @@ class PieceDecoder:
     def settle(self) -> None:
         self.quick = None if self.fresh or self.run is not None or self.skip else self.next
 
-    def _close_run(self) -> str:
-        run, self.run = self.run, None
+    def held(self) -> str:
+        """The open byte run, rendered as if it ended here."""
+        run = self.run
+        if run is None:
+            return ""
         try:
             text = run.decode("utf-8")
         except UnicodeDecodeError:
             text = REPLACEMENT * len(run)  # Hugging Face's ByteFallback: one per byte
         if self.run_first and self.strip and text[:1] == " ":
             text = text[1:]
+        return text
+
+    def _close_run(self) -> str:
+        text = self.held()
+        self.run = None
         return text
 
     def step(self, ids: list[int]) -> str:
@@ -276,9 +287,7 @@ class PieceCodec:
 
     def new(self, tail: list[int], skip_special: bool) -> PieceDecoder:
         d = PieceDecoder(self, skip_special)
-        primed = d.step(tail) if tail else ""
-        d.skip = _skip_count(self.vocab, tail, skip_special, primed)
-        d.settle()
+        _prime(d, tail)
         return d
 
 
