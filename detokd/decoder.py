@@ -77,7 +77,7 @@ def _prime(decoder, tail: list[int]) -> None:
 # --- byte-level BPE ----------------------------------------------------------------------
 
 
-def _byte_level_alphabet() -> dict[str, int]:
+def byte_level_alphabet() -> dict[str, int]:
     """GPT-2's reversible byte <-> printable character map, inverted."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -152,7 +152,7 @@ class ByteCodec:
     name = "bytes"
 
     def __init__(self, vocab: Vocab) -> None:
-        alphabet = _byte_level_alphabet()
+        alphabet = byte_level_alphabet()
         table: list[bytes] = []
         for tok in vocab.tokens:
             if tok is None:

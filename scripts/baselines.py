@@ -57,6 +57,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from detokd import protocol  # noqa: E402
+from detokd.decoder import byte_level_alphabet  # noqa: E402
 from detokd.protocol import OutRow, Text  # noqa: E402
 
 log = logging.getLogger("baselines")
@@ -141,7 +142,7 @@ class Tok:
         n = fast.get_vocab_size(with_added_tokens=True)
         added = fast.get_added_tokens_decoder()
         if "ByteLevel" in kinds:
-            inv = {c: b for b, c in _bytes_to_unicode().items()}
+            inv = byte_level_alphabet()
 
             def piece(tok: str) -> bytes:
                 return bytes(inv[c] for c in tok)
@@ -169,19 +170,6 @@ class Tok:
                 table[i] = piece(t)
         self._tables[skip_special_tokens] = table
         return table
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2's byte <-> printable character map of byte-level BPE.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 # --------------------------------------------------------------------------- algorithms

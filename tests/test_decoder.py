@@ -29,7 +29,7 @@ from detokd.decoder import (
     PieceDecoder,
     WindowCodec,
     WindowDecoder,
-    _byte_level_alphabet,
+    byte_level_alphabet,
     make_codec,
 )
 
@@ -89,7 +89,7 @@ def byte_ids(name: str) -> tuple[int, ...]:
     """Ids that stand for one raw byte: <0xXX> pieces, or byte-level single-byte tokens."""
     v = vocab(name)
     if name in BYTE_LEVEL:
-        alphabet = _byte_level_alphabet()
+        alphabet = byte_level_alphabet()
         return tuple(i for i, t in enumerate(v.tokens) if t is not None and len(t) == 1 and t in alphabet)
     return tuple(i for i, t in enumerate(v.tokens) if t and len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
 
@@ -278,7 +278,7 @@ def byte_tokens(name: str, data: bytes) -> list[int]:
     """The ids of these raw bytes, one byte per id."""
     v = vocab(name)
     if name in BYTE_LEVEL:
-        inverse = {b: c for c, b in _byte_level_alphabet().items()}
+        inverse = {b: c for c, b in byte_level_alphabet().items()}
         token = {t: i for i, t in enumerate(v.tokens) if t is not None}
         return [token[inverse[b]] for b in data]
     token = {t: i for i, t in enumerate(v.tokens) if t is not None}
