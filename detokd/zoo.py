@@ -10,7 +10,6 @@ run builds each tokenizer once.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -149,6 +148,3 @@ def build(name: str, root: Path | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
-
-def describe(name: str) -> str:
-    return json.dumps({"name": name, "family": FAMILIES[name]})
