@@ -60,6 +60,15 @@ class Codec(Protocol):
     def new(self, tail: list[int], skip_special: bool) -> Decoder: ...
 
 
+def _drop(decoder, text: str) -> str:
+    """Drop from committed text the characters that still belong to the prompt, and
+    settle the decoder's quick table."""
+    if decoder.skip and text:
+        text, decoder.skip = text[decoder.skip :], max(0, decoder.skip - len(text))
+    decoder.settle()
+    return text
+
+
 def _prime(decoder, tail: list[int]) -> None:
     """Feed the prompt tail and count the characters of its text still to drop.
 
@@ -122,10 +131,7 @@ class ByteDecoder:
             # Rust's from_utf8_lossy), an incomplete character at the end stays pending.
             text, n = _utf8_decode(data, "replace", False)
             self.pending = data[n:]
-        if self.skip and text:
-            text, self.skip = text[self.skip :], max(0, self.skip - len(text))
-        self.settle()
-        return text
+        return _drop(self, text)
 
     def held(self) -> str:
         return _utf8_decode(self.pending, "replace", True)[0] if self.pending else ""
@@ -133,10 +139,7 @@ class ByteDecoder:
     def finish(self) -> str:
         text = self.held()
         self.pending = b""
-        if self.skip and text:
-            text, self.skip = text[self.skip :], max(0, self.skip - len(text))
-        self.settle()
-        return text
+        return _drop(self, text)
 
 
 def _whole(b: bytes) -> str | None:
@@ -239,16 +242,11 @@ class PieceDecoder:
             if self.run is not None:
                 out.append(self._close_run())
             out.append(piece)
-        return self._drop("".join(out))
+        return _drop(self, "".join(out))
 
     def finish(self) -> str:
-        return self._drop(self._close_run() if self.run is not None else "")
+        return _drop(self, self._close_run() if self.run is not None else "")
 
-    def _drop(self, text: str) -> str:
-        if self.skip and text:
-            text, self.skip = text[self.skip :], max(0, self.skip - len(text))
-        self.settle()
-        return text
 
 
 class PieceCodec:

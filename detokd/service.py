@@ -22,7 +22,7 @@ log = logging.getLogger("detokd.service")
 
 
 class Request:
-    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "finish", "stops", "keep_stop", "parts", "stopped", "slow", "decoder")
+    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "stopped", "slow", "decoder")
 
     def __init__(self, worker: int, outbox: list, start: p.Start, decoder, stops: StopScanner | None) -> None:
         self.worker = worker
@@ -30,8 +30,7 @@ class Request:
         self.vid = start.vid
         self.n_ids = 0
         self.decoder = decoder
-        self.step = decoder.step
-        self.finish = decoder.finish
+        self.step = decoder.step  # bound once: the loop's one call per row
         self.stops = stops
         self.keep_stop = start.no_stop_trim
         self.parts: list[str] | None = None if start.stream else []
@@ -194,7 +193,7 @@ class Detokenizer:
         scanner = st.stops
         if scanner is None:
             text = st.step(ids) if ids else ""
-            return (text + st.finish() if final else text), None, 0
+            return (text + st.decoder.finish() if final else text), None, 0
         # Id by id, so a stop string is attributed to the id that completed it.
         out = []
         for k, i in enumerate(ids, 1):
@@ -203,7 +202,7 @@ class Detokenizer:
             if found is not None:
                 return "".join(out), found, k
         if final:
-            sent, found = scanner.feed(st.finish())
+            sent, found = scanner.feed(st.decoder.finish())
             out.append(sent)
             if found is None:
                 out.append(scanner.flush())
