@@ -144,7 +144,7 @@ class Router:
         """Send owed error rows to each worker whose queue has room; `restarted(rid)`
         says a rid began a new request since, whose error this is not."""
         for w in self.workers.values():
-            if not w.owed or w.socket is None or not w.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            if not w.owed or not self.has_room(w):
                 continue
             rows = [row for rid, row in w.owed.items() if not restarted(rid)]
             if rows:
@@ -155,10 +155,10 @@ class Router:
                 w.sent += 1
             w.owed.clear()
 
-    def writable(self, index: int) -> bool:
+    @staticmethod
+    def has_room(w: Worker) -> bool:
         """Whether the worker's send queue has room: ZMQ exposes no depth, only this."""
-        w = self.workers[index]
-        return w.socket is None or bool(w.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+        return w.socket is not None and bool(w.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
 
     def close(self) -> None:
         for w in self.workers.values():

@@ -64,10 +64,7 @@ class Server:
         try:
             self.router = Router(self.ctx, list(cfg.workers), hwm=cfg.send_hwm, linger_ms=cfg.linger_ms, stats=self.stats)
         except ValueError as exc:
-            self.input.close(linger=0)
-            if self.feedback is not None:
-                self.feedback.close(linger=0)
-            self.ctx.term()
+            self.ctx.destroy(linger=0)
             raise ConfigError(str(exc)) from exc
         self.service = Detokenizer(
             self.codec,
@@ -203,7 +200,7 @@ class Server:
         self.router.settle(self.service.table.__contains__)
         stats = self.stats
         stats.live = len(self.service.table)
-        stats.workers = {w.index: (w.sent, w.dropped, self.router.writable(w.index)) for w in self.router.workers.values()}
+        stats.workers = {w.index: (w.sent, w.dropped, self.router.has_room(w)) for w in self.router.workers.values()}
 
     def close(self) -> None:
         if self.metrics is not None:
