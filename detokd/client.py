@@ -189,10 +189,19 @@ class SchedulerClient:
 
     def flush(self) -> None:
         """Send the queued rows: one `tokens` message per shard that has any."""
+        for shard, msg in self.take():
+            self._send(shard, msg)
+
+    def take(self) -> list[tuple[int, bytes]]:
+        """The queued rows as encoded `tokens` messages, (shard, frame) per shard that
+        has any, without sending them: for an engine that sends from another thread,
+        or a benchmark that replays recorded steps."""
+        out = []
         for shard, rows in enumerate(self._pending):
             if rows:
                 self._pending[shard] = []
-                self._send(shard, encode(Tokens(rows)))
+                out.append((shard, encode(Tokens(rows))))
+        return out
 
     def _send(self, shard: int, msg: bytes) -> None:
         if not self._socks:

@@ -205,6 +205,26 @@ def test_flush_sends_one_message_per_shard_in_order(shards3: FakeShards) -> None
     c.close()
 
 
+def test_take_encodes_what_flush_would_send_and_sends_nothing(shards3: FakeShards) -> None:
+    c = shards3.client()
+    rids = [f"t-{i}" for i in range(30)]
+    for rid in rids:
+        c.begin(rid, [1, 2])
+    taken = c.take()
+    assert [shard for shard, _ in taken] == sorted({shard_for(r, 3) for r in rids})
+    for shard, frame in taken:
+        rows = P.decode_inbound(frame).rows
+        assert [r.rid for r in rows] == [r for r in rids if shard_for(r, 3) == shard]
+    assert c.take() == []  # taken rows are gone from the queue
+    for rid in rids:
+        c.add(rid, [3])
+    c.flush()
+    sent = [r for m in shards3.drain() for msg in m for r in msg.rows]
+    assert sorted(r.rid for r in sent) == sorted(rids)  # nothing taken was sent twice
+    assert {r.seq for r in sent} == {2}  # seq went on past the taken rows
+    c.close()
+
+
 def test_meta_passes_as_msgpack(shards3: FakeShards) -> None:
     c = shards3.client()
     meta = {"logprobs": [-0.5, -1.25], "n": 3, "tag": "é"}
