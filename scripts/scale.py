@@ -1,0 +1,316 @@
+#!/usr/bin/env python
+"""detokd's own throughput by shard count, on a harness too cheap to matter.
+
+scripts/bench.py measures the whole pipeline: its scheduler and worker build and
+read every row in Python, which on a 2-core machine takes most of the second core.
+This measures detokd, the way a load generator measures a server:
+
+* Every step of a round (start rows, `--steps` steps of `--ids-per-row` ids per
+  stream, finish rows) is built before timing by the real `SchedulerClient`, which
+  splits the B streams over the shards by crc32(rid) (`take()` gives the frames it
+  would send); a round hands them all to ZMQ at once (unbounded queues), so detokd
+  never waits for this process.
+* The worker (this process) only keeps the `text` frames it receives; the round ends
+  when every shard has answered a marker row it sent last. Then the kept frames are
+  decoded and every stream's text is compared with the oracle,
+  decode(prompt_tail + out)[len(decode(prompt_tail)):], so each figure is for exact text.
+* Each configuration is a real `python -m detokd serve [--shards N]` (all started up
+  front). Rounds of the configurations alternate (ABBA...), so the VM's drift of speed
+  affects them alike, and the ratio is the median of the per-round ratios.
+* The machine's own ceiling is measured beside each round: N copies of a plain
+  single-core Python loop side by side against one. On a VM whose cores are not all
+  its own it is well under N, and no scale-out can beat it.
+* CPU per token: detokd's processes (all threads, ZMQ I/O included) and this harness,
+  from /proc/<pid>/task/*/schedstat. Linux only.
+
+    python scripts/scale.py                        # 1 and 2 shards, deepseek, B=1024
+    python scripts/scale.py --shards 1 --batch 256 # detokd's CPU per token at B=256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+
+from bench import TAIL, corpus  # noqa: E402
+from detokd.client import SchedulerClient, shard_for  # noqa: E402
+from detokd.launch import derive_address  # noqa: E402
+from detokd.protocol import Finish, Text, encode  # noqa: E402
+from detokd.tokenizer import load  # noqa: E402
+
+MARK = "\x01end-"  # marker rids: no text of the corpus contains \x01
+
+
+def cpu_s(pids: list[int]) -> float:
+    ns = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # a shard that died (the supervisor restarts it)
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    ns += int(f.read().split()[0])
+            except (OSError, ValueError):
+                pass  # a thread that just ended
+    return ns / 1e9
+
+
+def children(pid: int) -> list[int]:
+    """pid and its descendants (a `--shards` supervisor forks the shards)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for tid in os.listdir(f"/proc/{p}/task"):
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return out
+
+
+def marker(shard: int, n: int) -> str:
+    """A marker rid that falls on `shard` of `n`."""
+    return next(m for j in range(10_000) if shard_for(m := f"{MARK}{shard}.{j}", n) == shard)
+
+
+def spin(n: int = 400_000) -> float:
+    """Plain single-core Python work (dict and int churn); its own wall time."""
+    t0 = time.perf_counter()
+    d: dict[int, int] = {}
+    s = 0
+    for i in range(n):
+        s += i * i
+        d[i & 4095] = s
+    return time.perf_counter() - t0
+
+
+def ceiling(pool, k: int) -> float:
+    """What this machine gives k processes over one at this moment:
+    k x wall(one spin) / wall(k spins side by side)."""
+    one = pool.apply(spin)
+    t0 = time.perf_counter()
+    pool.map(spin, [400_000] * k, chunksize=1)
+    return k * one / (time.perf_counter() - t0)
+
+
+class Streams:
+    """B streams over the corpus' ids, each from its own offset, and their oracle texts."""
+
+    def __init__(self, tokenizer: str, batch: int, steps: int, per_row: int) -> None:
+        self.vocab = load(tokenizer)
+        ids = self.vocab.backend.encode(corpus(), add_special_tokens=False).ids
+        n = steps * per_row
+        self.rids = [f"s{b}" for b in range(batch)]
+        self.tails, self.outs = [], []
+        for b in range(batch):
+            o = b * len(ids) // batch
+            seq = [ids[(o + i) % len(ids)] for i in range(TAIL + n)]
+            self.tails.append(seq[:TAIL])
+            self.outs.append(seq[TAIL:])
+        dec = self.vocab.backend.decode
+        self.want = {
+            rid: dec(t + o, skip_special_tokens=True)[len(dec(t, skip_special_tokens=True)):]
+            for rid, t, o in zip(self.rids, self.tails, self.outs)
+        }
+
+    def frames(self, addresses: list[str], steps: int, per_row: int) -> tuple[list[list[bytes]], list[bytes]]:
+        """Each shard's frames of one round, and the marker each shard answers last."""
+        n = len(addresses)
+        client = SchedulerClient(addresses)
+        out: list[list[bytes]] = [[] for _ in range(n)]
+        marks = [marker(i, n) for i in range(n)]
+        for k in range(steps):
+            for rid, tail, ids in zip(self.rids, self.tails, self.outs):
+                chunk = ids[k * per_row:(k + 1) * per_row]
+                fin = Finish("length") if k == steps - 1 else None
+                if k == 0:
+                    client.begin(rid, chunk, prompt_tail=tail, finish=fin)
+                else:
+                    client.add(rid, chunk, finish=fin)
+            if k == steps - 1:
+                for m in marks:
+                    client.begin(m, finish=Finish("length"))
+            for shard, frame in client.take():
+                out[shard].append(frame)
+        client.close(linger=0)
+        return out, [m.encode() for m in marks]
+
+
+class Target:
+    """One `detokd serve [--shards N]` and the sockets of this harness to it."""
+
+    def __init__(self, ctx: zmq.Context, folder: str, shards: int, tokenizer: str) -> None:
+        self.shards = shards
+        base, wrk = f"ipc://{folder}/in-{shards}", f"ipc://{folder}/w-{shards}"
+        self.addresses = [base] if shards == 1 else [derive_address(base, i) for i in range(shards)]
+        self.worker = ctx.socket(zmq.PULL)
+        self.worker.setsockopt(zmq.RCVHWM, 0)
+        self.worker.bind(wrk)
+        cmd = [sys.executable, "-m", "detokd", "serve", "--input", base, "--worker", wrk,
+               "--tokenizer", tokenizer, "--log-level", "warning"]
+        if shards > 1:
+            cmd += ["--shards", str(shards)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        self.pushes = []
+        for a in self.addresses:
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.connect(a)
+            self.pushes.append(s)
+        self.pids: list[int] = []
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Every shard answers a probe (the first answers wait for the tokenizer to load)."""
+        for i, s in enumerate(self.pushes):
+            s.send(encode({"type": "tokens", "rows": [{"rid": f"probe{i}", "start": {}, "finish": {"reason": "length"}}]}))
+        deadline = time.monotonic() + timeout
+        for _ in self.pushes:
+            if not self.worker.poll(max(0, deadline - time.monotonic()) * 1000):
+                raise SystemExit(f"detokd with {self.shards} shard(s) did not answer in {timeout:.0f} s")
+            self.worker.recv()
+        self.pids = children(self.proc.pid)
+
+    def round(self, frames: list[list[bytes]], marks: list[bytes]) -> tuple[float, float, list[bytes]]:
+        """Send one round, keep every answer; (wall s, detokd CPU s, frames received).
+
+        The send queues are unbounded, so the whole round is handed to ZMQ up front
+        (a few ms) and detokd is never waiting for this process.
+        """
+        got: list[bytes] = []
+        todo = set(marks)
+        c0, t0 = cpu_s(self.pids), time.perf_counter()
+        for k in range(max(len(f) for f in frames)):
+            for sock, f in zip(self.pushes, frames):
+                if k < len(f):
+                    sock.send(f[k], copy=False)
+        while todo:
+            if not self.worker.poll(60_000):
+                raise SystemExit(f"detokd with {self.shards} shard(s) stopped answering mid-round")
+            frame = self.worker.recv()
+            got.append(frame)
+            end = frame[-256:]  # a marker's row is the last of its frame
+            for m in [m for m in todo if m in end]:
+                todo.discard(m)
+        return time.perf_counter() - t0, cpu_s(self.pids) - c0, got
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def check(streams: Streams, got: list[bytes]) -> int:
+    """Streams whose text differs from the oracle (error rows count as differences)."""
+    dec = msgspec.msgpack.Decoder(Text)
+    texts: dict[str, list[str]] = {}
+    bad = set()
+    for frame in got:
+        for r in dec.decode(frame).rows:
+            if r.error is not None:
+                bad.add(r.rid)
+            texts.setdefault(r.rid, []).append(r.text)
+    return len(bad) + sum("".join(texts.get(rid, ())) != want for rid, want in streams.want.items() if rid not in bad)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shards", default="1,2", help="shard counts to compare, comma-separated (default 1,2)")
+    ap.add_argument("--batch", "-B", type=int, default=1024, help="streams, one row each per step (default 1024)")
+    ap.add_argument("--steps", type=int, default=400, help="steps per round (default 400)")
+    ap.add_argument("--ids-per-row", type=int, default=1, help="new ids per row (default 1)")
+    ap.add_argument("--rounds", type=int, default=10, help="timed rounds per configuration (default 10)")
+    ap.add_argument("--tokenizer", default="deepseek")
+    ap.add_argument("--json", metavar="FILE", help="write every round's figures here")
+    args = ap.parse_args()
+    counts = [int(x) for x in args.shards.split(",")]
+    B, S, n = args.batch, args.steps, args.ids_per_row
+
+    streams = Streams(args.tokenizer, B, S, n)
+    ctx = zmq.Context()
+    folder = tempfile.mkdtemp(prefix="detokd-scale-")
+    configs = [Target(ctx, folder, c, args.tokenizer) for c in counts]
+    me = [os.getpid()]
+    runs: dict[int, list[dict]] = {c: [] for c in counts}
+    ceilings: list[float] = []
+    top = max(counts)
+    pool = multiprocessing.get_context("spawn").Pool(top) if top > 1 else None
+    try:
+        for cfg in configs:
+            cfg.wait_ready()
+        plans = {cfg.shards: streams.frames(cfg.addresses, S, n) for cfg in configs}
+        for cfg in configs:  # warm-up round, not counted
+            cfg.round(*plans[cfg.shards])
+        tokens = B * S * n
+        for r in range(args.rounds):
+            if pool is not None:
+                ceilings.append(ceiling(pool, top))
+            for cfg in configs if r % 2 == 0 else configs[::-1]:
+                h0 = cpu_s(me)
+                wall, cpu, got = cfg.round(*plans[cfg.shards])
+                harness = cpu_s(me) - h0
+                wrong = check(streams, got)
+                runs[cfg.shards].append({
+                    "tokens_per_s": tokens / wall, "detokd_cpu_us_per_token": cpu / tokens * 1e6,
+                    "harness_cpu_us_per_token": harness / tokens * 1e6, "wrong_streams": wrong,
+                })
+                print(f"round {r} shards={cfg.shards}: {tokens / wall / 1e3:,.0f}k tokens/s, detokd "
+                      f"{cpu / tokens * 1e6:.2f} CPU-µs/token, harness {harness / tokens * 1e6:.3f}, "
+                      f"{wrong} wrong streams", file=sys.stderr)
+    finally:
+        if pool is not None:
+            pool.terminate()
+        for cfg in configs:
+            cfg.stop()
+        ctx.destroy(linger=0)
+
+    med = statistics.median
+    print(f"\n{args.tokenizer}, B={B}, {n} id(s)/row, {S} steps x {args.rounds} rounds, {os.cpu_count()} CPUs\n")
+    print("| shards | tokens/s (median) | min – max | detokd CPU-µs/token | harness CPU-µs/token | wrong streams |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for c in counts:
+        rs = runs[c]
+        tps = [x["tokens_per_s"] for x in rs]
+        print(f"| {c} | {med(tps) / 1e3:,.0f}k | {min(tps) / 1e3:,.0f}k – {max(tps) / 1e3:,.0f}k | "
+              f"{med(x['detokd_cpu_us_per_token'] for x in rs):.2f} | "
+              f"{med(x['harness_cpu_us_per_token'] for x in rs):.3f} | {sum(x['wrong_streams'] for x in rs)} |")
+    base = counts[0]
+    ratios = {}
+    for c in counts[1:]:
+        per_round = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[c], runs[base])]
+        ratios[c] = {"median": med(per_round), "min": min(per_round), "max": max(per_round)}
+        print(f"\n{c} shards / {base}: {med(per_round):.2f}x (median of {len(per_round)} paired rounds; "
+              f"{min(per_round):.2f}–{max(per_round):.2f})")
+    if ceilings and top != base:
+        print(f"machine ceiling, {top} plain Python processes / one: {med(ceilings):.2f}x "
+              f"(median of {len(ceilings)}; {min(ceilings):.2f}–{max(ceilings):.2f})")
+        eff = [a["tokens_per_s"] / b["tokens_per_s"] / c for a, b, c in zip(runs[top], runs[base], ceilings)]
+        ratios["of_ceiling"] = {"median": med(eff), "min": min(eff), "max": max(eff)}
+        print(f"{top} shards' gain as a share of the ceiling measured beside it: {med(eff):.0%} (median)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"args": vars(args), "cpus": os.cpu_count(), "runs": runs, "ratios": ratios, "ceilings": ceilings}, indent=1))
+    return 1 if any(x["wrong_streams"] for rs in runs.values() for x in rs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
