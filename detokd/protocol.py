@@ -16,7 +16,9 @@ from msgspec import Raw, Struct
 NIL = Raw(b"\xc0")  # MessagePack nil, the default of every opaque field
 
 
-class Start(Struct, frozen=True, gc=False):
+# Schedulers encode Start and Row (detokd.client): keys at their default are left
+# out, as PROTOCOL.md allows, which halves a one-id row and its decode.
+class Start(Struct, frozen=True, gc=False, omit_defaults=True):
     worker: int = 0
     vid: int = 0
     prompt_tail: list[int] = []
@@ -32,7 +34,7 @@ class Finish(Struct, frozen=True, gc=False):
     matched: Union[str, int, None] = None
 
 
-class Row(Struct, gc=False):
+class Row(Struct, gc=False, omit_defaults=True):
     rid: str
     ids: list[int] = []
     seq: int = 0

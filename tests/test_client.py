@@ -225,6 +225,23 @@ def test_take_encodes_what_flush_would_send_and_sends_nothing(shards3: FakeShard
     c.close()
 
 
+def test_rows_leave_keys_at_their_default_out(shards3: FakeShards) -> None:
+    c = shards3.client()
+    c.begin("d", [7], prompt_tail=[1, 2], stop=["x"])
+    c.add("e", [9], meta={"n": 1})
+    c.add("d", [8])
+    frames = [frame for _, frame in c.take()]  # the bytes flush() would send
+    rows = [r for f in frames for r in msgspec.msgpack.decode(f)["rows"]]
+    first, second = (r for r in rows if r["rid"] == "d")
+    assert next(r for r in rows if r["rid"] == "e") == {"rid": "e", "ids": [9], "meta": {"n": 1}}
+    assert first == {"rid": "d", "ids": [7], "start": {"prompt_tail": [1, 2], "stop": ["x"]}}
+    assert second == {"rid": "d", "ids": [8], "seq": 1}
+    # and what is left out decodes back to the defaults
+    decoded = [r for f in frames for r in P.decode_inbound(f).rows if r.rid == "d"]
+    assert decoded == [P.Row("d", [7], 0, P.Start(prompt_tail=[1, 2], stop=["x"])), P.Row("d", [8], 1)]
+    c.close()
+
+
 def test_meta_passes_as_msgpack(shards3: FakeShards) -> None:
     c = shards3.client()
     meta = {"logprobs": [-0.5, -1.25], "n": 3, "tag": "é"}
