@@ -500,27 +500,13 @@ class WorkerClient:
 
     def stream(self, rid: str) -> RequestStream:
         """The text deltas of `rid`; call from within the running event loop."""
-        if self._closed:
-            raise RuntimeError("WorkerClient is closed")
         if self._raw_reader:
             raise RuntimeError("rows() is reading this socket; streams get nothing")
-        if rid in self._open:
-            raise ValueError(f"request {rid!r} already has an open stream")
-        self._ensure_pump()
-        self._abandoned.pop(rid, None)
-        sink = _Sink(self._buffered.pop(rid, ()))
-        self._open[rid] = sink
-        return RequestStream(self, rid, sink)
+        return RequestStream(self, rid, self._claim(rid))
 
     async def embedding(self, rid: str) -> EmbeddingRow:
         """Wait for the embedding row of `rid` (its data and meta stay msgspec.Raw)."""
-        if self._closed:
-            raise RuntimeError("WorkerClient is closed")
-        if rid in self._open:
-            raise ValueError(f"request {rid!r} already has an open stream")
-        self._ensure_pump()
-        self._abandoned.pop(rid, None)
-        sink = self._open[rid] = _Sink(self._buffered.pop(rid, ()))
+        sink = self._claim(rid)
         done = False
         try:
             while True:
@@ -535,6 +521,17 @@ class WorkerClient:
                     raise DetokdError(rid, item.error)
         finally:
             self._release(rid, sink, done)
+
+    def _claim(self, rid: str) -> _Sink:
+        """Open `rid`'s sink, with the rows that arrived for it before anyone asked."""
+        if self._closed:
+            raise RuntimeError("WorkerClient is closed")
+        if rid in self._open:
+            raise ValueError(f"request {rid!r} already has an open stream")
+        self._ensure_pump()
+        self._abandoned.pop(rid, None)
+        sink = self._open[rid] = _Sink(self._buffered.pop(rid, ()))
+        return sink
 
     def _release(self, rid: str, sink: _Sink, finished: bool) -> None:
         if self._open.get(rid) is not sink:
