@@ -94,7 +94,6 @@ def load(spec: str) -> Vocab:
     special = frozenset(hf.all_special_ids) | frozenset(
         i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
     )
-    described = json.loads(backend.to_str())
     return Vocab(
         name=spec,
         hf=hf,
@@ -102,6 +101,19 @@ def load(spec: str) -> Vocab:
         size=size,
         special=frozenset(i for i in special if 0 <= i < size),
         tokens=tokens,
-        decoder=described.get("decoder"),
+        decoder=_decoder_json(backend),
         cleanup=bool(getattr(hf, "clean_up_tokenization_spaces", False)),
     )
+
+
+def _decoder_json(backend) -> dict | None:
+    """The decoder's JSON description. Its own pickle state where the bindings give
+    one: parsing the whole tokenizer.json instead would build the vocabulary and
+    merges as Python objects, tens of MB of peak memory for one small dict."""
+    dec = backend.decoder
+    if dec is None:
+        return None
+    try:
+        return json.loads(dec.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return json.loads(backend.to_str()).get("decoder")
