@@ -46,7 +46,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
-from bench import TAIL, corpus  # noqa: E402
+from bench import TAIL, _task_cpu_ns, corpus  # noqa: E402
 from detokd.client import SchedulerClient, shard_for  # noqa: E402
 from detokd.launch import derive_address  # noqa: E402
 from detokd.protocol import Finish, Text, encode  # noqa: E402
@@ -56,19 +56,8 @@ MARK = "\x01end-"  # marker rids: no text of the corpus contains \x01
 
 
 def cpu_s(pids: list[int]) -> float:
-    ns = 0
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue  # a shard that died (the supervisor restarts it)
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    ns += int(f.read().split()[0])
-            except (OSError, ValueError):
-                pass  # a thread that just ended
-    return ns / 1e9
+    """CPU seconds of these processes, all their threads (a pid gone counts 0)."""
+    return sum(_task_cpu_ns(p) for p in pids) / 1e9
 
 
 def children(pid: int) -> list[int]:
@@ -125,10 +114,9 @@ class Streams:
             seq = [ids[(o + i) % len(ids)] for i in range(TAIL + n)]
             self.tails.append(seq[:TAIL])
             self.outs.append(seq[TAIL:])
-        dec = self.vocab.backend.decode
+        dec = self.vocab.decode  # the oracle: transformers' decode, clean-up included
         self.want = {
-            rid: dec(t + o, skip_special_tokens=True)[len(dec(t, skip_special_tokens=True)):]
-            for rid, t, o in zip(self.rids, self.tails, self.outs)
+            rid: dec(t + o, True)[len(dec(t, True)):] for rid, t, o in zip(self.rids, self.tails, self.outs)
         }
 
     def frames(self, addresses: list[str], steps: int, per_row: int) -> tuple[list[list[bytes]], list[bytes]]:
