@@ -89,7 +89,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer(ns: argparse.Namespace) -> int:
-    from .decoder import make_codec, self_check
+    from .core.decoder import make_codec, self_check
     from .tokenizer import load as load_tokenizer
 
     vocab = load_tokenizer(ns.spec)

@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from detokd.protocol import (
+from detokd.wire.native import (
     NIL,
     Abort,
     Control,

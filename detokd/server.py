@@ -15,12 +15,12 @@ import time
 
 import zmq
 
-from . import protocol as p
+from .wire import native as p
 from .config import Config, ConfigError
-from .decoder import make_codec
+from .core.decoder import make_codec
 from .metrics import MetricsServer, RateLimitFilter, Stats
-from .router import Router
-from .service import Detokenizer
+from .delivery import Router
+from .core.detokenizer import Detokenizer
 from .tokenizer import Vocab, load
 
 log = logging.getLogger("detokd.server")
@@ -83,7 +83,7 @@ class Server:
                 raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
         # What peers send chooses what these log (rids, ops, worker numbers): each
         # message template gets a bounded rate and a bounded length.
-        for name in ("detokd.server", "detokd.service", "detokd.router"):
+        for name in ("detokd.server", "detokd.core.detokenizer", "detokd.delivery"):
             logger = logging.getLogger(name)
             if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
                 logger.addFilter(RateLimitFilter())

@@ -35,7 +35,7 @@ from pathlib import Path
 from detokd import zoo
 from detokd.client import DetokdError, SchedulerClient, WorkerClient, run
 from detokd.launch import die_with_parent
-from detokd.protocol import Finish
+from detokd.wire.native import Finish
 
 log = logging.getLogger("sse_engine")
 

@@ -56,9 +56,9 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from detokd import protocol  # noqa: E402
-from detokd.decoder import byte_level_alphabet  # noqa: E402
-from detokd.protocol import OutRow, Text  # noqa: E402
+from detokd.wire import native as protocol  # noqa: E402
+from detokd.core.decoder import byte_level_alphabet  # noqa: E402
+from detokd.wire.native import OutRow, Text  # noqa: E402
 
 log = logging.getLogger("baselines")
 

@@ -359,7 +359,7 @@ def worker_main(text_addr: str, ack_addr: str) -> int:
     """The tokenizer worker: PULLs text, acks every complete step to the scheduler."""
     import zmq
 
-    from detokd.protocol import Text
+    from detokd.wire.native import Text
 
     gc.disable()
     ctx = zmq.Context()
@@ -568,7 +568,7 @@ class Workload:
         return b
 
     def _build(self, shards: int) -> dict:
-        from detokd.protocol import Finish, Start
+        from detokd.wire.native import Finish, Start
 
         groups: list[list[int]] = [[] for _ in range(shards)]
         for i, rid in enumerate(self.rids):

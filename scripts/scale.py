@@ -49,7 +49,7 @@ import zmq  # noqa: E402
 from bench import TAIL, _task_cpu_ns, corpus  # noqa: E402
 from detokd.client import SchedulerClient, shard_for  # noqa: E402
 from detokd.launch import derive_address  # noqa: E402
-from detokd.protocol import Finish, Text, encode  # noqa: E402
+from detokd.wire.native import Finish, Text, encode  # noqa: E402
 from detokd.tokenizer import load  # noqa: E402
 
 MARK = "\x01end-"  # marker rids: no text of the corpus contains \x01

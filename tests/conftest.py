@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from detokd import zoo  # noqa: E402
-from detokd.decoder import PieceCodec, ByteCodec, WindowCodec, make_codec  # noqa: E402
+from detokd.core.decoder import PieceCodec, ByteCodec, WindowCodec, make_codec  # noqa: E402
 from detokd.tokenizer import Vocab, load  # noqa: E402
 
 ALL = zoo.NAMES

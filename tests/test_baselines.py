@@ -99,7 +99,7 @@ def test_floor_flushes_incomplete_character(tok):
 
 def test_bench_frames_are_protocol_messages(tok):
     """The benchmark's pre-encoded frames decode as PROTOCOL.md `tokens` messages."""
-    from detokd import protocol
+    from detokd.wire import native as protocol
 
     corp = bench.Corpus(str(tok.dir))
     wl = bench.Workload(corp, 20, 4, "t")

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import alive
-from detokd import protocol as P
+from detokd.wire import native as P
 from detokd.client import (
     DetokdError,
     SchedulerClient,

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ALL, fast_codec, oracle, vocab, window_codec
-from detokd.decoder import (
+from detokd.core.decoder import (
     REPLACEMENT,
     ByteCodec,
     ByteDecoder,

@@ -2,7 +2,7 @@
 
 Every test here runs the real server (conftest's `detokd` fixture: a subprocess on
 ipc:// sockets in tmp_path), talks to it over real ZMQ sockets with frames encoded
-independently of detokd.protocol (plain dicts through msgspec.msgpack, or bytes
+independently of detokd.wire.native (plain dicts through msgspec.msgpack, or bytes
 written by hand), and checks every text against the oracle: transformers' own
 `decode` of the real DeepSeek tokenizer. No expected string is written down.
 

@@ -1,4 +1,4 @@
-"""The request state machine (detokd.service.Detokenizer), in-process, real tokenizers.
+"""The request state machine (detokd.core.detokenizer.Detokenizer), in-process, real tokenizers.
 
 Rows go in through `Detokenizer.tokens`; what each worker would receive is read from the
 router's per-worker row lists before anything is sent. Tokenizers: deepseek (byte-level
@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import cut, fast_codec, first_stop, oracle, vocab
-from detokd import protocol as p
+from detokd.wire import native as p
 from detokd.metrics import Stats
-from detokd.protocol import Finish, OutRow, Row, Start
-from detokd.router import Router
-from detokd.service import Detokenizer
+from detokd.wire.native import Finish, OutRow, Row, Start
+from detokd.delivery import Router
+from detokd.core.detokenizer import Detokenizer
 
 
 class Service:

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import cut, first_stop
-from detokd.stops import StopScanner, automaton, trim_engine_stop
+from detokd.core.stops import StopScanner, automaton, trim_engine_stop
 
 # --- the rules, naively ---------------------------------------------------------------------
 

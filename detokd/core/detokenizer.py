@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import gc
 import logging
-from . import protocol as p
+from ..wire import native as p
 from .decoder import Codec
-from .metrics import Stats
-from .router import Router
+from ..metrics import Stats
+from ..delivery import Router
 from .stops import StopScanner, trim_engine_stop
 from .table import RequestTable, Tombstones
 
-log = logging.getLogger("detokd.service")
+log = logging.getLogger("detokd.core.detokenizer")
 
 
 class Request:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from . import protocol
-from .protocol import OutRow
+from .wire import native as protocol
+from .wire.native import OutRow
 
-log = logging.getLogger("detokd.router")
+log = logging.getLogger("detokd.delivery")
 
 
 @dataclass

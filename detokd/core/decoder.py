@@ -33,9 +33,9 @@ import logging
 import random
 from typing import Protocol
 
-from .tokenizer import Vocab
+from ..tokenizer import Vocab
 
-log = logging.getLogger("detokd.decoder")
+log = logging.getLogger("detokd.core.decoder")
 
 REPLACEMENT = "\ufffd"
 _utf8_decode = codecs.utf_8_decode
