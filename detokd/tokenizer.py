@@ -91,18 +91,33 @@ def load(spec: str) -> Vocab:
         raise TokenizerError(f"tokenizer {spec!r} has no fast (tokenizers) backend")
     size = len(hf)
     tokens = tuple(backend.id_to_token(i) for i in range(size))
-    special = frozenset(hf.all_special_ids) | frozenset(
-        i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
-    )
+    cleanup = bool(getattr(hf, "clean_up_tokenization_spaces", False))
     return Vocab(
         name=spec,
         hf=hf,
         backend=backend,
         size=size,
-        special=frozenset(i for i in special if 0 <= i < size),
+        special=_skipped(hf if cleanup else backend, hf.all_special_ids, backend.get_added_tokens_decoder(), size),
         tokens=tokens,
         decoder=_decoder_json(backend),
-        cleanup=bool(getattr(hf, "clean_up_tokenization_spaces", False)),
+        cleanup=cleanup,
+    )
+
+
+def _skipped(reference, listed, added, size: int) -> frozenset[int]:
+    """The ids that skip_special_tokens removes, as the reference decode (`reference`,
+    the same object Vocab.decode calls) removes them.
+
+    Which ids those are has moved between releases (transformers 5.19 with tokenizers
+    0.23 keeps added tokens that all_special_ids lists but the tokenizer does not flag
+    special, such as Mistral v7's [/REF]), so ask the decode itself: a candidate is
+    skipped when it renders alone but vanishes with skip_special_tokens.
+    """
+    candidates = [i for i in set(listed) | set(added) if 0 <= i < size]
+    return frozenset(
+        i
+        for i in candidates
+        if reference.decode([i], skip_special_tokens=False) and not reference.decode([i], skip_special_tokens=True)
     )
 
 
