@@ -348,9 +348,11 @@ def test_a_byte_fallback_run_is_held_until_it_ends(name: str, kind: str) -> None
     broken = euro + byte_tokens(name, b"\xe2") + the
     steps, last = stream(codec, [], [[i] for i in broken], False)
     assert "€" not in "".join(steps)
-    assert "".join(steps) + last == oracle(v, [], broken, False) == REPLACEMENT * 4 + " the"
+    want = oracle(v, [], broken, False)
+    assert want.startswith(REPLACEMENT * 4) and "€" not in want
+    assert "".join(steps) + last == want
     steps, last = stream(codec, [], [[i] for i in euro + the], False)
-    assert "".join(steps) + last == "€ the"
+    assert "".join(steps) + last == oracle(v, [], euro + the, False)
 
 
 @pytest.mark.parametrize("kind", CODECS)
@@ -495,5 +497,6 @@ def test_piece_decoder_holds_only_the_open_byte_run(name: str) -> None:
     for k, i in enumerate(run, 1):
         sent += d.step([i])
         assert held_state(d) == k
-    sent += d.step(encode(name, "ok"))
-    assert held_state(d) == 0 and sent == "ü" * 500 + " ok"
+    ok = encode(name, "ok")
+    sent += d.step(ok)
+    assert held_state(d) == 0 and sent == oracle(vocab(name), [], run + ok, False)

@@ -8,7 +8,7 @@ drops text).
 
 from __future__ import annotations
 
-from typing import Generic, Iterator, TypeVar
+from typing import Generic, Iterator, NamedTuple, TypeVar
 
 S = TypeVar("S")
 
@@ -53,8 +53,13 @@ class RequestTable(Generic[S]):
         return iter(list(self.states.items()))
 
 
+class Tomb(NamedTuple):
+    worker: int  # whose request it was
+    error: str  # the error word it ended with
+
+
 class Tombstones:
-    """rid -> (worker, error) for requests detokd ended itself, bounded.
+    """rid -> Tomb(worker, error) for requests detokd ended itself, bounded.
 
     A later row of such a rid is answered with the same error, to its own worker,
     instead of a broadcast "unknown_rid".
@@ -64,16 +69,16 @@ class Tombstones:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.dead: dict[str, tuple[int, str]] = {}
+        self.dead: dict[str, Tomb] = {}
 
     def add(self, rid: str, worker: int, error: str) -> None:
         dead = self.dead
         dead.pop(rid, None)
-        dead[rid] = (worker, error)
+        dead[rid] = Tomb(worker, error)
         while len(dead) > self.capacity:
             del dead[next(iter(dead))]
 
-    def get(self, rid: str) -> tuple[int, str] | None:
+    def get(self, rid: str) -> Tomb | None:
         return self.dead.get(rid)
 
     def discard(self, rid: str) -> None:
