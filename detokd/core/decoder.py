@@ -38,6 +38,7 @@ from ..tokenizer import Vocab
 log = logging.getLogger("detokd.core.decoder")
 
 REPLACEMENT = "\ufffd"
+PENDING_BYTES = 3  # the most bytes of an unfinished UTF-8 character
 _utf8_decode = codecs.utf_8_decode
 
 
@@ -296,8 +297,8 @@ class WindowDecoder:
     """Decodes a bounded window of ids with the tokenizer and commits what is stable.
 
     Invariant: the first `done` characters of decode(window) have been committed
-    (or belong to the prompt). The last `hold` ids, an open byte run, and trailing
-    U+FFFD stay uncommitted; the window is cut at the front only where the cut
+    (or belong to the prompt). The last `hold` ids, an open byte run, and up to
+    PENDING_BYTES trailing U+FFFD stay uncommitted; the window is cut at the front only where the cut
     leaves the text's end unchanged, so `done` stays meaningful.
 
     With skip_special, special ids never enter the window: the tokenizer drops them
@@ -334,7 +335,13 @@ class WindowDecoder:
                 cut -= 1
         stable = decode(self.ids[:cut], self.skip_special) if cut > 0 else ""
         n = _common_prefix(stable, text)
-        while n > self.done and text[n - 1] == REPLACEMENT:
+        # A later id can still complete the character an incomplete UTF-8 sequence at
+        # the end stands for: at most 3 bytes, so at most 3 U+FFFD (one per byte, as
+        # ByteFallback renders them; one in all, as lossy UTF-8 does). Those before
+        # are final: backing off all of them left a run of broken bytes uncommitted,
+        # so the window could never be cut and each step decoded the whole run.
+        floor = max(self.done, n - PENDING_BYTES)
+        while n > floor and text[n - 1] == REPLACEMENT:
             n -= 1
         out = text[self.done : n] if n > self.done else ""
         self.done = max(self.done, n)
