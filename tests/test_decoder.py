@@ -27,6 +27,7 @@ from detokd.core.decoder import (
     ByteDecoder,
     PieceCodec,
     PieceDecoder,
+    PromptDecoder,
     WindowCodec,
     WindowDecoder,
     byte_level_alphabet,
@@ -369,6 +370,23 @@ def test_a_prompt_ending_mid_character_never_leaks_prompt_text(name: str, kind: 
             assert "ello" not in got
             if name in BYTE_LEVEL and k >= 2:  # the emoji is the prompt's, whole or cut
                 assert got == " world"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_fast_decoder_counts_the_prompt_characters_it_still_has_to_drop(name: str) -> None:
+    """The byte and piece decoders share one base: after a prompt ending mid-character
+    (or in an open byte run) they hold `prompt_left` characters of the prompt's text,
+    which the first text they commit comes out without; until then no quick lookup."""
+    v, codec = vocab(name), fast_codec(name)
+    ids = encode(name, "Hello 🤖 world")
+    for k in range(1, len(ids)):
+        d = codec.new(ids[:k], False)
+        assert isinstance(d, PromptDecoder) and not hasattr(d, "__dict__")
+        whole, committed = v.decode(ids[:k], False), codec.new([], False).step(ids[:k])
+        assert d.prompt_left == len(whole) - len(committed)
+        assert (d.quick is None) == bool(d.prompt_left or held_state(d) or isinstance(d, PieceDecoder) and d.fresh)
+        got = "".join(d.step([i]) for i in ids[k:]) + d.finish()
+        assert got == oracle(v, ids[:k], ids[k:], False) and d.prompt_left == 0
 
 
 # --- choosing a codec -----------------------------------------------------------------------
