@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -388,11 +389,15 @@ def plain(obj: Any) -> Any:
     if isinstance(obj, msgspec.Struct):
         return {"__type__": type(obj).__name__, **{f: plain(getattr(obj, f)) for f in obj.__struct_fields__}}
     if dataclasses.is_dataclass(obj):
+        # Compare what crosses a process boundary: SchedulerReqTimeStats ships only its
+        # __getstate__ subset. A received copy cannot be pickled again (it lacks the
+        # dropped attributes), so it is taken as it is.
+        try:
+            obj = pickle.loads(pickle.dumps(obj))
+        except Exception:
+            pass
         # Tracing / metrics handles have no value semantics; their type is what matters.
-        fields = {}
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            fields[f.name] = plain(v) if _is_value(v) else type(v).__name__
+        fields = {k: plain(v) if _is_value(v) else type(v).__name__ for k, v in sorted(vars(obj).items())}
         return {"__type__": type(obj).__name__, **fields}
     return type(obj).__name__
 
