@@ -1,0 +1,1 @@
+"""SGLang compatibility: a differential-test harness around SGLang's detokenizer process."""
