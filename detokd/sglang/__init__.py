@@ -1,0 +1,1 @@
+"""detokd as SGLang's detokenizer process: its IPC schema, plugin and process."""
