@@ -1,1 +1,2 @@
-"""SGLang compatibility: a differential-test harness around SGLang's detokenizer process."""
+"""detokd as SGLang's detokenizer: its IPC schema (schema), the plugin (plugin), the process
+SGLang starts (process), and a replay harness around any detokenizer process (replay)."""

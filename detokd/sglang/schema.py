@@ -1,0 +1,434 @@
+"""SGLang 0.5.23's detokenizer IPC, as detokd reads and writes it.
+
+SGLang's scheduler sends the detokenizer BatchTokenIDOutput (and BatchEmbeddingOutput,
+FreezeGCReq, ConfigureLoggingReq); the detokenizer sends the TokenizerManager a
+BatchStrOutput. Both ends use io_struct.sock_send / sock_recv, whose form is fixed at
+import time by SGLANG_USE_PICKLE_IPC (default: on, i.e. pickle).
+
+msgpack form (SGLANG_USE_PICKLE_IPC=0)
+    Every message class is a msgspec Struct with tag=True, array_like=True and
+    omit_defaults off, so a frame is the msgpack array ``[ClassName, f1, f2, ...]`` holding
+    every field in declaration order (the base-class fields rids, http_worker_ipcs - or
+    rid, http_worker_ipc - come first). Nested values: array.array is ext 1, torch.Tensor
+    ext 2, np.ndarray ext 3; each ext payload is a big-endian u32 n, n bytes of msgpack
+    metadata (the typecode; [shape, dtype, device]; [shape, dtype]) and the raw
+    native-endian item bytes. Dicts (finished_reasons, cached_tokens_details) are msgpack
+    maps; opaque objects (time_stats, customized_info) are nested PickleWrapper structs
+    ``["PickleWrapper", <bin: pickle bytes>]``; beam_search_output, weight_versions and
+    the other nested structs are array-like lists too.
+    The Structs below mirror those classes: the fields detokd reads are typed, every
+    field the detokenizer only copies into BatchStrOutput is msgspec.Raw - its encoded
+    bytes, never turned into Python objects and written back verbatim, so SGLang's own
+    decoder sees exactly the values its scheduler sent. Tensors the detokenizer turns
+    into base64 (routed_experts, indexer_topk) are read as msgpack Ext and base64'd from
+    the raw bytes of the payload, without torch.
+
+pickle form (the default)
+    send_pyobj(obj, protocol=HIGHEST_PROTOCOL) / recv_pyobj. A Struct pickles as
+    ``msgspec._utils.rebuild(cls, {field: value})``, with every nested value a full
+    Python object (array.array, torch.Tensor, SGLang's time-stats objects); pickle is a
+    stack machine, so no field can be skipped or read lazily, and the classes must be
+    importable. The cheapest exact way is therefore the one SGLang pays itself:
+    pickle.loads the frame (detokd runs inside SGLang's environment when the plugin
+    launches it, so the classes import), read the same attribute names the msgpack
+    Structs type (decode_ids elements are array.array in both forms), build SGLang's own
+    BatchStrOutput from the computed fields plus *references* to the received objects
+    (no copies), and pickle.dumps it with HIGHEST_PROTOCOL. A custom Unpickler mapping
+    the class to a lighter one saves nothing: the nested objects dominate and still have
+    to be built.
+
+In both forms a frame the detokenizer returns unchanged (BatchEmbeddingOutput) is best
+forwarded as the received bytes: decoding them gives the object SGLang would re-encode.
+
+`check()` compares these Structs against the installed SGLang (names and order of every
+mirrored class's fields, the wire config, and which BatchStrOutput fields the installed
+detokenizer copies, computes or clears) and raises SchemaMismatch naming the first
+difference.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import dataclasses
+import inspect
+import pickle
+import textwrap
+from array import array
+from collections.abc import Mapping
+from typing import Any, Union
+
+import msgspec
+from msgspec import Raw
+from msgspec.msgpack import Ext
+
+SCHEMA = "sglang-0.5.23"
+
+# msgpack nil: the encoding of a None field, the default of every optional passthrough.
+NIL = Raw(b"\xc0")
+_EXT_ARRAY = 1
+_EXT_TENSOR = 2
+
+FinishReason = Union[dict[str, Union[str, int, list[int], None]], None]
+
+
+class SchemaMismatch(RuntimeError):
+    """The installed SGLang's IPC classes differ from the ones detokd speaks."""
+
+
+class _Batch(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    rids: Union[list[str], None] = None
+    http_worker_ipcs: Union[list[Union[str, None]], None] = None
+
+
+class _Single(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    rid: Union[str, None] = None
+    http_worker_ipc: Union[str, None] = None
+
+
+class BatchTokenIDOutput(_Batch, kw_only=True):
+    finished_reasons: list[FinishReason]
+    decoded_texts: list[str]
+    decode_ids: list[array]
+    read_offsets: list[int]
+    output_ids: Raw
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    prompt_tokens: Raw
+    reasoning_tokens: Raw
+    completion_tokens: Raw
+    cached_tokens: Raw
+    input_token_logprobs_val: Raw
+    input_token_logprobs_idx: Raw
+    output_token_logprobs_val: Raw
+    output_token_logprobs_idx: Raw
+    input_top_logprobs_val: Raw
+    input_top_logprobs_idx: Raw
+    output_top_logprobs_val: Raw
+    output_top_logprobs_idx: Raw
+    input_token_ids_logprobs_val: Raw
+    input_token_ids_logprobs_idx: Raw
+    output_token_ids_logprobs_val: Raw
+    output_token_ids_logprobs_idx: Raw
+    output_token_entropy_val: Raw
+    output_token_sampling_mask: Raw
+    output_hidden_states: Raw
+    # Tensors (ext 2); BatchStrOutput carries them base64'd.
+    routed_experts: Union[list[Union[Ext, None]], None]
+    indexer_topk: Union[list[Union[Ext, None]], None]
+    placeholder_tokens_idx: Raw
+    placeholder_tokens_val: Raw
+    retraction_counts: Raw = NIL
+    # Not nil when the batch carries beam-search results (see has_beam_search).
+    beam_search_output: Raw = NIL
+    weight_versions: Raw = NIL
+    token_steps: Raw = NIL
+    customized_info: Raw = NIL
+    cached_tokens_details: Raw = NIL
+    dp_ranks: Raw = NIL
+    time_stats: Raw = NIL
+    image_tokens: Raw = NIL
+    audio_tokens: Raw = NIL
+    video_tokens: Raw = NIL
+    spec_verify_ct: Raw = NIL
+    spec_num_correct_drafts: Raw = NIL
+    spec_num_block_accept_tokens: Raw = NIL
+    spec_num_cap_tokens: Raw = NIL
+    spec_correct_drafts_histogram: Raw = NIL
+    spec_cap_lens_histogram: Raw = NIL
+    input_top_logprobs_val_flat: Raw = NIL
+    input_top_logprobs_idx_flat: Raw = NIL
+    input_top_logprobs_flat_null_prefix: Raw = NIL
+
+
+class BatchStrOutput(_Batch, kw_only=True):
+    finished_reasons: list[FinishReason]
+    output_strs: list[str]
+    output_ids: Raw
+    prompt_tokens: Raw
+    completion_tokens: Raw
+    reasoning_tokens: Raw
+    cached_tokens: Raw
+    input_token_logprobs_val: Raw
+    input_token_logprobs_idx: Raw
+    output_token_logprobs_val: Raw
+    output_token_logprobs_idx: Raw
+    input_top_logprobs_val: Raw
+    input_top_logprobs_idx: Raw
+    output_top_logprobs_val: Raw
+    output_top_logprobs_idx: Raw
+    input_token_ids_logprobs_val: Raw
+    input_token_ids_logprobs_idx: Raw
+    output_token_ids_logprobs_val: Raw
+    output_token_ids_logprobs_idx: Raw
+    output_token_entropy_val: Raw
+    output_token_sampling_mask: Raw
+    output_hidden_states: Raw
+    routed_experts: Union[list[Union[str, None]], None]
+    indexer_topk: Union[list[Union[str, None]], None]
+    placeholder_tokens_idx: None
+    placeholder_tokens_val: None
+    retraction_counts: Raw = NIL
+    beam_search_output: Raw = NIL
+    weight_versions: Raw = NIL
+    token_steps: Raw = NIL
+    customized_info: Raw = NIL
+    cached_tokens_details: Raw = NIL
+    dp_ranks: Raw = NIL
+    time_stats: Raw = NIL
+    image_tokens: Raw = NIL
+    audio_tokens: Raw = NIL
+    video_tokens: Raw = NIL
+    spec_verify_ct: Raw = NIL
+    spec_num_correct_drafts: Raw = NIL
+    spec_num_block_accept_tokens: Raw = NIL
+    spec_num_cap_tokens: Raw = NIL
+    spec_correct_drafts_histogram: Raw = NIL
+    spec_cap_lens_histogram: Raw = NIL
+    input_top_logprobs_val_flat: Raw = NIL
+    input_top_logprobs_idx_flat: Raw = NIL
+    input_top_logprobs_flat_null_prefix: Raw = NIL
+
+
+class BatchEmbeddingOutput(_Batch, kw_only=True):
+    # Returned unchanged by the detokenizer: forward the received frame.
+    finished_reasons: Raw
+    embeddings: Raw
+    prompt_tokens: Raw
+    cached_tokens: Raw
+    placeholder_tokens_idx: Raw
+    placeholder_tokens_val: Raw
+    retraction_counts: Raw = NIL
+    cached_tokens_details: Raw = NIL
+    time_stats: Raw = NIL
+    pooled_hidden_states: Raw = NIL
+
+
+class FreezeGCReq(_Single, kw_only=True):
+    gc_threshold: Union[list[int], None] = None
+
+
+class ConfigureLoggingReq(_Single, kw_only=True):
+    log_requests: Raw = NIL
+    log_requests_level: Raw = NIL
+    log_requests_format: Raw = NIL
+    log_level: Union[str, None] = None
+    dump_requests_folder: Raw = NIL
+    dump_requests_threshold: Raw = NIL
+    crash_dump_folder: Raw = NIL
+    dump_requests_exclude_meta_keys: Raw = NIL
+
+
+Inbound = Union[BatchTokenIDOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq]
+MIRRORED = (BatchTokenIDOutput, BatchStrOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq)
+
+# How the detokenizer fills each BatchStrOutput field: "copy" (the same-named
+# BatchTokenIDOutput field, as is), "none", or "computed" (output_strs, base64 tensors).
+FILLS: dict[str, str] = {
+    name: ("computed" if name in ("output_strs", "routed_experts", "indexer_topk")
+           else "none" if name in ("placeholder_tokens_idx", "placeholder_tokens_val")
+           else "copy")
+    for name in BatchStrOutput.__struct_fields__
+}
+COPIED = tuple(name for name, how in FILLS.items() if how == "copy")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    # Only typed fields reach the hook (Raw skips, Ext fields stay Ext): decode_ids' arrays.
+    if code != _EXT_ARRAY:
+        return Ext(code, bytes(data))
+    n = int.from_bytes(data[:4], "big")
+    out = array(msgspec.msgpack.decode(data[4 : 4 + n]))
+    out.frombytes(data[4 + n :])
+    return out
+
+
+def _dec_hook(tp: type, obj: Any) -> Any:
+    if isinstance(obj, tp):
+        return obj
+    raise TypeError(f"expected {tp.__name__}, got {type(obj).__name__}")
+
+
+def tensor_b64(ext: Ext) -> str:
+    """base64 of a tensor ext's raw item bytes: SGLang's b64encode(t.numpy().tobytes())."""
+    if ext.code != _EXT_TENSOR:
+        raise msgspec.ValidationError(f"expected a tensor (ext {_EXT_TENSOR}), got ext {ext.code}")
+    data = memoryview(ext.data)
+    n = int.from_bytes(data[:4], "big")
+    return base64.b64encode(data[4 + n :]).decode("ascii")
+
+
+def _tensor_b64_pickled(t: Any) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _b64_list(items: Any, one) -> Any:
+    if items is None:
+        return None
+    return [None if t is None else one(t) for t in items]
+
+
+class MsgpackCodec:
+    """SGLANG_USE_PICKLE_IPC=0: decode into the Structs above, encode BatchStrOutput."""
+
+    name = "msgpack"
+
+    def __init__(self) -> None:
+        self._decoder = msgspec.msgpack.Decoder(Inbound, ext_hook=_ext_hook, dec_hook=_dec_hook)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def decode(self, frame: bytes) -> Inbound:
+        return self._decoder.decode(frame)
+
+    def str_output(self, tok: BatchTokenIDOutput, output_strs: list[str]) -> BatchStrOutput:
+        return BatchStrOutput(
+            **{name: getattr(tok, name) for name in COPIED},
+            output_strs=output_strs,
+            routed_experts=_b64_list(tok.routed_experts, tensor_b64),
+            indexer_topk=_b64_list(tok.indexer_topk, tensor_b64),
+            placeholder_tokens_idx=None,
+            placeholder_tokens_val=None,
+        )
+
+    def encode(self, out: BatchStrOutput) -> bytes:
+        return self._encoder.encode(out)
+
+    def encode_str_output(self, tok: BatchTokenIDOutput, output_strs: list[str]) -> bytes:
+        return self.encode(self.str_output(tok, output_strs))
+
+
+class PickleCodec:
+    """The default form: SGLang's own objects, read by attribute (the names above)."""
+
+    name = "pickle"
+
+    def __init__(self) -> None:
+        from sglang.srt.managers import io_struct
+
+        self._out = io_struct.BatchStrOutput
+
+    def decode(self, frame: bytes) -> Any:
+        return pickle.loads(frame)
+
+    def str_output(self, tok: Any, output_strs: list[str]) -> Any:
+        return self._out(
+            **{name: getattr(tok, name) for name in COPIED},
+            output_strs=output_strs,
+            routed_experts=_b64_list(tok.routed_experts, _tensor_b64_pickled),
+            indexer_topk=_b64_list(tok.indexer_topk, _tensor_b64_pickled),
+            placeholder_tokens_idx=None,
+            placeholder_tokens_val=None,
+        )
+
+    def encode(self, out: Any) -> bytes:
+        return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def encode_str_output(self, tok: Any, output_strs: list[str]) -> bytes:
+        return self.encode(self.str_output(tok, output_strs))
+
+
+def codec(use_pickle: bool | None = None) -> MsgpackCodec | PickleCodec:
+    """The codec of the running SGLang (its SGLANG_USE_PICKLE_IPC), or the one asked for."""
+    if use_pickle is None:
+        from sglang.srt.environ import envs
+
+        use_pickle = bool(envs.SGLANG_USE_PICKLE_IPC.get())
+    return PickleCodec() if use_pickle else MsgpackCodec()
+
+
+def kind(obj: Any) -> str:
+    """The SGLang class name of a decoded frame, in either form."""
+    return type(obj).__name__
+
+
+def has_beam_search(tok: Any) -> bool:
+    """Whether a BatchTokenIDOutput (either form) carries beam results, which SGLang's
+    detokenizer decodes into beam_search_output and detokd does not."""
+    beams = tok.beam_search_output
+    if isinstance(beams, Raw):
+        return bytes(beams) not in (b"\xc0", b"\x90")  # nil, empty array
+    return beams is not None and len(beams) > 0
+
+
+# ---------------------------------------------------------------- the schema check
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
+        return tuple(cls.__struct_fields__)
+    if dataclasses.is_dataclass(cls):
+        return tuple(f.name for f in dataclasses.fields(cls))
+    raise SchemaMismatch(f"{getattr(cls, '__name__', cls)!r} is neither a msgspec Struct nor a dataclass")
+
+
+def _first_difference(ours: tuple[str, ...], theirs: tuple[str, ...]) -> str:
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            if b not in ours:
+                return f"field {b!r} (position {i}) is new in SGLang; detokd has {a!r} there"
+            if a not in theirs:
+                return f"field {a!r} (position {i}) is gone from SGLang; SGLang has {b!r} there"
+            return f"field {b!r} moved to position {i}; detokd has {a!r} there"
+    if len(theirs) > len(ours):
+        return f"field {theirs[len(ours)]!r} (position {len(ours)}) is new in SGLang"
+    return f"field {ours[len(theirs)]!r} (position {len(theirs)}) is gone from SGLang"
+
+
+def installed_fills() -> dict[str, str]:
+    """How the installed DetokenizerManager fills BatchStrOutput, read from its source:
+    `name=recv_obj.name` is a copy, `name=None` is none, anything else is computed."""
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(DetokenizerManager.handle_batch_token_id_out)))
+    calls = [
+        n for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "BatchStrOutput"
+    ]
+    if len(calls) != 1:
+        raise SchemaMismatch(f"DetokenizerManager.handle_batch_token_id_out builds BatchStrOutput {len(calls)} times")
+    fills = {}
+    for kw in calls[0].keywords:
+        v = kw.value
+        if isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.attr == kw.arg:
+            fills[kw.arg] = "copy"
+        elif isinstance(v, ast.Constant) and v.value is None:
+            fills[kw.arg] = "none"
+        else:
+            fills[kw.arg] = "computed"
+    return fills
+
+
+def check(theirs: Mapping[str, type] | None = None, fills: Mapping[str, str] | None = None) -> None:
+    """Raise SchemaMismatch unless the installed SGLang speaks this schema.
+
+    `theirs` replaces installed io_struct classes by name and `fills` the detokenizer's
+    BatchStrOutput filling (for testing against a modified copy, not an edited SGLang)."""
+    from sglang.srt.managers import io_struct
+
+    theirs = dict(theirs or {})
+    for ours in MIRRORED:
+        name = ours.__name__
+        cls = theirs.get(name) or getattr(io_struct, name, None)
+        if cls is None:
+            raise SchemaMismatch(f"{name}: no such class in sglang.srt.managers.io_struct")
+        a, b = _field_names(ours), _field_names(cls)
+        if a != b:
+            raise SchemaMismatch(f"{name}: {_first_difference(a, b)}")
+        if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
+            cfg, mine = cls.__struct_config__, ours.__struct_config__
+            for key in ("tag", "tag_field", "array_like", "omit_defaults"):
+                if getattr(cfg, key) != getattr(mine, key):
+                    raise SchemaMismatch(
+                        f"{name}: wire config {key}={getattr(cfg, key)!r}, detokd speaks {getattr(mine, key)!r}"
+                    )
+    fills = dict(installed_fills() if fills is None else fills)
+    for field, how in FILLS.items():
+        got = fills.get(field, "default")
+        if got != how:
+            raise SchemaMismatch(
+                f"BatchStrOutput: field {field!r} is filled as {got!r} by SGLang's detokenizer, detokd fills it as {how!r}"
+            )
+    extra = sorted(set(fills) - set(FILLS))
+    if extra:
+        raise SchemaMismatch(f"BatchStrOutput: SGLang's detokenizer fills unknown field {extra[0]!r}")

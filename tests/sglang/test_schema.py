@@ -1,0 +1,262 @@
+"""detokd's mirror of SGLang's detokenizer IPC, proved against SGLang's own encoder,
+decoder and DetokenizerManager (0.5.23)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import warnings
+from array import array
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import zmq
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager, LimitedCapacityDict
+    from sglang.srt.sampling.sampling_mask import SamplingMaskChunk
+    from sglang.srt.utils.weight_versions import WeightVersionSpan
+
+from detokd.sglang import schema
+from conftest import vocab
+
+
+def sglang_detokenizer(tokenizer) -> DetokenizerManager:
+    """SGLang's real DetokenizerManager, without the sockets and server args of __init__."""
+    m = object.__new__(DetokenizerManager)
+    m.tokenizer = tokenizer
+    m.vocab_size = len(tokenizer)
+    m.decode_status = LimitedCapacityDict(capacity=1 << 10)
+    m.disable_tokenizer_batch_decode = False
+    m.is_tool_call_parser_gpt_oss = False
+    m.tool_close_token_ids = frozenset()
+    return m
+
+
+def token_batch(tok, texts: list[str], finished: list, step: int) -> io_struct.BatchTokenIDOutput:
+    """A BatchTokenIDOutput with every kind of field the scheduler fills filled."""
+    n = len(texts)
+    ids = [array("q", tok.encode(t, add_special_tokens=False)) for t in texts]
+    return io_struct.BatchTokenIDOutput(
+        rids=[f"r{i}" for i in range(n)],
+        http_worker_ipcs=[None] * n,
+        finished_reasons=finished,
+        decoded_texts=[""] * n,
+        decode_ids=ids,
+        read_offsets=[0] * n,
+        output_ids=[array("q", x) for x in ids],
+        skip_special_tokens=[i % 2 == 0 for i in range(n)],
+        spaces_between_special_tokens=[True] * n,
+        no_stop_trim=[i == 1 for i in range(n)],
+        prompt_tokens=[7 + i for i in range(n)],
+        reasoning_tokens=[0] * n,
+        completion_tokens=[len(x) for x in ids],
+        cached_tokens=[i for i in range(n)],
+        input_token_logprobs_val=[[-0.5, None]] * n,
+        input_token_logprobs_idx=[[3, 4]] * n,
+        output_token_logprobs_val=[[-0.25 * step]] * n,
+        output_token_logprobs_idx=[[5]] * n,
+        input_top_logprobs_val=[[[-0.1, -2.0]]] * n,
+        input_top_logprobs_idx=[[[1, 2]]] * n,
+        output_top_logprobs_val=[None] * n,
+        output_top_logprobs_idx=[None] * n,
+        input_token_ids_logprobs_val=None,
+        input_token_ids_logprobs_idx=None,
+        output_token_ids_logprobs_val=[[[-1.5]]] * n,
+        output_token_ids_logprobs_idx=[[[9]]] * n,
+        output_token_entropy_val=[0.125] * n,
+        output_token_sampling_mask=[
+            SamplingMaskChunk(
+                lengths=np.array([2], dtype=np.int32),
+                token_ids=np.array([3, 4], dtype=np.int32),
+                logprobs=np.array([-0.5, -1.0], dtype=np.float32),
+            )
+        ] + [None] * (n - 1),
+        output_hidden_states=[[[0.5, 1.5]]] + [None] * (n - 1),
+        routed_experts=[torch.arange(12, dtype=torch.int32).reshape(2, 3, 2)] + [None] * (n - 1),
+        indexer_topk=[None] * (n - 1) + [torch.tensor([[7, -1]], dtype=torch.int64)],
+        placeholder_tokens_idx=[[0]] * n,
+        placeholder_tokens_val=[[4]] * n,
+        retraction_counts=[0] * n,
+        weight_versions=[[WeightVersionSpan(version="v1", start=0, end=3)]] * n,
+        token_steps=[[step]] * n,
+        customized_info=io_struct.PickleWrapper(pickle.dumps({"k": [1, 2]})),
+        cached_tokens_details=[{"device": 1, "source": "host"}] * n,
+        dp_ranks=[0] * n,
+        time_stats=io_struct.PickleWrapper(pickle.dumps([{"t": 1.25}] * n)),
+        image_tokens=[0] * n,
+        spec_correct_drafts_histogram=[[1, 0]] * n,
+        input_top_logprobs_val_flat=[np.ones((1, 2), dtype=np.float32)] + [None] * (n - 1),
+        input_top_logprobs_idx_flat=[np.zeros((1, 2), dtype=np.int32)] + [None] * (n - 1),
+        input_top_logprobs_flat_null_prefix=[1] + [None] * (n - 1),
+    )
+
+
+BATCHES = [
+    (["Hello, wor", "Ünïcödé ✓ 日本", "def f(x):\n  return"], [None, None, None]),
+    (
+        ["Stop here. STOP and more", "ends with token", "to the length"],
+        [{"type": "stop", "matched": "STOP"}, {"type": "stop", "matched": 13}, {"type": "length", "length": 3}],
+    ),
+    (["aborted"], [{"type": "abort", "message": "gone", "status_code": 400, "err_type": None}]),
+    ([], []),
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return vocab("qwen2").hf
+
+
+def sglang_wire(obj) -> bytes:
+    """The bytes SGLang's msgpack sock_send puts on the socket."""
+    return io_struct.msgpack_encode(obj)
+
+
+@pytest.mark.parametrize("texts,finished", BATCHES)
+def test_a_forwarded_msgpack_batch_decodes_in_sglang_to_what_its_own_detokenizer_produces(tok, texts, finished):
+    frame = sglang_wire(token_batch(tok, texts, finished, step=1))
+    expected = sglang_detokenizer(tok).handle_batch_token_id_out(io_struct.msgpack_decode(frame))
+
+    codec = schema.MsgpackCodec()
+    mine = codec.decode(frame)
+    assert isinstance(mine, schema.BatchTokenIDOutput)
+    got = io_struct.msgpack_decode(codec.encode_str_output(mine, expected.output_strs))
+
+    assert type(got) is io_struct.BatchStrOutput
+    assert got.output_strs == expected.output_strs
+    assert got.routed_experts == expected.routed_experts and got.indexer_topk == expected.indexer_topk
+    assert got.finished_reasons == expected.finished_reasons
+    # Every field, numpy arrays and nested structs included: SGLang's own encoding agrees.
+    assert sglang_wire(got) == sglang_wire(expected)
+
+
+def test_the_typed_fields_read_what_sglang_sent(tok):
+    sent = token_batch(tok, ["one two", "three"], [None, {"type": "stop", "matched": 5}], step=2)
+    mine = schema.MsgpackCodec().decode(sglang_wire(sent))
+    assert mine.rids == sent.rids and mine.http_worker_ipcs == sent.http_worker_ipcs
+    assert mine.decode_ids == sent.decode_ids and all(isinstance(a, array) for a in mine.decode_ids)
+    assert mine.finished_reasons == sent.finished_reasons
+    for name in ("decoded_texts", "read_offsets", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+        assert getattr(mine, name) == getattr(sent, name), name
+    assert not schema.has_beam_search(mine)
+
+
+def test_a_msgpack_frame_travels_a_real_zmq_socket_unchanged(tok):
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sent = token_batch(tok, ["over the wire"], [None], step=1)
+        push.send(sglang_wire(sent))
+        assert pull.poll(5000)
+        mine = schema.MsgpackCodec().decode(pull.recv(copy=False).buffer)
+        assert mine.decode_ids == sent.decode_ids
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+
+
+def test_the_other_inbound_messages_decode_by_their_tag():
+    codec = schema.MsgpackCodec()
+    gc = codec.decode(sglang_wire(io_struct.FreezeGCReq(gc_threshold=[700, 10, 10])))
+    assert isinstance(gc, schema.FreezeGCReq) and gc.gc_threshold == [700, 10, 10]
+    log = codec.decode(sglang_wire(io_struct.ConfigureLoggingReq(log_level="debug", log_requests=True)))
+    assert isinstance(log, schema.ConfigureLoggingReq) and log.log_level == "debug"
+    emb = io_struct.BatchEmbeddingOutput(
+        rids=["e"], finished_reasons=[None], embeddings=[[0.5, 0.25]], prompt_tokens=[2],
+        cached_tokens=[0], placeholder_tokens_idx=None, placeholder_tokens_val=None,
+        pooled_hidden_states=[torch.ones(2)],
+    )
+    frame = sglang_wire(emb)
+    assert isinstance(codec.decode(frame), schema.BatchEmbeddingOutput)
+    assert schema.kind(codec.decode(frame)) == "BatchEmbeddingOutput"
+
+
+@pytest.mark.parametrize("texts,finished", BATCHES)
+def test_a_pickled_batch_rebuilt_by_detokd_unpickles_to_what_sglang_produces(tok, texts, finished):
+    sent = token_batch(tok, texts, finished, step=3)
+    # The pickle form carries the objects themselves, not PickleWrappers.
+    sent.time_stats = [{"t": 2.5}] * len(texts)
+    sent.customized_info = {"k": "v"}
+    frame = pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL)  # send_pyobj's bytes
+    expected = sglang_detokenizer(tok).handle_batch_token_id_out(pickle.loads(frame))
+
+    codec = schema.PickleCodec()
+    got = pickle.loads(codec.encode_str_output(codec.decode(frame), expected.output_strs))
+    assert type(got) is io_struct.BatchStrOutput
+    assert got.time_stats == expected.time_stats and got.routed_experts == expected.routed_experts
+    # Compare every field through a common encoding (PickleWrap the opaque ones).
+    for o in (got, expected):
+        o.time_stats = io_struct.PickleWrapper(pickle.dumps(o.time_stats))
+        o.customized_info = io_struct.PickleWrapper(pickle.dumps(o.customized_info))
+    assert sglang_wire(got) == sglang_wire(expected)
+
+
+def test_codec_follows_sglangs_pickle_switch(monkeypatch):
+    monkeypatch.setenv("SGLANG_USE_PICKLE_IPC", "0")
+    assert schema.codec().name == "msgpack"
+    monkeypatch.setenv("SGLANG_USE_PICKLE_IPC", "1")
+    assert schema.codec().name == "pickle"
+
+
+# ---------------------------------------------------------------- the schema check
+
+
+def test_check_passes_on_the_installed_sglang():
+    assert schema.SCHEMA == "sglang-0.5.23"
+    schema.check()
+
+
+def fields_of(cls) -> list[tuple[str, object]]:
+    return [(f, object) for f in cls.__struct_fields__]
+
+
+def test_check_names_a_field_sglang_added():
+    f = fields_of(io_struct.BatchTokenIDOutput)
+    f.insert(5, ("draft_ids", object))
+    copy = dataclasses.make_dataclass("BatchTokenIDOutput", f)
+    with pytest.raises(schema.SchemaMismatch, match=r"BatchTokenIDOutput: field 'draft_ids'.*new"):
+        schema.check({"BatchTokenIDOutput": copy})
+
+
+def test_check_names_a_field_sglang_removed():
+    f = [x for x in fields_of(io_struct.BatchStrOutput) if x[0] != "time_stats"]
+    with pytest.raises(schema.SchemaMismatch, match=r"BatchStrOutput: field 'time_stats'.*gone"):
+        schema.check({"BatchStrOutput": dataclasses.make_dataclass("BatchStrOutput", f)})
+
+
+def test_check_names_a_field_sglang_renamed():
+    f = [("decode_token_ids" if n == "decode_ids" else n, t) for n, t in fields_of(io_struct.BatchTokenIDOutput)]
+    with pytest.raises(schema.SchemaMismatch, match=r"BatchTokenIDOutput: field 'decode_token_ids'"):
+        schema.check({"BatchTokenIDOutput": dataclasses.make_dataclass("BatchTokenIDOutput", f)})
+
+
+def test_check_names_a_field_sglang_appended_to_a_request():
+    f = fields_of(io_struct.FreezeGCReq) + [("generation", object)]
+    with pytest.raises(schema.SchemaMismatch, match=r"FreezeGCReq: field 'generation'.*new"):
+        schema.check({"FreezeGCReq": dataclasses.make_dataclass("FreezeGCReq", f)})
+
+
+def test_check_names_a_field_the_detokenizer_now_fills_differently():
+    fills = schema.installed_fills()
+    fills["output_ids"] = "computed"
+    with pytest.raises(schema.SchemaMismatch, match=r"BatchStrOutput: field 'output_ids'"):
+        schema.check(fills=fills)
+
+
+def test_check_names_a_wire_config_change():
+    changed = msgspec.defstruct(
+        "ConfigureLoggingReq",
+        [(n, object) for n in io_struct.ConfigureLoggingReq.__struct_fields__],
+        tag=True, kw_only=True, array_like=False,
+    )
+    with pytest.raises(schema.SchemaMismatch, match=r"ConfigureLoggingReq: wire config array_like"):
+        schema.check({"ConfigureLoggingReq": changed})
