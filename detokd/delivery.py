@@ -129,16 +129,17 @@ class Delivery:
 
     def deliver(
         self,
-        encode_text: Callable[[list[OutRow]], bytes],
+        encode_text: Callable[[list[OutRow]], bytes | list[bytes]],
         encode_stopped: Callable[[list], bytes],
         lost: Callable[[int, list[OutRow]], list[OutRow]],
     ) -> None:
-        """Send the Outbox: each worker its batch rows in one message, the scheduler
-        its feedback. A worker's message lost to a full queue is the stall policy:
-        `lost(worker, rows)` fails their requests and returns the error rows the
-        worker is owed when it has room again."""
+        """Send the Outbox: each worker its batch rows in one message (or the few a
+        dialect needs for them), the scheduler its feedback. A worker's message lost
+        to a full queue is the stall policy: `lost(worker, rows)` fails their requests
+        and returns the error rows the worker is owed when it has room again."""
         for index, rows in self.outbox.take():
-            if not self.send(index, encode_text(rows)):
+            frames = encode_text(rows)
+            if not all([self.send(index, frame) for frame in (frames if type(frames) is list else (frames,))]):
                 log.warning("worker %d's queue is full: %d rows lost, their requests failed", index, len(rows))
                 self._owe(self.workers[index], lost(index, rows))
         stopped = self.outbox.take_stopped()

@@ -35,6 +35,7 @@ class Stats:
         self.aborts = 0
         self.evictions = 0
         self.gc_collected = 0  # objects the periodic collection freed: cycles someone made
+        self.clamped_ids = 0  # out-of-vocabulary ids a dialect mapped to 0 (SGLang's rule)
         self.errors: dict[str, int] = {}
         self.live = 0
         self.workers: dict[int, tuple[int, int, bool]] = {}  # index -> (sent, dropped, writable)
@@ -70,6 +71,7 @@ class _Collector:
             ("aborts", s.aborts, "requests aborted by the engine"),
             ("evictions", s.evictions, "requests evicted to stay within max_states"),
             ("gc_collected", s.gc_collected, "unreachable objects the periodic collection freed (cycles)"),
+            ("clamped_ids", s.clamped_ids, "out-of-vocabulary ids decoded as id 0, as SGLang's detokenizer does (sglang dialect)"),
         ):
             yield CounterMetricFamily(f"detokd_{name}", doc, value=value)
         errors = CounterMetricFamily("detokd_errors", "error rows sent, by kind", labels=["kind"])

@@ -12,11 +12,12 @@ from .records import OutRow, StoppedRow
 
 
 class Outbox:
-    __slots__ = ("rows", "stopped")
+    __slots__ = ("rows", "stopped", "due")
 
     def __init__(self) -> None:
         self.rows: dict[int, list[OutRow]] = {}  # worker -> this batch's rows, in order
         self.stopped: list[StoppedRow] = []  # this batch's feedback for the scheduler
+        self.due: set[int] = set()  # workers owed a message this batch even if it has no rows
 
     def open(self, worker: int) -> None:
         self.rows.setdefault(worker, [])
@@ -36,13 +37,19 @@ class Outbox:
         for rows in self.rows.values():
             rows.append(row)
 
+    def expect(self, worker: int) -> None:
+        """This batch owes `worker` a message even with no rows (SGLang answers an empty
+        batch with an empty one: its TokenizerManager's health check waits on it)."""
+        self.due.add(worker)
+
     def take(self) -> list[tuple[int, list[OutRow]]]:
         """Each worker's rows of this batch; the lists are left empty, in place."""
         out = []
         for worker, rows in self.rows.items():
-            if rows:
+            if rows or worker in self.due:
                 out.append((worker, rows[:]))
                 rows.clear()
+        self.due.clear()
         return out
 
     def take_stopped(self) -> list[StoppedRow]:

@@ -1,0 +1,265 @@
+"""The SGLang dialect: SGLang 0.5.23's detokenizer IPC over the shared core.
+
+SGLang's scheduler PUSHes BatchTokenIDOutput (column lists, one entry per request of the
+step) and the detokenizer answers each with one BatchStrOutput to the TokenizerManager,
+or, with several HTTP workers, one sub-batch to each worker the rows name. This module
+turns a batch into the core's rows and the core's output rows back into BatchStrOutput;
+detokd.sglang.schema holds the messages (both of SGLang's encodings: pickle, and msgpack
+with every field the detokenizer only copies forwarded as raw bytes).
+
+SGLang's rows carry no start or seq. A rid the table does not hold starts a request: its
+first row's decode_ids are the prompt context (decode_ids[:read_offset], at most five
+prompt ids) followed by output ids, as SGLang's scheduler builds them. A rid detokd ended
+itself (a tombstone: evicted, say) instead gets an abort finish reason, which SGLang's
+TokenizerManager turns into an error for the client (SGLang's own detokenizer raised and
+died there, #2812). Stop strings never reach the detokenizer: SGLang's scheduler withholds
+a row while the text could begin one, and trims on finish are SGLang's rules (the matched
+stop token is dropped unless no_stop_trim or a tool-call closing token). Where detokd
+differs from SGLang on purpose, docs/sglang.md says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..core.records import BAD_ROW, Finish, OutRow, Row, Start, StoppedRow
+from ..sglang import schema
+
+if TYPE_CHECKING:
+    from ..collector import Collector
+    from ..core.detokenizer import Detokenizer
+    from ..delivery import Delivery
+    from ..metrics import Stats
+
+log = logging.getLogger("detokd.wire.sglang")
+
+GPT_OSS_CALL = 200012  # <|call|>: a stop token SGLang keeps with the gpt-oss tool parser
+
+
+def _io():
+    """SGLang's io_struct: its own encoder and decoder, for the multi-worker split."""
+    from sglang.srt.managers import io_struct
+
+    return io_struct
+
+
+def abort_reason(error: str) -> dict:
+    """The finish reason of a row detokd could not decode: an abort, as SGLang's
+    FINISH_ABORT.to_json() spells it, so the client gets an error, not silence."""
+    return {"type": "abort", "message": f"detokd: {error}", "status_code": 500, "err_type": "InternalServerError"}
+
+
+class SglangDialect:
+    name = "sglang"
+
+    def __init__(
+        self,
+        core: Detokenizer,
+        delivery: Delivery,
+        collector: Collector,
+        stats: Stats,
+        *,
+        ipc: schema.MsgpackCodec | schema.PickleCodec,
+        vocab_size: int,
+        http_workers: bool = False,
+        keep_stop_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.core = core
+        self.delivery = delivery
+        self.collector = collector
+        self.stats = stats
+        self.ipc = ipc
+        self.size = vocab_size
+        self.http_workers = http_workers  # tokenizer_worker_num > 1: route rows by http_worker_ipcs
+        self.keep_stop_ids = keep_stop_ids  # stop tokens SGLang never trims (tool-call closers)
+        self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
+        self.batch: Any = None  # the BatchTokenIDOutput being answered
+        self.blank: Any = None  # its BatchStrOutput with empty texts, for splitting per worker
+        self.beam_warned = False
+
+    # --- inbound ------------------------------------------------------------------------
+
+    def handle(self, frame: bytes) -> bool:
+        try:
+            msg = self.ipc.decode(frame)
+        except Exception as exc:  # a frame of another schema, or not SGLang's at all
+            self.stats.bad_frames += 1
+            log.warning("bad frame (%d bytes): %s", len(frame), exc)
+            return False
+        kind = schema.kind(msg)
+        if kind == "BatchTokenIDOutput":
+            self.tokens(msg)
+        elif kind == "BatchEmbeddingOutput":
+            self.embeddings(msg, frame)
+        elif kind == "FreezeGCReq":
+            self.collector.freeze()
+        elif kind == "ConfigureLoggingReq":
+            if msg.log_level is not None:
+                logging.getLogger().setLevel(msg.log_level.upper())
+        else:
+            self.stats.bad_frames += 1
+            log.warning("%s is not a message for the detokenizer; ignored", kind)
+            return False
+        return True
+
+    def tokens(self, batch: Any) -> None:
+        """One scheduler step: each request's new ids become one core row."""
+        self.batch, self.blank = batch, None
+        if schema.has_beam_search(batch) and not self.beam_warned:
+            self.beam_warned = True
+            log.error("a batch carries beam-search results, which detokd does not decode: they pass through as they are")
+        rids = batch.rids or []
+        if not self.http_workers:
+            self.core.outbox.expect(0)  # an empty batch still gets its (empty) answer
+        get = self.core.table.states.get
+        tombstone = self.core.dead.get
+        ipcs = batch.http_worker_ipcs
+        rows = []
+        for i, rid in enumerate(rids):
+            worker = 0
+            if self.http_workers:
+                worker = self._worker(ipcs[i] if ipcs else None)
+                if worker is None:
+                    continue
+            ids = batch.decode_ids[i].tolist()
+            if ids and (max(ids) >= self.size or min(ids) < 0):
+                ids = self._clamp(ids)
+            finish, trim = self._finish(batch.finished_reasons[i], ids, batch.no_stop_trim[i])
+            if trim:
+                ids = ids[:-1]
+            st = get(rid)
+            if st is not None:
+                rows.append(Row(rid, ids, st.n_ids, None, finish, i))
+            elif tombstone(rid) is not None:
+                rows.append(Row(rid, ids, 0, None, finish, i))  # answered with its error
+            else:
+                context = batch.read_offsets[i]
+                start = Start(
+                    worker=worker,
+                    prompt_tail=ids[:context],
+                    skip_special_tokens=batch.skip_special_tokens[i],
+                    spaces_between_special_tokens=batch.spaces_between_special_tokens[i],
+                    no_stop_trim=batch.no_stop_trim[i],
+                )
+                rows.append(Row(rid, ids[context:], 0, start, finish, i))
+        self.core.tokens(rows)
+
+    def _finish(self, reason: dict | None, ids: list[int], no_stop_trim: bool) -> tuple[Finish | None, bool]:
+        """The core's Finish for SGLang's finish reason, and whether to drop the row's
+        last id first: SGLang's stop-token trim, which takes the last id to be the
+        matched one. A matched string is the core's engine-stop trim; nothing else is
+        trimmed (a list of stop ids: SGLang does not trim those either)."""
+        if reason is None:
+            return None, False
+        kind = str(reason.get("type", "abort"))
+        matched = reason.get("matched")
+        if type(matched) is int:
+            keep = no_stop_trim or not ids or ids[-1] in self.keep_stop_ids
+            return Finish(kind), not keep
+        return Finish(kind, matched if type(matched) is str else None), False
+
+    def _clamp(self, ids: list[int]) -> list[int]:
+        """SGLang decodes an id outside the vocabulary as id 0 (multimodal placeholders);
+        so does detokd, counted."""
+        size = self.size
+        out = [i if 0 <= i < size else 0 for i in ids]
+        self.stats.clamped_ids += sum(1 for a, b in zip(ids, out) if a != b)
+        return out
+
+    def _worker(self, ipc: str | None) -> int | None:
+        w = self.worker_of.get(ipc) if ipc is not None else None
+        if w is not None:
+            return w
+        if ipc is None:
+            self.stats.error(BAD_ROW)
+            log.warning("a row names no http worker ipc: it cannot be answered and is skipped")
+            return None
+        w = len(self.delivery.workers)
+        if not self.delivery.register(w, ipc):
+            return None
+        self.worker_of[ipc] = w
+        return w
+
+    def embeddings(self, msg: Any, frame: bytes) -> None:
+        """Not decoded: SGLang's detokenizer returns the message unchanged, so the frame
+        as received is what it would send (to each worker its rows, with several)."""
+        if not self.http_workers:
+            self.delivery.send(0, frame)
+            return
+        full = msg if self.ipc.name == "pickle" else _io().msgpack_decode(frame)
+        for worker, out in self._split(full, msg.http_worker_ipcs or []):
+            self.delivery.send(worker, self._encode_object(out))
+
+    # --- outbound -----------------------------------------------------------------------
+
+    def encode_text(self, rows: list[OutRow]) -> bytes | list[bytes]:
+        """The BatchStrOutput answering the batch in hand, for one worker's rows."""
+        batch = self.batch
+        if rows and all(type(row.meta) is not int for row in rows):
+            return []  # notices for requests of other batches only (evicted, or owed after a stall)
+        if not self.http_workers:
+            texts = [""] * len(batch.rids or [])
+            aborts = {}
+            for row in rows:
+                i = row.meta
+                if type(i) is not int:  # a notice for a request of another batch (evicted):
+                    continue  # its next row is answered from its tombstone instead
+                texts[i] = row.text
+                if row.error is not None:
+                    aborts[i] = abort_reason(row.error)
+            out = self.ipc.str_output(batch, texts)
+            if aborts:
+                out.finished_reasons = [aborts.get(i, r) for i, r in enumerate(out.finished_reasons)]
+            return self.ipc.encode(out)
+        mine = [row for row in rows if type(row.meta) is int]
+        if not mine:
+            return []
+        if self.blank is None:
+            blank = self.ipc.str_output(batch, [""] * len(batch.rids))
+            self.blank = blank if self.ipc.name == "pickle" else _io().msgpack_decode(self.ipc.encode(blank))
+        frames = []
+        for sub, picked in self._subsets(self.blank, [row.meta for row in mine], mine):
+            sub.output_strs = [row.text for row in picked]
+            sub.finished_reasons = [
+                abort_reason(row.error) if row.error is not None else r for row, r in zip(picked, sub.finished_reasons)
+            ]
+            frames.append(self._encode_object(sub))
+        return frames
+
+    def _encode_object(self, obj: Any) -> bytes:
+        """An SGLang message object, encoded as SGLang's sock_send would."""
+        if self.ipc.name == "pickle":
+            return self.ipc.encode(obj)
+        return _io().msgpack_encode(obj)
+
+    def _subsets(self, full: Any, indices: list[int], rows: list[OutRow]):
+        """SGLang's own split of a batch into one worker's rows: one sub-batch, or one
+        message per row where a field cannot be split (as its detokenizer falls back)."""
+        from sglang.srt.managers import multi_tokenizer_mixin as mt
+
+        ipcs = full.http_worker_ipcs
+        try:
+            sub = mt._handle_output_by_indices(full, indices)
+        except mt._CannotSplitBatch:
+            for index, row in zip(indices, rows):
+                one = mt._handle_output_by_index(full, index)
+                yield one, [row]
+            return
+        sub.http_worker_ipcs = None if ipcs is None else [ipcs[i] for i in indices]
+        yield sub, rows
+
+    def _split(self, full: Any, ipcs: list[str | None]):
+        by_worker: dict[int, list[int]] = {}
+        for i, ipc in enumerate(ipcs):
+            w = self._worker(ipc)
+            if w is not None:
+                by_worker.setdefault(w, []).append(i)
+        for w, indices in by_worker.items():
+            for sub, _ in self._subsets(full, indices, [None] * len(indices)):
+                yield w, sub
+
+    @staticmethod
+    def encode_stopped(rows: list[StoppedRow]) -> bytes:
+        # SGLang sends no stop strings, so detokd never finds one of its own.
+        raise AssertionError("the sglang dialect has no feedback socket")
