@@ -1,22 +1,31 @@
-"""Workers, their PUSH sockets, and one outgoing message per worker per batch.
+"""Delivery: every outbound socket, and what happens when a peer stops reading.
 
-Each worker gets its own PUSH socket with a bounded send queue. Sends never block:
-a worker that stops reading fills its own queue and only its requests fail
-(`worker_stalled`), while every other worker is served as before (SGLang #29366
-fanned out one message per request and stalled everyone behind one slow peer).
+Each worker gets its own PUSH socket with a bounded send queue, and so does the
+scheduler's feedback address. Sends never block: a worker that stops reading fills
+its own queue and only its requests fail (`worker_stalled`), while every other worker
+is served as before (SGLang #29366 fanned out one message per request and stalled
+everyone behind one slow peer). The whole stall policy is `deliver`: a lost message's
+requests are failed by the core, and the worker is owed their error rows, sent by
+`settle` once its queue has room again.
+
+Frames are encoded by the wire dialect; delivery only moves bytes.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 
-from .wire import native as protocol
-from .wire.native import OutRow
+from .core.outbox import Outbox
+from .core.records import OutRow
+from .metrics import Stats
 
 log = logging.getLogger("detokd.delivery")
+
+MAX_OWED = 65536  # error rows kept per worker for when it has room again
 
 
 @dataclass
@@ -26,32 +35,47 @@ class Worker:
     socket: zmq.Socket | None = None
     sent: int = 0  # messages
     dropped: int = 0  # messages that found the queue full
-    rows: list = field(default_factory=list)  # this batch's rows
-    owed: dict = field(default_factory=dict)  # rid -> error row a full queue kept from this worker
+    owed: dict[str, OutRow] = field(default_factory=dict)  # rid -> error row a full queue kept from this worker
 
 
-MAX_OWED = 65536  # error rows kept per worker for when it has room again
-
-
-class Router:
-    def __init__(self, ctx: zmq.Context, addresses: list[str], *, hwm: int, linger_ms: int, stats=None) -> None:
+class Delivery:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        outbox: Outbox,
+        workers: list[str],
+        *,
+        feedback: str | None,
+        hwm: int,
+        linger_ms: int,
+        stats: Stats,
+    ) -> None:
         self.ctx = ctx
+        self.outbox = outbox
         self.hwm = hwm
         self.linger_ms = linger_ms
-        self.stats = stats  # metrics.Stats: counts refused registers
+        self.stats = stats
         self.workers: dict[int, Worker] = {}
-        for i, address in enumerate(addresses):
-            if not self.register(i, address):
-                self.close()
-                raise ValueError(f"cannot connect to worker {i} at {address}")
+        self.feedback: zmq.Socket | None = None
+        try:
+            for i, address in enumerate(workers):
+                if not self.register(i, address):
+                    raise ValueError(f"cannot connect to worker {i} at {address}")
+            if feedback:
+                self.feedback = self._connect(feedback)
+        except (ValueError, zmq.ZMQError):
+            self.close()
+            raise
+
+    # --- destinations -------------------------------------------------------------------
 
     def register(self, index: int, address: str) -> bool:
         """Add worker `index`, or move it to a new address (it rebound elsewhere).
 
         Connects at once (ZMQ connects need no listener yet), so an address ZMQ refuses
         (malformed, an unknown transport, a path too long, no sockets left) is refused
-        here and the worker stays as it was: a bad `register` from the wire must not
-        take the loop down at its next send. False when refused.
+        here and the worker stays as it was: a bad address must not take the loop down
+        at its next send. False when refused.
         """
         w = self.workers.get(index)
         if w is not None and w.address == address:
@@ -59,14 +83,13 @@ class Router:
         try:
             sock = self._connect(address)
         except zmq.ZMQError as exc:
-            if self.stats is not None:
-                self.stats.error("bad_register")
+            self.stats.error("bad_register")
             log.warning("worker %d: cannot connect to %r (%s); register refused", index, address, exc.strerror)
             return False
         if w is None:
             self.workers[index] = Worker(index, address, sock)
+            self.outbox.open(index)
         else:
-            # Same Worker object: live requests hold its row list as their outbox.
             if w.socket is not None:
                 w.socket.close(linger=0)
             w.socket = sock
@@ -88,71 +111,61 @@ class Router:
             raise
         return s
 
-    def _socket(self, w: Worker) -> zmq.Socket:
-        if w.socket is None:  # only after close()
-            w.socket = self._connect(w.address)
-        return w.socket
-
-    def add(self, index: int, row: OutRow) -> None:
-        self.workers[index].rows.append(row)
-
-    def broadcast(self, row: OutRow) -> None:
-        for w in self.workers.values():
-            w.rows.append(row)
+    # --- sending ------------------------------------------------------------------------
 
     def send(self, index: int, frame: bytes) -> bool:
+        """Queue one frame for a worker; False when there is no such worker or its
+        queue is full (the frame is lost and counted)."""
         w = self.workers.get(index)
-        if w is None:
+        if w is None or w.socket is None:
             return False
         try:
-            self._socket(w).send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+            w.socket.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
         except zmq.Again:
             w.dropped += 1
             return False
         w.sent += 1
         return True
 
-    def flush(self) -> list[tuple[Worker, list[OutRow]]]:
-        """Send each worker its batch rows in one message; return what could not be queued."""
-        failed = []
-        encode, Text = protocol.encode, protocol.Text
-        for w in self.workers.values():
-            rows = w.rows
-            if not rows:
-                continue
-            frame = encode(Text(rows))
-            if not self.send(w.index, frame):
-                failed.append((w, list(rows)))
-            rows.clear()  # in place: live requests hold this list as their outbox
-        return failed
+    def deliver(
+        self,
+        encode_text: Callable[[list[OutRow]], bytes],
+        encode_stopped: Callable[[list], bytes],
+        lost: Callable[[int, list[OutRow]], list[OutRow]],
+    ) -> None:
+        """Send the Outbox: each worker its batch rows in one message, the scheduler
+        its feedback. A worker's message lost to a full queue is the stall policy:
+        `lost(worker, rows)` fails their requests and returns the error rows the
+        worker is owed when it has room again."""
+        for index, rows in self.outbox.take():
+            if not self.send(index, encode_text(rows)):
+                log.warning("worker %d's queue is full: %d rows lost, their requests failed", index, len(rows))
+                self._owe(self.workers[index], lost(index, rows))
+        stopped = self.outbox.take_stopped()
+        if stopped and self.feedback is not None:
+            try:
+                self.feedback.send(encode_stopped(stopped), zmq.NOBLOCK)
+            except zmq.Again:
+                self.stats.error("feedback_dropped")
+                log.warning("feedback queue full: %d stopped rows lost", len(stopped))
 
-    def owe(self, index: int, rows: list[OutRow]) -> None:
-        """Error rows for requests that failed because this worker's queue was full.
-
-        They leave (`settle`) once the queue has room again, so a worker that comes
-        back learns which of its requests failed even when the engine sends no more
-        rows for them (the lost message held their finishing rows).
-        """
-        owed = self.workers[index].owed
+    def _owe(self, w: Worker, rows: list[OutRow]) -> None:
+        owed = w.owed
         for row in rows:
             owed.pop(row.rid, None)
             owed[row.rid] = row
         while len(owed) > MAX_OWED:
             del owed[next(iter(owed))]
 
-    def settle(self, restarted) -> None:
+    def settle(self, encode_text: Callable[[list[OutRow]], bytes], restarted: Callable[[str], bool]) -> None:
         """Send owed error rows to each worker whose queue has room; `restarted(rid)`
         says a rid began a new request since, whose error this is not."""
         for w in self.workers.values():
             if not w.owed or not self.has_room(w):
                 continue
             rows = [row for rid, row in w.owed.items() if not restarted(rid)]
-            if rows:
-                try:
-                    w.socket.send(protocol.encode(protocol.Text(rows)), zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                w.sent += 1
+            if rows and not self.send(w.index, encode_text(rows)):
+                continue
             w.owed.clear()
 
     @staticmethod
@@ -160,8 +173,15 @@ class Router:
         """Whether the worker's send queue has room: ZMQ exposes no depth, only this."""
         return w.socket is not None and bool(w.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
 
+    def publish(self) -> None:
+        """Per-worker figures for /metrics."""
+        self.stats.workers = {w.index: (w.sent, w.dropped, self.has_room(w)) for w in self.workers.values()}
+
     def close(self) -> None:
         for w in self.workers.values():
             if w.socket is not None:
                 w.socket.close(linger=self.linger_ms)
                 w.socket = None
+        if self.feedback is not None:
+            self.feedback.close(linger=self.linger_ms)
+            self.feedback = None

@@ -192,7 +192,7 @@ def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show:
         wall = time.monotonic() - t0
         bad = []
         for i, ids in enumerate(outs):
-            want = vocab.hf.decode(tail + ids, skip_special_tokens=True)[len(vocab.hf.decode(tail, skip_special_tokens=True)) :]
+            want = vocab.reference(tail, ids)
             if "".join(texts[i]) != want:
                 bad.append(i)
         total = sum(len(o) for o in outs)

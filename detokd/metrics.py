@@ -42,6 +42,7 @@ class Stats:
         self.step_sum = 0.0
         self.step_max = 0.0
         self.last_turn = time.monotonic()
+        self.ready = False  # set once the tokenizer is loaded and every socket bound
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -109,6 +110,9 @@ class MetricsServer:
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 if self.path.split("?")[0] == "/health":
+                    if not stats.ready:
+                        self._reply(503, b"starting\n", "text/plain")
+                        return
                     idle = time.monotonic() - stats.last_turn
                     ok = idle <= timeout
                     body = (b"ok\n" if ok else f"loop stuck for {idle:.1f}s\n".encode())

@@ -42,6 +42,13 @@ class Vocab:
         # Same result without transformers' Python overhead (no clean-up to apply).
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def reference(self, tail: list[int], out: list[int], skip_special_tokens: bool = True) -> str:
+        """PROTOCOL.md's text of output ids `out` after prompt ids `tail`: what
+        streaming must add up to, `decode(tail + out)[len(decode(tail)):]`. The one
+        oracle of detokd's self-check, the demo, the benchmarks and the tests."""
+        full = self.decode(list(tail) + list(out), skip_special_tokens)
+        return full[len(self.decode(list(tail), skip_special_tokens)) :] if tail else full
+
     def decoder_types(self) -> list[str]:
         d = self.decoder
         if d is None:

@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from detokd import zoo  # noqa: E402
+from detokd.process import DetokdProcess, ipc_config  # noqa: E402
 from detokd.core.decoder import PieceCodec, ByteCodec, WindowCodec, make_codec  # noqa: E402
 from detokd.tokenizer import Vocab, load  # noqa: E402
 
@@ -46,9 +47,9 @@ def window_codec(name: str) -> WindowCodec:
 
 
 def oracle(v: Vocab, tail: list[int], out: list[int], skip: bool) -> str:
-    """PROTOCOL.md's text semantics, through transformers' own decode."""
-    full = v.hf.decode(tail + out, skip_special_tokens=skip)
-    return full[len(v.hf.decode(tail, skip_special_tokens=skip)) :]
+    """PROTOCOL.md's text semantics, through the tokenizer's own decode (Vocab.reference;
+    tests/test_tokenizer.py holds Vocab.decode to transformers' decode)."""
+    return v.reference(tail, out, skip)
 
 
 # The stop-string rules of docs/stop-strings.md, read naively: the oracle of the stop tests.
@@ -83,51 +84,21 @@ def alive(pid: int) -> bool:
         return False
 
 
-class Detokd:
+class Detokd(DetokdProcess):
     """A `detokd serve` subprocess on ipc:// addresses in a temporary folder."""
 
-    def __init__(self, folder: Path, workers: int = 1, args: list[str] = (), feedback: bool = False, tokenizer: str = "deepseek") -> None:
-        self.input = f"ipc://{folder}/in.sock"
-        self.workers = [f"ipc://{folder}/w{i}.sock" for i in range(workers)]
-        self.feedback = f"ipc://{folder}/fb.sock" if feedback else None
-        cmd = [sys.executable, "-m", "detokd", "serve", "--input", self.input, "--tokenizer", tokenizer, "--log-level", "info"]
-        for w in self.workers:
-            cmd += ["--worker", w]
-        if self.feedback:
-            cmd += ["--feedback", self.feedback]
-        self.log = open(folder / "detokd.log", "wb")
-        self.proc = subprocess.Popen([*cmd, *args], stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until the log says it serves: the input is bound and the tables are built."""
-        deadline = time.monotonic() + timeout
-        path = Path(self.log.name)
-        while time.monotonic() < deadline:
-            if b"serving:" in path.read_bytes():
-                return
-            if self.proc.poll() is not None:
-                raise AssertionError(f"detokd exited {self.proc.returncode}:\n{self.output()}")
-            time.sleep(0.05)
-        raise AssertionError(f"detokd not ready in {timeout}s:\n{self.output()}")
-
-    def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
-
-    def stop(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        finally:
-            self.log.close()
+    def __init__(
+        self, folder: Path, workers: int = 1, args: list[str] = (), feedback: bool = False, tokenizer: str = "deepseek", **settings
+    ) -> None:
+        cfg = ipc_config(folder, workers=workers, feedback=feedback, tokenizer=tokenizer, log_level="info", **settings)
+        super().__init__(cfg, args=args, folder=folder)
+        self.spawn()
 
 
 @pytest.fixture
 def detokd(tmp_path):
-    """Factory: `detokd(workers=2, args=[...])` starts a server; all are stopped at teardown."""
+    """Factory: `detokd(workers=2, args=[...], max_states=8)` starts a server (keywords
+    beyond the first few are config keys); all are stopped at teardown."""
     started: list[Detokd] = []
 
     def start(**kw) -> Detokd:
@@ -137,6 +108,4 @@ def detokd(tmp_path):
 
     yield start
     for d in started:
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(10)
+        d.kill()

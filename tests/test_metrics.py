@@ -25,7 +25,6 @@ from test_reliability import (
     metrics_port,
     scrape,
     wait_until,
-    write_config,
     zctx,  # noqa: F401 (fixture)
 )
 
@@ -36,8 +35,7 @@ def test_health_is_200_while_the_loop_turns_and_503_while_it_is_stuck(detokd, tm
     the timeout and /metrics still answers; once the loop turns again, 200, and the
     frames that waited are served exactly."""
     waiting = Req("waiting", make_ids(random.Random(1), 40))  # (loads the oracle now, not in the stall)
-    cfg = write_config(tmp_path, debug_ops=True, health_timeout=0.5)
-    d = detokd(args=["--config", cfg, "--metrics-port", "0"])
+    d = detokd(args=["--metrics-port", "0"], debug_ops=True, health_timeout=0.5)
     sink = Sink(zctx, d.workers[0])
     d.wait_ready()
     port = metrics_port(d)

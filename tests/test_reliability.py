@@ -251,19 +251,9 @@ class Engine:
         self.sock.close(linger=0)
 
 
-def write_config(folder: Path, **settings: Any) -> str:
-    """A TOML config file with these settings (the fixture's flags add input/workers)."""
-    lines = []
-    for k, v in settings.items():
-        lines.append(f"{k} = {json.dumps(v)}" if not isinstance(v, bool) else f"{k} = {'true' if v else 'false'}")
-    path = folder / "detokd.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
 def metrics_port(d) -> int:
     """The port detokd serves /health and /metrics on (it was told port 0: a free one)."""
-    m = wait_until(lambda: re.search(r"health and metrics on port (\d+)", d.output()), 30, "the metrics port in the log")
+    m = wait_until(lambda: re.search(r"health and metrics on port (\d+)", d.log()), 30, "the metrics port in the log")
     return int(m.group(1))
 
 
@@ -314,7 +304,7 @@ def shared(tmp_path_factory):
     try:
         d.wait_ready()
         yield types.SimpleNamespace(d=d, sinks=sinks, port=metrics_port(d), eng=Engine(ctx, d.input))
-        assert d.proc.poll() is None, d.output()[-3000:]
+        assert d.proc.poll() is None, d.log()[-3000:]
         assert d.stop() == 0
     finally:
         if d.proc.poll() is None:
@@ -534,14 +524,14 @@ def test_fuzz_hostile_frames_never_kill_or_corrupt(detokd, tmp_path, zctx):
             try:
                 eng.multipart(frame) if isinstance(frame, list) else eng.raw(frame)
             except AssertionError:
-                raise AssertionError(f"after a {kind} frame {frame[:200]!r}: {d.output()[-3000:]}") from None
+                raise AssertionError(f"after a {kind} frame {frame[:200]!r}: {d.log()[-3000:]}") from None
             sent_bad += 1
             expected_bad += bad
-        assert d.proc.poll() is None, f"detokd died:\n{d.output()[-5000:]}"
+        assert d.proc.poll() is None, f"detokd died:\n{d.log()[-5000:]}"
 
     for r in reqs:
         sinks[r.worker].wait(lambda r=r: sinks[r.worker].ended(r.rid), 60, f"{r.rid} to finish")
-    assert d.proc.poll() is None, f"detokd died:\n{d.output()[-5000:]}"
+    assert d.proc.poll() is None, f"detokd died:\n{d.log()[-5000:]}"
     for r in reqs:
         s = sinks[r.worker]
         assert s.errors(r.rid) == [], (r.rid, s.errors(r.rid))
@@ -569,7 +559,7 @@ def test_fuzz_hostile_frames_never_kill_or_corrupt(detokd, tmp_path, zctx):
                 assert all(r["error"] is not None and r["text"] == "" for r in rows), (rid, rows)
 
     assert d.stop() == 0
-    log_lines = d.output().splitlines()
+    log_lines = d.log().splitlines()
     print(f"{sent_bad} hostile frames ({expected_bad} bad), {valid_frames} valid frames, {len(log_lines)} log lines; {dict(hostile.counts)}")
     assert len(log_lines) < 300, "\n".join(log_lines[-100:])
     assert len(log_lines) < expected_bad / 30
@@ -747,8 +737,7 @@ def test_a_stalled_or_gone_worker_never_blocks_the_others(detokd, tmp_path, zctx
     rng = random.Random(6)
     # 500 messages: far more than a reading worker ever has queued (a burst while
     # ZMQ's I/O thread waits for a core), cheap to fill for a stuck one.
-    cfg = write_config(tmp_path, send_hwm=500, linger_ms=200)
-    d = detokd(workers=4, args=["--config", cfg, "--metrics-port", "0"])
+    d = detokd(workers=4, args=["--metrics-port", "0"], send_hwm=500, linger_ms=200)
     good = {0: Sink(zctx, d.workers[0]), 2: Sink(zctx, d.workers[2])}
     stuck = Sink(zctx, d.workers[1], read=False, rcvhwm=1)
     d.wait_ready()
@@ -870,15 +859,15 @@ def test_a_signal_under_load_stops_cleanly_with_consistent_output(detokd, zctx, 
         try:
             rc = d.proc.wait(15)
         except Exception:
-            raise AssertionError(f"no exit 15 s after {sig!r}:\n{d.output()[-3000:]}") from None
+            raise AssertionError(f"no exit 15 s after {sig!r}:\n{d.log()[-3000:]}") from None
         took = time.monotonic() - t0
         assert load.frames > sent_before, "the engine was not pushing when the signal came"
     finally:
         load.halt.set()
         load.join(5)
-    assert rc == 0, d.output()[-3000:]
+    assert rc == 0, d.log()[-3000:]
     assert took < 2.0 + 5, took  # linger_ms (2 s by default) + room for a loaded machine
-    assert "stopping" in d.output() and "Traceback" not in d.output()
+    assert "stopping" in d.log() and "Traceback" not in d.log()
     checked = 0
     for s in sinks:
         with s.cond:

@@ -10,12 +10,15 @@ is split into steps. The tests compare against a naive reading of these rules.
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import cut, first_stop
-from detokd.core.stops import StopScanner, automaton, trim_engine_stop
+from detokd.core import stops as stops_module
+from detokd.core.stops import CACHE_BYTES, StopAutomaton, StopScanner, automaton, trim_engine_stop
 
 # --- the rules, naively ---------------------------------------------------------------------
 
@@ -196,6 +199,77 @@ def test_each_step_scans_only_its_new_characters() -> None:
         assert len(sc.held) < max(map(len, stops))
         total += len(chunk)
     assert sc.scanned == total
+
+
+def test_a_long_held_stop_prefix_costs_each_step_only_its_new_characters() -> None:
+    """A 200,000-character stop fed a few characters at a time: the held tail grows to
+    almost all of it, and no step copies it (building held + text per step was
+    quadratic: 3M characters over 30,000 ids took 5.7 s)."""
+    stop = "ab" * 100_000
+    sc = StopScanner([stop, "zz"], False)
+    fed = 0
+    for k in range(0, len(stop) - 1, 7):
+        chunk = stop[k : min(k + 7, len(stop) - 1)]
+        before = sc.copied
+        assert sc.feed(chunk) == ("", None)
+        assert sc.copied == before  # nothing sent, nothing built
+        fed += len(chunk)
+    assert sc.scanned == fed and len(sc.held) == fed
+    # The held tail goes out whole once it can no longer be the stop, built once.
+    text, found = sc.feed("c")
+    assert (text, found) == (stop[:-1] + "c", None) and sc.copied == fed + 1
+
+
+def test_what_a_scanner_builds_is_what_it_sends_for_every_split() -> None:
+    """Characters built to send are exactly the characters sent, however the text is cut."""
+    stops = ["abcabd", "bca", "d" * 30]
+    text = ("abcab" + "d" * 29 + "x") * 50 + "abcabd"
+    for step in (1, 2, 3, 7, 31, len(text)):
+        sc = StopScanner(stops, True)
+        sent = ""
+        for k in range(0, len(text), step):
+            out, found = sc.feed(text[k : k + step])
+            sent += out
+            if found:
+                break
+        assert sc.copied == len(sent)
+        assert (sent, found) == cut(text, stops, True)
+
+
+def test_the_automaton_cache_is_bounded_in_bytes() -> None:
+    """Ten finished requests with one long stop string each must not pin their
+    automata forever (ten of 500,000 characters held 1.39 GB)."""
+    for k in range(10):
+        a = automaton([f"{k}" + "x" * 60_000])
+        assert a.nbytes > CACHE_BYTES // 5
+        assert stops_module._cache.nbytes <= CACHE_BYTES
+    assert len(stops_module._cache) < 10
+    assert automaton(["9" + "x" * 60_000]) is a  # the newest is still shared
+
+
+def test_an_automaton_bigger_than_the_cache_is_built_but_not_kept(monkeypatch) -> None:
+    monkeypatch.setattr(stops_module._cache, "max_bytes", 50_000)
+    big = ["Q" * 1000]
+    sc = StopScanner(big, False)
+    assert big[0] not in {s for key in stops_module._cache for s in key}
+    assert sc.feed("a" + "Q" * 1000) == ("a", big[0])
+
+
+@pytest.mark.parametrize("kind", ["one long", "cjk", "many short", "overlapping"])
+def test_an_automatons_size_estimate_is_not_below_what_it_holds(kind: str) -> None:
+    stops = {
+        "one long": ["x" * 20_000],
+        "cjk": ["".join(chr(0x4E00 + i % 700) for i in range(20_000))],
+        "many short": ["<|im_end|>", "</s>", "\n\nUser:", "Observation:"],
+        "overlapping": [("abcab" * 40)[i:] + str(i) for i in range(100)],
+    }[kind]
+    tracemalloc.start()
+    try:
+        a = StopAutomaton(stops)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held <= a.nbytes <= 2 * held + 20_000
 
 
 # --- the engine's own stop string -------------------------------------------------------------

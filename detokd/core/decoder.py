@@ -38,6 +38,7 @@ from ..tokenizer import Vocab
 log = logging.getLogger("detokd.core.decoder")
 
 REPLACEMENT = "\ufffd"
+PENDING_BYTES = 3  # the most bytes of an unfinished UTF-8 character
 _utf8_decode = codecs.utf_8_decode
 
 
@@ -60,27 +61,48 @@ class Codec(Protocol):
     def new(self, tail: list[int], skip_special: bool) -> Decoder: ...
 
 
-def _drop(decoder, text: str) -> str:
-    """Drop from committed text the characters that still belong to the prompt, and
-    settle the decoder's quick table."""
-    if decoder.skip and text:
-        text, decoder.skip = text[decoder.skip :], max(0, decoder.skip - len(text))
-    decoder.settle()
-    return text
-
-
-def _prime(decoder, tail: list[int]) -> None:
-    """Feed the prompt tail and count the characters of its text still to drop.
+class PromptDecoder:
+    """What the byte and piece decoders share: the prompt tail is fed first, and the
+    characters of its text that come out later are dropped from what they commit.
 
     The oracle's prompt text is the tail's full decode: what the decoder committed
     from it, plus what it still holds (an unfinished character, an open byte run) as
     `finish` would render it. The held part comes out again, completed or not, in
     the output's first committed text, and is dropped from there.
+
+    A subclass defines step and finish (each passing what it commits through
+    `_emit`), `held` (what it holds, rendered as finish would) and `settle` (sets
+    `quick` for its new state).
     """
-    if tail:
-        decoder.step(tail)
-        decoder.skip = len(decoder.held())
-    decoder.settle()
+
+    __slots__ = ("prompt_left", "quick")
+
+    def __init__(self) -> None:
+        self.prompt_left = 0  # characters of the prompt's text still to drop
+        self.quick: list[str | None] | None = None
+
+    def step(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def held(self) -> str:
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        raise NotImplementedError
+
+    def _prime(self, tail: list[int]) -> None:
+        if tail:
+            self.step(tail)  # the prompt's committed text: never output
+            self.prompt_left = len(self.held())
+        self.settle()
+
+    def _emit(self, text: str) -> str:
+        """Committed text, less the prompt's characters still in it; settles quick."""
+        left = self.prompt_left
+        if left and text:
+            text, self.prompt_left = text[left:], max(0, left - len(text))
+        self.settle()
+        return text
 
 
 # --- byte-level BPE ----------------------------------------------------------------------
@@ -99,39 +121,43 @@ def byte_level_alphabet() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
-class ByteDecoder:
+class ByteDecoder(PromptDecoder):
     """Bytes pending an incomplete character, and the tables to map ids to bytes.
 
-    Most tokens are whole characters on their own; `texts` holds their text, so the
+    Most tokens are whole characters on their own; `id_text` holds their text, so the
     common step (one id, nothing pending) is a list lookup with no UTF-8 decode.
     """
 
-    __slots__ = ("table", "texts", "pending", "skip", "quick")
+    __slots__ = ("id_bytes", "id_text", "pending")
 
-    def __init__(self, table: list[bytes], texts: list[str | None]) -> None:
-        self.table = table
-        self.texts = texts
+    def __init__(self, id_bytes: list[bytes], id_text: list[str | None]) -> None:
+        super().__init__()
+        self.id_bytes = id_bytes
+        self.id_text = id_text  # None where an id's bytes are no whole characters
         self.pending = b""
-        self.skip = 0
-        self.quick = texts
+        self.quick = id_text
 
     def settle(self) -> None:
-        self.quick = None if self.pending or self.skip else self.texts
+        self.quick = None if self.pending or self.prompt_left else self.id_text
 
     def step(self, ids: list[int]) -> str:
         if len(ids) == 1 and not self.pending:
-            text = self.texts[ids[0]]
-            if text is None:
-                text, n = _utf8_decode(self.table[ids[0]], "replace", False)
-                self.pending = self.table[ids[0]][n:]
+            i = ids[0]
+            text = self.id_text[i]
+            if text is not None:
+                if not self.prompt_left:
+                    return text  # nothing held before or after: quick stays as it is
+                return self._emit(text)
+            text, n = _utf8_decode(self.id_bytes[i], "replace", False)
+            self.pending = self.id_bytes[i][n:]
         else:
-            table = self.table
-            data = self.pending + b"".join([table[i] for i in ids])
+            id_bytes = self.id_bytes
+            data = self.pending + b"".join([id_bytes[i] for i in ids])
             # C's incremental UTF-8: invalid bytes become U+FFFD (maximal subparts, as
             # Rust's from_utf8_lossy), an incomplete character at the end stays pending.
             text, n = _utf8_decode(data, "replace", False)
             self.pending = data[n:]
-        return _drop(self, text)
+        return self._emit(text)
 
     def held(self) -> str:
         return _utf8_decode(self.pending, "replace", True)[0] if self.pending else ""
@@ -139,7 +165,7 @@ class ByteDecoder:
     def finish(self) -> str:
         text = self.held()
         self.pending = b""
-        return _drop(self, text)
+        return self._emit(text)
 
 
 def _whole(b: bytes) -> str | None:
@@ -156,54 +182,56 @@ class ByteCodec:
 
     def __init__(self, vocab: Vocab) -> None:
         alphabet = byte_level_alphabet()
-        table: list[bytes] = []
+        id_bytes: list[bytes] = []
         for tok in vocab.tokens:
             if tok is None:
-                table.append(b"")
+                id_bytes.append(b"")
             elif all(c in alphabet for c in tok):
-                table.append(bytes([alphabet[c] for c in tok]))
+                id_bytes.append(bytes([alphabet[c] for c in tok]))
             else:  # added tokens outside the byte alphabet decode to their own UTF-8
-                table.append(tok.encode())
+                id_bytes.append(tok.encode())
         self.vocab = vocab
-        self.keep = table
-        self.skip = [b"" if i in vocab.special else t for i, t in enumerate(table)]
-        self.keep_texts = [_whole(t) for t in self.keep]
-        self.skip_texts = [_whole(t) for t in self.skip]
+        # Each id's bytes, and its text where they are whole characters, with special
+        # tokens kept or skipped (skipped, they are empty).
+        self.bytes_keep_special = id_bytes
+        self.bytes_skip_special = [b"" if i in vocab.special else t for i, t in enumerate(id_bytes)]
+        self.text_keep_special = [_whole(t) for t in self.bytes_keep_special]
+        self.text_skip_special = [_whole(t) for t in self.bytes_skip_special]
 
     def new(self, tail: list[int], skip_special: bool) -> ByteDecoder:
         if skip_special:
-            d = ByteDecoder(self.skip, self.skip_texts)
+            d = ByteDecoder(self.bytes_skip_special, self.text_skip_special)
         else:
-            d = ByteDecoder(self.keep, self.keep_texts)
-        _prime(d, tail)
+            d = ByteDecoder(self.bytes_keep_special, self.text_keep_special)
+        d._prime(tail)
         return d
 
     def verify_tokens(self) -> list[int]:
         """Ids whose single-token decode disagrees with the table (should be none)."""
         ids = list(range(self.vocab.size))
         ref = self.vocab.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
-        return [i for i, r in zip(ids, ref) if self.keep[i].decode("utf-8", "replace") != r]
+        return [i for i, r in zip(ids, ref) if self.bytes_keep_special[i].decode("utf-8", "replace") != r]
 
 
 # --- per-token pieces (SentencePiece, WordPiece, Metaspace) ----------------------------------
 
 
-class PieceDecoder:
-    __slots__ = ("first", "next", "byte", "strip", "fresh", "run", "run_first", "skip", "quick")
+class PieceDecoder(PromptDecoder):
+    __slots__ = ("first", "next", "byte_of", "strip", "fresh", "run", "run_first")
 
     def __init__(self, codec: PieceCodec, skip_special: bool) -> None:
-        self.first = codec.first_skip if skip_special else codec.first_keep
-        self.next = codec.next_skip if skip_special else codec.next_keep
-        self.byte = codec.byte
+        super().__init__()
+        # Each id's text as the text's first token, and after another (None: skipped).
+        self.first = codec.first_skip_special if skip_special else codec.first_keep_special
+        self.next = codec.next_skip_special if skip_special else codec.next_keep_special
+        self.byte_of = codec.byte_of
         self.strip = codec.strip
         self.fresh = True  # no token has reached the decoder yet
         self.run: bytearray | None = None  # open ByteFallback run
         self.run_first = False
-        self.skip = 0
-        self.quick = None
 
     def settle(self) -> None:
-        self.quick = None if self.fresh or self.run is not None or self.skip else self.next
+        self.quick = None if self.fresh or self.run is not None or self.prompt_left else self.next
 
     def held(self) -> str:
         """The open byte run, rendered as if it ended here."""
@@ -225,9 +253,9 @@ class PieceDecoder:
 
     def step(self, ids: list[int]) -> str:
         out = []
-        byte = self.byte
+        byte_of = self.byte_of
         for i in ids:
-            b = byte[i]
+            b = byte_of[i]
             if b >= 0:
                 if self.run is None:
                     self.run = bytearray()
@@ -242,11 +270,10 @@ class PieceDecoder:
             if self.run is not None:
                 out.append(self._close_run())
             out.append(piece)
-        return _drop(self, "".join(out))
+        return self._emit("".join(out))
 
     def finish(self) -> str:
-        return _drop(self, self._close_run() if self.run is not None else "")
-
+        return self._emit(self._close_run() if self.run is not None else "")
 
 
 class PieceCodec:
@@ -263,7 +290,7 @@ class PieceCodec:
         self.strip = "Strip" in types
         fallback = "ByteFallback" in types
         n = vocab.size
-        self.byte = [-1] * n
+        self.byte_of = [-1] * n  # the byte a <0xXX> piece stands for, else -1
         first: list[str | None] = [None] * n
         nxt: list[str | None] = [None] * n
         for i, tok in enumerate(vocab.tokens):
@@ -272,20 +299,20 @@ class PieceCodec:
                 continue
             if fallback and len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
                 try:
-                    self.byte[i] = int(tok[3:5], 16)
+                    self.byte_of[i] = int(tok[3:5], 16)
                     continue
                 except ValueError:
                     pass
             first[i] = dec.decode([tok])
             pair = dec.decode([anchor, tok])
             nxt[i] = pair[len(base) :] if pair.startswith(base) else pair
-        self.first_keep, self.next_keep = first, nxt
-        self.first_skip = [None if i in vocab.special else p for i, p in enumerate(first)]
-        self.next_skip = [None if i in vocab.special else p for i, p in enumerate(nxt)]
+        self.first_keep_special, self.next_keep_special = first, nxt
+        self.first_skip_special = [None if i in vocab.special else p for i, p in enumerate(first)]
+        self.next_skip_special = [None if i in vocab.special else p for i, p in enumerate(nxt)]
 
     def new(self, tail: list[int], skip_special: bool) -> PieceDecoder:
         d = PieceDecoder(self, skip_special)
-        _prime(d, tail)
+        d._prime(tail)
         return d
 
 
@@ -295,10 +322,10 @@ class PieceCodec:
 class WindowDecoder:
     """Decodes a bounded window of ids with the tokenizer and commits what is stable.
 
-    Invariant: the first `done` characters of decode(window) have been committed
-    (or belong to the prompt). The last `hold` ids, an open byte run, and trailing
-    U+FFFD stay uncommitted; the window is cut at the front only where the cut
-    leaves the text's end unchanged, so `done` stays meaningful.
+    Invariant: the first `committed` characters of decode(window) have been sent
+    (or belong to the prompt). The last `hold` ids, an open byte run, and up to
+    PENDING_BYTES trailing U+FFFD stay uncommitted; the window is cut at the front only where the cut
+    leaves the text's end unchanged, so `committed` stays meaningful.
 
     With skip_special, special ids never enter the window: the tokenizer drops them
     before its decoder runs, so they are invisible to it. Kept, they would hide an
@@ -306,7 +333,7 @@ class WindowDecoder:
     unfinished character, pile up in a window that can never be cut.
     """
 
-    __slots__ = ("codec", "skip_special", "hidden", "ids", "done", "text")
+    __slots__ = ("codec", "skip_special", "hidden", "ids", "committed", "text")
     quick = None  # every step goes through the tokenizer
 
     def __init__(self, codec: WindowCodec, tail: list[int], skip_special: bool) -> None:
@@ -316,7 +343,7 @@ class WindowDecoder:
         hidden = self.hidden
         self.ids = [i for i in tail if i not in hidden]
         self.text = codec.vocab.decode(self.ids, skip_special) if tail else ""
-        self.done = len(self.text)  # the prompt's text is never emitted
+        self.committed = len(self.text)  # the prompt's text is never emitted
 
     def step(self, ids: list[int]) -> str:
         hidden = self.hidden
@@ -334,17 +361,23 @@ class WindowDecoder:
                 cut -= 1
         stable = decode(self.ids[:cut], self.skip_special) if cut > 0 else ""
         n = _common_prefix(stable, text)
-        while n > self.done and text[n - 1] == REPLACEMENT:
+        # A later id can still complete the character an incomplete UTF-8 sequence at
+        # the end stands for: at most 3 bytes, so at most 3 U+FFFD (one per byte, as
+        # ByteFallback renders them; one in all, as lossy UTF-8 does). Those before
+        # are final: backing off all of them left a run of broken bytes uncommitted,
+        # so the window could never be cut and each step decoded the whole run.
+        floor = max(self.committed, n - PENDING_BYTES)
+        while n > floor and text[n - 1] == REPLACEMENT:
             n -= 1
-        out = text[self.done : n] if n > self.done else ""
-        self.done = max(self.done, n)
+        out = text[self.committed : n] if n > self.committed else ""
+        self.committed = max(self.committed, n)
         self.text = text
         self._trim()
         return out
 
     def finish(self) -> str:
-        out = self.text[self.done :]
-        self.done = len(self.text)
+        out = self.text[self.committed :]
+        self.committed = len(self.text)
         return out
 
     def _trim(self) -> None:
@@ -358,8 +391,8 @@ class WindowDecoder:
             rest = self.ids[d:]
             text = codec.vocab.decode(rest, self.skip_special)
             gone = len(self.text) - len(text)
-            if 0 <= gone <= self.done and self.text.endswith(text):
-                self.ids, self.text, self.done = rest, text, self.done - gone
+            if 0 <= gone <= self.committed and self.text.endswith(text):
+                self.ids, self.text, self.committed = rest, text, self.committed - gone
                 return
 
 

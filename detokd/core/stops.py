@@ -10,23 +10,31 @@ the first half of a stop string and no other text waits.
 The stop that ends a request is the first to complete; where two complete on the
 same character, the longer (it began first). This rule gives the same answer for
 every split of the text into steps.
+
+The held tail is never stored as text: it is the prefix of a stop string that the
+automaton's state spells, so a step costs its new characters and what it sends,
+never the length of what is held (a long stop's prefix fed id by id was quadratic).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import sys
 from typing import Iterable
+
+from .bounded import BoundedMap
 
 
 class StopAutomaton:
     """The trie of the stop strings with failure links; shared by requests alike."""
 
-    __slots__ = ("goto", "fail", "depth", "match", "longest")
+    __slots__ = ("goto", "fail", "depth", "match", "spells", "longest", "nbytes")
 
     def __init__(self, stops: Iterable[str]) -> None:
         goto: list[dict[str, int]] = [{}]
         depth = [0]
         terminal: list[str | None] = [None]
+        spells = [""]  # a stop string whose first depth[state] characters are the state's
+        wide = 0  # edges on characters beyond Latin-1: each holds a str object of its own
         for s in stops:
             if not s:
                 continue
@@ -39,6 +47,8 @@ class StopAutomaton:
                     goto.append({})
                     depth.append(depth[state] + 1)
                     terminal.append(None)
+                    spells.append(s)
+                    wide += ch > "\xff"
                 state = nxt
             terminal[state] = s
         fail = [0] * len(goto)
@@ -53,8 +63,16 @@ class StopAutomaton:
                 if match[nxt] is None:
                     match[nxt] = match[fail[nxt]]
                 queue.append(nxt)
-        self.goto, self.fail, self.depth, self.match = goto, fail, depth, match
+        self.goto, self.fail, self.depth, self.match, self.spells = goto, fail, depth, match, spells
         self.longest = max(depth)
+        # Its memory, estimated: a state is a small dict and a slot in five lists (and
+        # ints past the small-int cache); the stop strings themselves; the wide chars.
+        self.nbytes = STATE_BYTES * len(goto) + WIDE_CHAR_BYTES * wide + sum(sys.getsizeof(s) for s in set(spells))
+
+    def spell(self, state: int) -> str:
+        """The text a state stands for: the longest tail of the text scanned that is a
+        prefix of some stop string."""
+        return self.spells[state][: self.depth[state]]
 
     def advance(self, state: int, ch: str) -> int:
         goto, fail = self.goto, self.fail
@@ -67,33 +85,46 @@ class StopAutomaton:
             state = fail[state]
 
 
-_cache: OrderedDict[tuple[str, ...], StopAutomaton] = OrderedDict()
+STATE_BYTES = 300  # measured on CPython 3.11: 500,000 states of one long stop hold 140 MB
+WIDE_CHAR_BYTES = 80
+CACHE_ENTRIES = 1024
+CACHE_BYTES = 64 << 20
+
+# Least recently used first out, bounded in bytes as well: a few requests with huge
+# stop strings must not pin gigabytes of automata after they end.
+_cache: BoundedMap[tuple[str, ...], StopAutomaton] = BoundedMap(CACHE_ENTRIES, CACHE_BYTES, lambda key, a: a.nbytes)
 
 
 def automaton(stops: list[str]) -> StopAutomaton:
-    """Requests of one deployment share a handful of stop lists: build each once."""
+    """Requests of one deployment share a handful of stop lists: build each once.
+
+    An automaton bigger than the whole cache is built for its request and not kept.
+    """
     key = tuple(stops)
     a = _cache.get(key)
     if a is None:
-        a = _cache[key] = StopAutomaton(key)
-        if len(_cache) > 1024:
-            _cache.popitem(last=False)
+        a = StopAutomaton(key)
+        _cache.put(key, a)
     else:
-        _cache.move_to_end(key)
+        _cache.refresh(key)
     return a
 
 
 class StopScanner:
-    """One request's position in its automaton, and the text it holds back."""
+    """One request's position in its automaton, which spells the text it holds back."""
 
-    __slots__ = ("ac", "state", "held", "keep", "scanned")
+    __slots__ = ("ac", "state", "keep_stop", "scanned", "copied")
 
     def __init__(self, stops: list[str], keep_stop: bool) -> None:
         self.ac = automaton(stops)
         self.state = 0
-        self.held = ""
-        self.keep = keep_stop  # no_stop_trim: the matched stop stays in the text
+        self.keep_stop = keep_stop  # no_stop_trim: the matched stop stays in the text
         self.scanned = 0  # characters fed in all, for the cost bound's test
+        self.copied = 0  # characters of the text it built to send, likewise
+
+    @property
+    def held(self) -> str:
+        return self.ac.spell(self.state)
 
     def feed(self, text: str) -> tuple[str, str | None]:
         """Scan new text; return (text safe to send, the stop string that completed)."""
@@ -101,25 +132,31 @@ class StopScanner:
             return "", None
         ac = self.ac
         advance, match = ac.advance, ac.match
-        state = self.state
+        start = state = self.state
         self.scanned += len(text)
         for k, ch in enumerate(text):
             state = advance(state, ch)
             s = match[state]
             if s is not None:
-                end = len(self.held) + k + 1
-                full = self.held + text
-                self.held, self.state = "", 0
-                return (full[:end] if self.keep else full[: end - len(s)]), s
+                self.state = 0
+                end = ac.depth[start] + k + 1  # in held + text
+                return self._sent(start, text, end if self.keep_stop else end - len(s)), s
         self.state = state
-        full = self.held + text
-        d = ac.depth[state]
-        self.held = full[len(full) - d :] if d else ""
-        return full[: len(full) - d], None
+        return self._sent(start, text, ac.depth[start] + len(text) - ac.depth[state]), None
+
+    def _sent(self, start: int, text: str, n: int) -> str:
+        """The first n characters of (what state `start` held) + text, built once."""
+        h = self.ac.depth[start]
+        self.copied += n
+        if n <= h:
+            return self.ac.spells[start][:n] if n else ""
+        if not h:
+            return text if n == len(text) else text[:n]
+        return self.ac.spells[start][:h] + text[: n - h]
 
     def flush(self) -> str:
         """End of stream: the held tail turned out not to be a stop string."""
-        held, self.held, self.state = self.held, "", 0
+        held, self.state = self.held, 0
         return held
 
 

@@ -1,83 +1,89 @@
 """The capacity-bounded request table, and a memory of rids that ended in error.
 
-A dict keeps insertion order, so the oldest live request is the first key: making
-room evicts it in O(1). The evicted state is handed back to the caller, which tells
-its worker at once (SGLang #2812: evicting silently, or rebuilding state later,
-drops text).
+Both are BoundedMaps: making room evicts the oldest entry in O(1). The evicted
+request states are handed back to the caller, which tells their workers at once
+(SGLang #2812: evicting silently, or rebuilding state later, drops text).
 """
 
 from __future__ import annotations
 
-from typing import Generic, Iterator, TypeVar
+import sys
+from typing import Generic, NamedTuple, TypeVar
+
+from .bounded import BoundedMap
 
 S = TypeVar("S")
 
+# What one tombstone costs besides its rid's characters: the OrderedDict's slot and
+# link node, the (worker, error) tuple and the worker's int (the error string is one
+# of the protocol's constants, shared).
+TOMBSTONE_OVERHEAD = 200
+TOMBSTONE_BYTES = 64 << 20  # default budget: about 300,000 tombstones of 36-character rids
 
-class RequestTable(Generic[S]):
-    __slots__ = ("capacity", "states")
+
+class RequestTable(BoundedMap[str, S], Generic[S]):
+    """rid -> request state, at most `capacity` of them; the oldest is evicted first."""
+
+    __slots__ = ()
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
-        self.capacity = capacity
-        self.states: dict[str, S] = {}
+        super().__init__(capacity)
 
-    def get(self, rid: str) -> S | None:
-        return self.states.get(rid)
+    @property
+    def capacity(self) -> int:
+        return self.max_len
+
+    @property
+    def states(self):
+        """The rid -> state mapping itself, for the loop's bound `states.get`."""
+        return self.data
 
     def put(self, rid: str, state: S) -> list[tuple[str, S]]:
-        """Insert a new request; return the (rid, state) pairs evicted to make room."""
-        evicted = []
-        states = self.states
-        while len(states) >= self.capacity:
-            old = next(iter(states))
-            evicted.append((old, states.pop(old)))
-        states[rid] = state
-        return evicted
+        """Insert a request as the newest; return the (rid, state) pairs evicted to make room."""
+        return super().put(rid, state)
 
-    def pop(self, rid: str) -> S | None:
-        return self.states.pop(rid, None)
 
-    def clear(self) -> int:
-        n = len(self.states)
-        self.states.clear()
-        return n
+class Tomb(NamedTuple):
+    worker: int  # whose request it was
+    error: str  # the error word it ended with
 
-    def __len__(self) -> int:
-        return len(self.states)
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self.states
-
-    def items(self) -> Iterator[tuple[str, S]]:
-        return iter(list(self.states.items()))
+def tombstone_cost(rid: str, tomb: Tomb) -> int:
+    return sys.getsizeof(rid) + TOMBSTONE_OVERHEAD
 
 
 class Tombstones:
-    """rid -> (worker, error) for requests detokd ended itself, bounded.
+    """rid -> Tomb(worker, error) for requests detokd ended itself, bounded in entries and
+    in bytes (rids are the peer's strings, of any length).
 
     A later row of such a rid is answered with the same error, to its own worker,
-    instead of a broadcast "unknown_rid".
+    instead of a broadcast "unknown_rid". A rid too long for the whole byte budget
+    is not remembered: its later rows get "unknown_rid".
     """
 
-    __slots__ = ("capacity", "dead")
+    __slots__ = ("dead",)
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.dead: dict[str, tuple[int, str]] = {}
+    def __init__(self, capacity: int, max_bytes: int = TOMBSTONE_BYTES) -> None:
+        self.dead: BoundedMap[str, Tomb] = BoundedMap(capacity, max_bytes, tombstone_cost)
+
+    @property
+    def capacity(self) -> int:
+        return self.dead.max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.dead.nbytes
 
     def add(self, rid: str, worker: int, error: str) -> None:
-        dead = self.dead
-        dead.pop(rid, None)
-        dead[rid] = (worker, error)
-        while len(dead) > self.capacity:
-            del dead[next(iter(dead))]
+        self.dead.put(rid, Tomb(worker, error))
 
-    def get(self, rid: str) -> tuple[int, str] | None:
+    def get(self, rid: str) -> Tomb | None:
         return self.dead.get(rid)
 
     def discard(self, rid: str) -> None:
-        self.dead.pop(rid, None)
+        self.dead.pop(rid)
 
     def __len__(self) -> int:
         return len(self.dead)

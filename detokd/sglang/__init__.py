@@ -1,1 +1,2 @@
-"""detokd as SGLang's detokenizer process: its IPC schema, plugin and process."""
+"""detokd as SGLang's detokenizer: its IPC schema (schema), the plugin (plugin), the process
+SGLang starts (process), and a replay harness around any detokenizer process (replay)."""

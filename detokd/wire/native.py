@@ -1,46 +1,47 @@
-"""The wire messages of PROTOCOL.md v1 as msgspec Structs.
+"""The native dialect: PROTOCOL.md v1 (docs/protocol.md) over ZMQ.
 
 One ZMQ frame holds one MessagePack map; `type` tags the message. Unknown keys are
 ignored and missing optional keys take their defaults, so older and newer peers
-interoperate. `meta` and embedding `data` stay msgspec.Raw: they are copied into
-the output as the exact bytes that came in, never decoded.
+interoperate. v1's rows are the core's records (detokd.core.records) as they are;
+this module adds the envelopes and the dispatch. `meta` and embedding `data` stay
+msgspec.Raw: they are copied into the output as the exact bytes that came in,
+never decoded.
 """
 
 from __future__ import annotations
 
-from typing import Union
+import logging
+import time
+from typing import TYPE_CHECKING, Union
 
 import msgspec
 from msgspec import Raw, Struct
 
-NIL = Raw(b"\xc0")  # MessagePack nil, the default of every opaque field
+from ..core.records import (  # noqa: F401 (v1's rows and error words, re-exported for peers)
+    BAD_IDS,
+    BAD_ROW,
+    BAD_START,
+    ERRORS,
+    EVICTED,
+    INTERNAL,
+    NIL,
+    SEQUENCE_GAP,
+    UNKNOWN_RID,
+    WORKER_STALLED,
+    Finish,
+    OutRow,
+    Row,
+    Start,
+    StoppedRow,
+)
 
+if TYPE_CHECKING:
+    from ..collector import Collector
+    from ..core.detokenizer import Detokenizer
+    from ..delivery import Delivery
+    from ..metrics import Stats
 
-# Schedulers encode Start and Row (detokd.client): keys at their default are left
-# out, as PROTOCOL.md allows, which halves a one-id row and its decode.
-class Start(Struct, frozen=True, gc=False, omit_defaults=True):
-    worker: int = 0
-    vid: int = 0
-    prompt_tail: list[int] = []
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    stop: list[str] = []
-    no_stop_trim: bool = False
-    stream: bool = True
-
-
-class Finish(Struct, frozen=True, gc=False):
-    reason: str
-    matched: Union[str, int, None] = None
-
-
-class Row(Struct, gc=False, omit_defaults=True):
-    rid: str
-    ids: list[int] = []
-    seq: int = 0
-    start: Union[Start, None] = None
-    finish: Union[Finish, None] = None
-    meta: Raw = NIL
+log = logging.getLogger("detokd.wire.native")
 
 
 class Tokens(Struct, tag_field="type", tag="tokens"):
@@ -74,42 +75,13 @@ class Control(Struct, tag_field="type", tag="control"):
 Inbound = Union[Tokens, Embeddings, Abort, Register, Control]
 
 
-class OutRow(Struct, gc=False):
-    rid: str
-    text: str = ""
-    finish: Union[Finish, None] = None
-    n_ids: int = 0
-    meta: Raw = NIL
-    error: Union[str, None] = None
-
-
 class Text(Struct, tag_field="type", tag="text"):
     rows: list[OutRow]
-
-
-class StoppedRow(Struct):
-    rid: str
-    vid: int
-    matched: str
-    n_ids: int
 
 
 class Stopped(Struct, tag_field="type", tag="stopped"):
     rows: list[StoppedRow]
 
-
-# Error words of OutRow.error. The first four are PROTOCOL.md's; the rest are
-# detokd's documented extensions (docs/protocol.md).
-UNKNOWN_RID = "unknown_rid"
-EVICTED = "evicted"
-SEQUENCE_GAP = "sequence_gap"
-BAD_IDS = "bad_ids"
-BAD_ROW = "bad_row"  # the row did not match the schema (wrong type, missing rid...)
-BAD_START = "bad_start"  # start names a worker detokd has no address for
-WORKER_STALLED = "worker_stalled"  # an earlier message for this rid could not be queued
-INTERNAL = "internal"  # an unexpected failure while decoding this rid; the rest go on
-
-ERRORS = (UNKNOWN_RID, EVICTED, SEQUENCE_GAP, BAD_IDS, BAD_ROW, BAD_START, WORKER_STALLED, INTERNAL)
 
 _inbound = msgspec.msgpack.Decoder(Inbound)
 
@@ -160,3 +132,81 @@ def _rid_of(raw: Raw) -> str | None:
         return _str.decode(_rid_only.decode(raw)["rid"])
     except (DecodeError, KeyError):
         return None
+
+
+def encode_text(rows: list[OutRow]) -> bytes:
+    return encode(Text(rows))
+
+
+def encode_stopped(rows: list[StoppedRow]) -> bytes:
+    return encode(Stopped(rows))
+
+
+class NativeDialect:
+    """Frames of PROTOCOL v1 in, the core's calls and delivery's passthrough out."""
+
+    name = "native"
+
+    def __init__(self, core: Detokenizer, delivery: Delivery, collector: Collector, stats: Stats, *, debug_ops: bool = False) -> None:
+        self.core = core
+        self.delivery = delivery
+        self.collector = collector
+        self.stats = stats
+        self.debug_ops = debug_ops
+
+    encode_text = staticmethod(encode_text)
+    encode_stopped = staticmethod(encode_stopped)
+
+    def handle(self, frame: bytes) -> bool:
+        """One inbound frame: decode it and do what it says. A frame that does not
+        decode is counted; the rows of a tokens frame that still decode go on.
+        False when the frame held no message at all."""
+        try:
+            msg = decode_inbound(frame)
+        except Exception as exc:  # DecodeError; RecursionError for nesting deeper than msgspec goes
+            self.stats.bad_frames += 1
+            log.warning("bad frame (%d bytes): %s", len(frame), exc)
+            try:
+                salvaged = salvage_rows(frame)
+            except Exception:
+                salvaged = None
+            if salvaged is None:
+                return False
+            rows, bad = salvaged
+            self.core.bad_rows(bad)
+            msg = Tokens(rows)
+        kind = type(msg)
+        if kind is Tokens:
+            self.core.tokens(msg.rows)
+        elif kind is Embeddings:
+            self.embeddings(msg.rows)
+        elif kind is Abort:
+            self.core.abort(msg.rids)
+        elif kind is Register:
+            self.delivery.register(msg.worker, msg.address)
+        elif kind is Control:
+            self.control(msg.op)
+        return True
+
+    def embeddings(self, rows: list[EmbeddingRow]) -> None:
+        """Not decoded: each worker gets its rows in one `embeddings` message."""
+        by_worker: dict[int, list[EmbeddingRow]] = {}
+        for row in rows:
+            by_worker.setdefault(row.worker, []).append(row)
+        for worker, batch in by_worker.items():
+            if not self.delivery.known(worker):
+                self.stats.error(BAD_START)
+                log.warning("embeddings for worker %d, which has no address: %d rows dropped", worker, len(batch))
+                continue
+            if not self.delivery.send(worker, encode(Embeddings(batch))):
+                self.stats.error(WORKER_STALLED)
+
+    def control(self, op: str) -> None:
+        if op == "freeze_gc":
+            self.collector.freeze()
+        elif op == "flush":
+            log.info("flush: dropped %d request states", self.core.flush())
+        elif self.debug_ops and op.startswith("debug_stall:"):
+            time.sleep(float(op.split(":", 1)[1]))
+        else:
+            log.warning("unknown control op %r ignored", op)

@@ -1,0 +1,81 @@
+"""The core's records: a request's rows in, its output rows out.
+
+The core consumes `Row`s and produces `OutRow`s whatever wire they came on. PROTOCOL.md
+v1 was designed around these shapes, so the native dialect decodes its frames straight
+into them (detokd.wire.native adds only the envelopes); another dialect builds them
+from its own messages. `meta` is opaque to the core: it comes back, untouched, on the
+output row of the same input row (the native dialect keeps the frame's raw bytes there,
+another dialect its own handle to the row's other fields).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from msgspec import Raw, Struct
+
+NIL = Raw(b"\xc0")  # MessagePack nil, the default of every opaque field
+
+
+# Schedulers encode Start and Row (detokd.client): keys at their default are left
+# out, as PROTOCOL.md allows, which halves a one-id row and its decode.
+class Start(Struct, frozen=True, gc=False, omit_defaults=True):
+    worker: int = 0
+    vid: int = 0
+    prompt_tail: list[int] = []
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop: list[str] = []
+    no_stop_trim: bool = False
+    stream: bool = True
+
+
+class Finish(Struct, frozen=True, gc=False):
+    reason: str
+    matched: Union[str, int, None] = None
+
+
+class Row(Struct, gc=False, omit_defaults=True):
+    rid: str
+    ids: list[int] = []
+    seq: int = 0
+    start: Union[Start, None] = None
+    finish: Union[Finish, None] = None
+    meta: Raw = NIL
+
+
+class OutRow(Struct, gc=False):
+    rid: str
+    text: str = ""
+    finish: Union[Finish, None] = None
+    n_ids: int = 0
+    meta: Raw = NIL
+    error: Union[str, None] = None
+
+
+class StoppedRow(Struct):
+    """A stop string detokd found itself: the scheduler may stop generating `rid`."""
+
+    rid: str
+    vid: int
+    matched: str
+    n_ids: int
+
+
+def error_row(rid: str, error: str, *, n_ids: int = 0, meta: Raw = NIL) -> OutRow:
+    """The row that fails a request: no text, no finish, why in `error`."""
+    return OutRow(rid, "", None, n_ids, meta, error)
+
+
+# Error words of OutRow.error. The first four are PROTOCOL.md's; the rest are
+# detokd's documented extensions (docs/protocol.md).
+UNKNOWN_RID = "unknown_rid"
+EVICTED = "evicted"
+SEQUENCE_GAP = "sequence_gap"
+BAD_IDS = "bad_ids"
+BAD_ROW = "bad_row"  # the row did not match the schema (wrong type, missing rid...)
+BAD_START = "bad_start"  # start names a worker detokd has no address for
+WORKER_STALLED = "worker_stalled"  # an earlier message for this rid could not be queued
+INTERNAL = "internal"  # an unexpected failure while decoding this rid; the rest go on
+
+ERRORS = (UNKNOWN_RID, EVICTED, SEQUENCE_GAP, BAD_IDS, BAD_ROW, BAD_START, WORKER_STALLED, INTERNAL)

@@ -1,0 +1,635 @@
+"""Replay a scripted scheduler stream through an SGLang-compatible detokenizer process.
+
+Three pieces, each usable alone by tests and benchmark scripts:
+
+- `Scripted`: a typed record of one request (prompt, outputs, per-step chunking, flags,
+  finish kind, HTTP worker, which passthrough fields carry fake values).
+- `build_stream`: the per-step `BatchTokenIDOutput` messages, made by SGLang's own
+  scheduler-side builder (`Req` + `_GenerationStreamAccumulator` of
+  scheduler_components/output_streamer.py), not by a re-implementation of it.
+- `DetokenizerProcess`: a detokenizer started the way SGLang's Engine starts it (spawn,
+  `target(server_args, port_args)`), fed by a fake scheduler (PUSH, SGLang's `sock_send`)
+  and drained by fake TokenizerManagers (PULL, SGLang's `sock_recv`).
+
+SGLang picks its IPC encoding once, at import of io_struct, from SGLANG_USE_PICKLE_IPC.
+A test process needs both encodings, so `ipc_encoding` sets the module flag and the
+environment (which spawned children inherit, before they import sglang) together.
+Messages must be built under the encoding they are sent with: in msgpack mode
+time_stats / customized_info are PickleWrapper frames, in pickle mode plain objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from array import array
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+
+import msgspec
+
+Encoding = Literal["pickle", "msgpack"]
+FinishKind = Literal["length", "matched_token", "matched_str", "abort"]
+
+# Rows whose rid starts with this end every exchange: once each receiver has seen its
+# fence, everything sent before it has arrived (one PUSH per receiver keeps order).
+FENCE_PREFIX = "__replay_fence__"
+
+
+class Scripted(msgspec.Struct, frozen=True, kw_only=True):
+    """One request as the scheduler would stream it."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    # Tokens appended per step (speculative decoding / multi-token steps); None = 1 each.
+    chunks: list[int] | None = None
+    # Step of the first chunk; later chunks land on consecutive steps.
+    first_step: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # matched_token: the last output id is the stop token; matched_str: `stop_str` ends
+    # the generated text; abort: FINISH_ABORT(abort_message).
+    finish: FinishKind = "length"
+    stop_str: str | None = None
+    abort_message: str | None = None
+    http_worker: int = 0
+    # Fake, deterministic passthrough payloads of the right shapes.
+    logprobs: bool = False
+    hidden_states: bool = False
+    routed_experts: bool = False
+    indexer_topk: bool = False
+    customized_info: bool = False
+    cached_tokens: int = 0
+    # Chunk index after which the scheduler retracts and later resumes the request.
+    retract_after_chunk: int | None = None
+
+    def steps(self) -> list[list[int]]:
+        """The output ids appended at each of the request's steps."""
+        sizes = self.chunks if self.chunks is not None else [1] * len(self.output_ids)
+        if sum(sizes) != len(self.output_ids) or any(n < 1 for n in sizes):
+            raise ValueError(f"{self.rid}: chunks {sizes} do not partition {len(self.output_ids)} outputs")
+        out, at = [], 0
+        for n in sizes:
+            out.append(self.output_ids[at : at + n])
+            at += n
+        return out
+
+
+class Accumulated(msgspec.Struct, kw_only=True):
+    """What a TokenizerManager assembles for one request lifetime."""
+
+    rid: str
+    text: str = ""
+    chunks: list[str] = msgspec.field(default_factory=list)
+    finished_reason: dict | None = None
+    output_ids: list[int] = msgspec.field(default_factory=list)
+
+
+# --- encoding -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def ipc_encoding(encoding: Encoding) -> Iterator[None]:
+    """Make SGLang's sock_send / sock_recv / wrap_as_pickle (and spawned children) use
+    `encoding` for the duration."""
+    from sglang.srt.managers import io_struct
+
+    if encoding not in ("pickle", "msgpack"):
+        raise ValueError(encoding)
+    saved_env = os.environ.get("SGLANG_USE_PICKLE_IPC")
+    saved_flag = io_struct._USE_PICKLE_IPC
+    os.environ["SGLANG_USE_PICKLE_IPC"] = "1" if encoding == "pickle" else "0"
+    io_struct._USE_PICKLE_IPC = encoding == "pickle"
+    try:
+        yield
+    finally:
+        io_struct._USE_PICKLE_IPC = saved_flag
+        if saved_env is None:
+            os.environ.pop("SGLANG_USE_PICKLE_IPC", None)
+        else:
+            os.environ["SGLANG_USE_PICKLE_IPC"] = saved_env
+
+
+# --- builder --------------------------------------------------------------------------
+
+
+def _finish_reason(s: Scripted):
+    from sglang.srt.managers import schedule_batch as sb
+
+    if s.finish == "length":
+        return sb.FINISH_LENGTH(length=len(s.output_ids))
+    if s.finish == "matched_token":
+        return sb.FINISH_MATCHED_TOKEN(matched=s.output_ids[-1])
+    if s.finish == "matched_str":
+        if not s.stop_str:
+            raise ValueError(f"{s.rid}: matched_str needs stop_str")
+        return sb.FINISH_MATCHED_STR(matched=s.stop_str)
+    return sb.FINISH_ABORT(message=s.abort_message)
+
+
+def _make_req(s: Scripted, ipc: str | None, tokenizer: Any):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sp = SamplingParams(
+        max_new_tokens=max(len(s.output_ids), 1) + 1,
+        skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=s.spaces_between_special_tokens,
+        no_stop_trim=s.no_stop_trim,
+        stop=[s.stop_str] if s.stop_str else None,
+    )
+    sp.normalize(tokenizer)
+    req = Req(
+        s.rid,
+        "",
+        array("q", s.prompt_ids),
+        sp,
+        return_logprob=s.logprobs,
+        top_logprobs_num=2 if s.logprobs else 0,
+        stream=True,
+        return_hidden_states=s.hidden_states,
+        return_routed_experts=s.routed_experts,
+        return_indexer_topk=s.indexer_topk,
+        http_worker_ipc=ipc,
+    )
+    # Req.tail_str decodes with it when holding back a stop-string prefix.
+    req.tokenizer = tokenizer
+    req.cached_tokens = s.cached_tokens
+    if s.logprobs:
+        n = len(s.prompt_ids)
+        lp = req.logprob
+        lp.input_token_logprobs_val = [None] + [-(i + 1) / 16 for i in range(n - 1)]
+        lp.input_token_logprobs_idx = list(s.prompt_ids)
+        lp.input_top_logprobs_val = [None] + [[-0.5, -1.5] for _ in range(n - 1)]
+        lp.input_top_logprobs_idx = [None] + [[t, 0] for t in s.prompt_ids[1:]]
+        lp.input_token_ids_logprobs_val = [None] * n
+        lp.input_token_ids_logprobs_idx = [None] * n
+        for name in ("val", "idx"):
+            for kind in ("token", "top", "token_ids"):
+                setattr(lp, f"output_{kind}_logprobs_{name}", [])
+    if s.customized_info:
+        req.customized_info = {"probe": []}
+    return req
+
+
+def _advance(req, s: Scripted, chunk: list[int], last: bool) -> None:
+    """What a decode step leaves on the Req: new ids and their per-token payloads."""
+    import torch
+
+    base = len(req.output_ids)
+    req.output_ids.extend(chunk)
+    for k, tok in enumerate(chunk):
+        pos = base + k
+        if s.logprobs:
+            lp = req.logprob
+            lp.output_token_logprobs_val.append(-(pos + 1) / 8)
+            lp.output_token_logprobs_idx.append(tok)
+            lp.output_top_logprobs_val.append([-(pos + 1) / 8, -4.0])
+            lp.output_top_logprobs_idx.append([tok, 0])
+            lp.output_token_ids_logprobs_val.append(None)
+            lp.output_token_ids_logprobs_idx.append(None)
+        if s.hidden_states:
+            req.hidden_states.append([pos + 0.25, -pos - 0.5, 1.0])
+        if s.customized_info:
+            req.customized_info["probe"].append(f"{s.rid}:{pos}")
+    total = len(s.prompt_ids) + len(req.output_ids)
+    if s.routed_experts:
+        req.routed_experts = torch.arange(total * 2 * 2, dtype=torch.int32).reshape(total, 2, 2)
+    if s.indexer_topk:
+        req.indexer_topk = torch.arange(total * 3, dtype=torch.int32).reshape(total, 3) * 7
+    if last:
+        req.finished_reason = _finish_reason(s)
+        req.finished_len = len(req.output_ids)
+
+
+def _accumulator(return_logprob: bool, reqs: Sequence[Any], cached_details: Callable):
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler_components.output_streamer import _GenerationStreamAccumulator
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    # The batch-level flags of OutputStreamer._stream_output_generation.
+    return _GenerationStreamAccumulator(
+        return_logprob=return_logprob,
+        return_hidden_states=any(r.return_hidden_states for r in reqs),
+        return_routed_experts=any(r.return_routed_experts for r in reqs),
+        return_indexer_topk=any(r.return_indexer_topk for r in reqs),
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+        disaggregation_mode=DisaggregationMode.NULL,
+        default_stream_interval=1,
+        default_force_stream_interval=50,
+        get_cached_tokens_details=cached_details,
+        is_request_level_customized_info_key=lambda key: False,
+        current_weight_version="default",  # ServerArgs.weight_version default
+    )
+
+
+def _cached_details(req) -> dict | None:
+    return {"device": req.cached_tokens, "host": 0} if req.cached_tokens else None
+
+
+def build_stream(
+    requests: Sequence[Scripted],
+    *,
+    encoding: Encoding,
+    http_worker_ipcs: Sequence[str | None] = (None,),
+    tokenizer: Any = None,
+) -> list[Any]:
+    """The BatchTokenIDOutput of every scheduler step that has something to stream.
+
+    Each step, every request with a chunk due appends it, then SGLang's accumulator
+    decides what to send (it holds back a stream whose tail is a stop-string prefix, for
+    which `tokenizer` - a HF tokenizer - must be given). Rid reuse: give a later
+    Scripted with the same rid a first_step after the earlier one's last step.
+    """
+    with ipc_encoding(encoding):
+        reqs = [_make_req(s, http_worker_ipcs[s.http_worker], tokenizer) for s in requests]
+        plans = [s.steps() for s in requests]
+        last_step = max((s.first_step + len(p) for s, p in zip(requests, plans)), default=0)
+        out = []
+        for step in range(last_step):
+            batch = []
+            for s, req, plan in zip(requests, reqs, plans):
+                k = step - s.first_step
+                if 0 <= k < len(plan):
+                    _advance(req, s, plan[k], last=k == len(plan) - 1)
+                    batch.append(req)
+            acc = _accumulator(any(r.return_logprob for r in batch), batch, _cached_details)
+            for req in batch:
+                acc.accept(req=req)
+            payload = acc.to_payload(dp_rank=0, is_idle_batch=False)
+            if payload is not None:
+                out.append(payload)
+            for s, req in zip(requests, reqs):
+                if s.retract_after_chunk is not None and step - s.first_step == s.retract_after_chunk:
+                    req.reset_for_retract()
+        return out
+
+
+def health_check_batch(*, encoding: Encoding) -> Any:
+    """An idle batch: what the scheduler streams with nothing to report (to_payload with
+    is_idle_batch=True), the shape the health check's empty output comes from."""
+    with ipc_encoding(encoding):
+        return _accumulator(False, [], _cached_details).to_payload(dp_rank=0, is_idle_batch=True)
+
+
+def embedding_batch(
+    rids: Sequence[str],
+    *,
+    encoding: Encoding,
+    http_worker_ipcs: Sequence[str | None] = (None,),
+    workers: Sequence[int] | None = None,
+    dims: int = 4,
+) -> Any:
+    """A BatchEmbeddingOutput shaped as OutputStreamer._stream_output_embedding builds it."""
+    import torch
+    from sglang.srt.managers.io_struct import BatchEmbeddingOutput, wrap_as_pickle
+
+    workers = list(workers) if workers is not None else [0] * len(rids)
+    n = len(rids)
+    with ipc_encoding(encoding):
+        return BatchEmbeddingOutput(
+            rids=list(rids),
+            http_worker_ipcs=[http_worker_ipcs[w] for w in workers],
+            time_stats=wrap_as_pickle([None] * n),
+            finished_reasons=[{"type": "length", "length": 1} for _ in rids],
+            embeddings=[[(i + 1) / (j + 2) for j in range(dims)] for i in range(n)],
+            prompt_tokens=[3 + i for i in range(n)],
+            cached_tokens=[0] * n,
+            cached_tokens_details=[None] * n,
+            placeholder_tokens_idx=None,
+            placeholder_tokens_val=None,
+            retraction_counts=[0] * n,
+            pooled_hidden_states=[torch.full((dims,), float(i)) for i in range(n)],
+        )
+
+
+def freeze_gc_req() -> Any:
+    from sglang.srt.managers.io_struct import FreezeGCReq
+
+    return FreezeGCReq()
+
+
+def fence_batch(tag: str, *, encoding: Encoding, http_worker_ipcs: Sequence[str | None]) -> Any:
+    """One finished one-token row per receiver, rids starting with FENCE_PREFIX."""
+    rows = [
+        Scripted(rid=f"{FENCE_PREFIX}{tag}:{i}", prompt_ids=[1], output_ids=[1], http_worker=i)
+        for i in range(len(http_worker_ipcs))
+    ]
+    (msg,) = build_stream(rows, encoding=encoding, http_worker_ipcs=http_worker_ipcs)
+    return msg
+
+
+def prompt_context(messages: Iterable[Any]) -> dict[str, list[int]]:
+    """Per rid, the ids SGLang decodes before the output: the first row's
+    decode_ids[:read_offset] (the last <= 5 prompt ids, INIT_INCREMENTAL_DETOKENIZATION_OFFSET)."""
+    ctx: dict[str, list[int]] = {}
+    live: set[str] = set()
+    for m in messages:
+        if type(m).__name__ != "BatchTokenIDOutput":
+            continue
+        for i, rid in enumerate(m.rids):
+            if rid not in live:
+                ctx.setdefault(rid, list(m.decode_ids[i][: m.read_offsets[i]]))
+                live.add(rid)
+            if m.finished_reasons[i] is not None:
+                live.discard(rid)
+    return ctx
+
+
+# --- accumulation ---------------------------------------------------------------------
+
+
+def accumulate(outputs: Iterable[Any]) -> dict[str, list[Accumulated]]:
+    """Per rid, its lifetimes in order (a finished rid that appears again starts anew)."""
+    result: dict[str, list[Accumulated]] = {}
+    for out in outputs:
+        if type(out).__name__ != "BatchStrOutput":
+            continue
+        for i, rid in enumerate(out.rids):
+            lives = result.setdefault(rid, [])
+            if not lives or lives[-1].finished_reason is not None:
+                lives.append(Accumulated(rid=rid))
+            acc = lives[-1]
+            acc.chunks.append(out.output_strs[i])
+            acc.text += out.output_strs[i]
+            if out.output_ids is not None and i < len(out.output_ids):
+                acc.output_ids.extend(out.output_ids[i])
+            acc.finished_reason = out.finished_reasons[i]
+    return result
+
+
+def plain(obj: Any) -> Any:
+    """A comparable, encoding-neutral view of a message field (arrays and tensors as
+    (dtype, shape, bytes), structs and dataclasses as dicts of their fields)."""
+    import numpy as np
+    import torch
+
+    if isinstance(obj, (str, int, float, bool, type(None), bytes)):
+        return obj
+    if isinstance(obj, array):
+        return list(obj)
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", str(obj.dtype), tuple(obj.shape), obj.cpu().contiguous().numpy().tobytes())
+    if isinstance(obj, np.ndarray):
+        return ("ndarray", obj.dtype.str, obj.shape, obj.tobytes())
+    if isinstance(obj, (list, tuple)):
+        return [plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, msgspec.Struct):
+        return {"__type__": type(obj).__name__, **{f: plain(getattr(obj, f)) for f in obj.__struct_fields__}}
+    if dataclasses.is_dataclass(obj):
+        # Compare what crosses a process boundary: SchedulerReqTimeStats ships only its
+        # __getstate__ subset. A received copy cannot be pickled again (it lacks the
+        # dropped attributes), so it is taken as it is.
+        try:
+            obj = pickle.loads(pickle.dumps(obj))
+        except Exception:
+            pass
+        # Tracing / metrics handles have no value semantics; their type is what matters.
+        fields = {k: plain(v) if _is_value(v) else type(v).__name__ for k, v in sorted(vars(obj).items())}
+        return {"__type__": type(obj).__name__, **fields}
+    return type(obj).__name__
+
+
+def _is_value(v: Any) -> bool:
+    import numpy as np
+    import torch
+
+    return isinstance(v, (str, int, float, bool, type(None), bytes, list, tuple, dict, array, torch.Tensor, np.ndarray))
+
+
+# --- runner ---------------------------------------------------------------------------
+
+
+def _model_folder(root: Path, tokenizer_dir: Path) -> Path:
+    """A weightless model folder: SGLang's arg resolution reads config.json from
+    model_path; the tokenizer itself is loaded from tokenizer_path untouched."""
+    folder = root / "model"
+    folder.mkdir()
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+class DetokenizerDied(RuntimeError):
+    """The detokenizer process exited, or signalled its parent (SIGQUIT) that it failed."""
+
+
+class DetokenizerProcess:
+    """A detokenizer process on fresh ipc addresses, with a fake scheduler and fake
+    TokenizerManager(s) around it. Use as a context manager; close() always reaps it."""
+
+    def __init__(
+        self,
+        tokenizer: str | os.PathLike,
+        *,
+        encoding: Encoding = "pickle",
+        http_workers: int = 1,
+        target: Callable | None = None,
+        server_args: dict | None = None,
+    ):
+        self.tokenizer_dir = Path(tokenizer)
+        self.encoding: Encoding = encoding
+        self.http_workers = http_workers
+        self.target = target
+        self.server_args_overrides = dict(server_args or {})
+        self.process = None
+        self.sigquit = False
+        self._root: Path | None = None
+        self._ctx = None
+        self._push = None
+        self._pulls: list = []
+        self._fences = 0
+        self._old_sigquit = None
+        self.http_worker_ipcs: list[str | None] = []
+        self.server_args = None
+        self.port_args = None
+
+    # lifecycle
+
+    def start(self) -> "DetokenizerProcess":
+        """Spawn the process (returns at once; the first exchange waits for it)."""
+        import multiprocessing as mp
+
+        import zmq
+        from sglang.srt.server_args import PortArgs, ServerArgs
+
+        try:
+            self._root = Path(tempfile.mkdtemp(prefix="sglang-replay-"))
+            ipc = lambda name: f"ipc://{self._root / name}"  # noqa: E731
+            model = _model_folder(self._root, self.tokenizer_dir)
+            args = dict(
+                model_path=str(model),
+                tokenizer_path=str(self.tokenizer_dir),
+                device="cpu",
+                tokenizer_worker_num=self.http_workers,
+                log_level="warning",
+            )
+            args.update(self.server_args_overrides)
+            self.server_args = ServerArgs(**args)
+            self.server_args.resolve_once()  # as Engine._launch_subprocesses does before spawning
+            self.port_args = PortArgs(
+                tokenizer_ipc_name=ipc("tokenizer"),
+                scheduler_input_ipc_name=ipc("scheduler"),
+                detokenizer_ipc_name=ipc("detokenizer"),
+                nccl_port=0,
+                rpc_ipc_name=ipc("rpc"),
+                metrics_ipc_name=ipc("metrics"),
+                tokenizer_worker_ipc_name=None if self.http_workers == 1 else ipc("tokenizer_worker"),
+                decoupled_spec_ipc_config=None,
+                instance_id=self._root.name,
+            )
+            self._ctx = zmq.Context()
+            if self.http_workers == 1:
+                # Single worker: rows carry http_worker_ipc None, output goes to tokenizer_ipc_name.
+                self.http_worker_ipcs = [None]
+                addresses = [self.port_args.tokenizer_ipc_name]
+            else:
+                self.http_worker_ipcs = [ipc(f"http_worker_{i}") for i in range(self.http_workers)]
+                addresses = list(self.http_worker_ipcs)
+            for address in addresses:
+                sock = self._ctx.socket(zmq.PULL)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.bind(address)
+                self._pulls.append(sock)
+            self._push = self._ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.connect(self.port_args.detokenizer_ipc_name)
+
+            if threading.current_thread() is threading.main_thread():
+                # SGLang's run_detokenizer_process SIGQUITs its parent on an exception.
+                self._old_sigquit = signal.signal(signal.SIGQUIT, self._on_sigquit)
+            target = self.target or _sglang_target()
+            with ipc_encoding(self.encoding):  # the child inherits it before importing sglang
+                self.process = mp.get_context("spawn").Process(
+                    target=target, args=(self.server_args, self.port_args), daemon=True
+                )
+                self.process.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _on_sigquit(self, signum, frame) -> None:
+        self.sigquit = True
+
+    def close(self) -> None:
+        if self.process is not None:
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(5)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+        for sock in [self._push, *self._pulls]:
+            if sock is not None:
+                sock.close(0)
+        self._push, self._pulls = None, []
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._old_sigquit is not None:
+            signal.signal(signal.SIGQUIT, self._old_sigquit)
+            self._old_sigquit = None
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
+
+    def __enter__(self) -> "DetokenizerProcess":
+        return self if self.process is not None else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # traffic
+
+    def build(self, requests: Sequence[Scripted], tokenizer: Any = None) -> list[Any]:
+        return build_stream(requests, encoding=self.encoding, http_worker_ipcs=self.http_worker_ipcs, tokenizer=tokenizer)
+
+    def send(self, messages: Iterable[Any]) -> None:
+        from sglang.srt.managers.io_struct import sock_send
+
+        with ipc_encoding(self.encoding):
+            for m in messages:
+                sock_send(self._push, m)
+
+    def exchange(self, messages: Iterable[Any], *, timeout: float = 180.0) -> list[list[Any]]:
+        """Send `messages` then a fence; return, per receiver (HTTP worker), every output
+        that arrived before its fence, in arrival order, fence rows removed."""
+        import zmq
+        from sglang.srt.managers.io_struct import sock_recv
+
+        self._fences += 1
+        tag = str(self._fences)
+        fence = fence_batch(tag, encoding=self.encoding, http_worker_ipcs=self.http_worker_ipcs)
+        self.send([*messages, fence])
+        got: list[list[Any]] = [[] for _ in self._pulls]
+        pending = set(range(len(self._pulls)))
+        poller = zmq.Poller()
+        for sock in self._pulls:
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        with ipc_encoding(self.encoding):
+            while pending:
+                self._check_alive()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no fence from receivers {sorted(pending)} within {timeout}s")
+                for sock, _ in poller.poll(min(left, 0.5) * 1000):
+                    i = self._pulls.index(sock)
+                    out = sock_recv(sock, zmq.NOBLOCK)
+                    rids = list(getattr(out, "rids", None) or [])
+                    fences = [r for r in rids if isinstance(r, str) and r.startswith(FENCE_PREFIX)]
+                    if not fences:
+                        got[i].append(out)
+                        continue
+                    if len(fences) != len(rids):
+                        raise AssertionError(f"fence rows mixed into an output: {rids}")
+                    if any(not r.startswith(f"{FENCE_PREFIX}{tag}:") for r in fences):
+                        raise AssertionError(f"stale fence {fences}")
+                    pending.discard(i)
+        return got
+
+    def _check_alive(self) -> None:
+        if self.sigquit:
+            raise DetokenizerDied("the detokenizer signalled SIGQUIT (it hit an exception; see its log)")
+        if self.process is not None and not self.process.is_alive():
+            raise DetokenizerDied(f"the detokenizer exited with code {self.process.exitcode}")
+
+
+def _sglang_target() -> Callable:
+    from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+
+    return run_detokenizer_process
+
+
+def replay(
+    tokenizer: str | os.PathLike,
+    messages: Sequence[Any] | Callable[[DetokenizerProcess], Sequence[Any]],
+    **options: Any,
+) -> list[list[Any]]:
+    """One-shot: start a process, exchange `messages` (or what the callable builds for
+    the process, e.g. `lambda p: p.build(requests)`), close it."""
+    with DetokenizerProcess(tokenizer, **options) as proc:
+        return proc.exchange(messages(proc) if callable(messages) else messages)
