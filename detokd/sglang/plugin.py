@@ -1,0 +1,119 @@
+"""SGLang general plugin: detokd replaces SGLang's detokenizer process when DETOKD_SGLANG is true.
+
+Registered as the `detokd` entry point of group `sglang.srt.plugins`; SGLang's
+load_plugins() calls `register()` in every process that loads plugins. Disabled (the
+default) it does nothing at all. Enabled, it checks the schema and, if SGLang speaks
+detokd's, wraps `Engine._launch_detokenizer_subprocesses` (AROUND), which then starts
+`detokd.sglang.process.run_detokenizer_process(server_args, port_args)` exactly as SGLang
+starts its own detokenizer: one multiprocessing.Process of SGLang's own context (spawn),
+returned as ([proc], ["detokenizer"]), so SGLang records its pid in all_child_pids,
+watches it with SubprocessWatchdog and kills it with the process tree. Replacing the
+launch method rather than run_detokenizer_process keeps the spawn target a plain,
+picklable module function. Any SGLang feature detokd does not serve keeps SGLang's own
+detokenizer, with a warning naming the feature.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+ENV = "DETOKD_SGLANG"
+TARGET = "sglang.srt.entrypoints.engine.Engine._launch_detokenizer_subprocesses"
+# SGLang's plugin logger: what detokd did shows up beside SGLang's own plugin lines.
+logger = logging.getLogger("sglang.srt.plugins")
+
+_announced = False
+_registered = False
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def register() -> None:
+    """The entry point: hook the detokenizer launch if enabled and the schema matches."""
+    global _registered
+    if not enabled() or _registered:
+        return
+    from detokd.sglang import schema
+
+    try:
+        schema.check()
+    except schema.SchemaMismatch as e:
+        logger.warning("detokd: keeping SGLang's own detokenizer: schema %s does not match: %s", schema.SCHEMA, e)
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, launch_detokenizer, HookType.AROUND)
+    _registered = True
+
+
+def unsupported(server_args: Any, run_detokenizer_process_func: Callable) -> str | None:
+    """The first SGLang feature of this launch detokd does not serve, or None."""
+    from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+    from sglang.srt.runtime_context import get_serving
+
+    s = get_serving()
+    if run_detokenizer_process_func is not run_detokenizer_process:
+        return f"a custom run_detokenizer_process_func ({getattr(run_detokenizer_process_func, '__qualname__', run_detokenizer_process_func)})"
+    if s.detokenizer_worker_num > 1:
+        return f"several detokenizer processes (--detokenizer-worker-num {s.detokenizer_worker_num})"
+    if s.tokenizer_worker_num > 1:
+        return f"several tokenizer workers (--tokenizer-worker-num {s.tokenizer_worker_num}), answered per http_worker_ipc"
+    if s.skip_tokenizer_init:
+        return "skip_tokenizer_init (--skip-tokenizer-init)"
+    if s.tokenizer_mode != "auto":
+        return f"tokenizer_mode {s.tokenizer_mode!r} (a slow tokenizer)"
+    if s.tokenizer_backend != "huggingface":
+        return f"tokenizer_backend {s.tokenizer_backend!r}"
+    parser = s.tool_call_parser
+    if parser and _keeps_tool_close_tokens(parser):
+        return f"tool_call_parser {parser!r} (its closing tokens are kept at a stop)"
+    return None
+
+
+def _keeps_tool_close_tokens(parser: str) -> bool:
+    # trim_matched_stop keeps a stop token that closes a tool call: gpt-oss's <|call|>
+    # and the single-token closers of response-template tool parsers.
+    if parser == "gpt-oss":
+        return True
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+    from sglang.srt.parser.response_template import ResponseTemplateToolDetector
+
+    detector = FunctionCallParser.ToolCallParserEnum.get(parser)
+    return detector is not None and issubclass(detector, ResponseTemplateToolDetector)
+
+
+def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_args: Any,
+                       run_detokenizer_process_func: Callable):
+    """AROUND hook of Engine._launch_detokenizer_subprocesses (a classmethod: cls first)."""
+    feature = unsupported(server_args, run_detokenizer_process_func)
+    if feature is not None:
+        logger.warning("detokd: keeping SGLang's own detokenizer: detokd does not support %s", feature)
+        return original(cls, server_args=server_args, port_args=port_args,
+                        run_detokenizer_process_func=run_detokenizer_process_func)
+    try:
+        from detokd.sglang.process import run_detokenizer_process
+    except ImportError as e:
+        logger.warning("detokd: keeping SGLang's own detokenizer: cannot import detokd.sglang.process: %s", e)
+        return original(cls, server_args=server_args, port_args=port_args,
+                        run_detokenizer_process_func=run_detokenizer_process_func)
+    import multiprocessing as mp  # SGLang's module, so its start method (spawn) applies
+
+    proc = mp.Process(target=run_detokenizer_process, args=(server_args, port_args))
+    proc.start()
+    _announce()
+    return [proc], ["detokenizer"]
+
+
+def _announce() -> None:
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    import detokd
+    from detokd.sglang import schema
+
+    logger.info("detokd %s replaced SGLang's detokenizer; it speaks schema %s", detokd.__version__, schema.SCHEMA)

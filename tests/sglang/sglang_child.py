@@ -1,0 +1,143 @@
+"""A fresh SGLang process for the plugin tests (plugin state is process-global).
+
+usage: sglang_child.py loader [mismatch]   -> load_plugins(); is the launch method replaced?
+       sglang_child.py launch MODEL_DIR    -> launch the detokenizer through SGLang's launch
+                                              function, talk to it, kill it, watch SGLang see it.
+Prints one JSON line; the warnings SGLang's plugin logger got are in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import threading
+import warnings
+
+warnings.simplefilter("ignore")
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.levelname, record.getMessage()))
+
+
+def capture() -> Captured:
+    h = Captured()
+    log = logging.getLogger("sglang.srt.plugins")
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    return h
+
+
+def loader(mismatch: bool) -> dict:
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.managers import io_struct
+    from sglang.srt.plugins import load_plugins
+
+    if mismatch:
+        # A modified copy in this process only: SGLang's BatchStrOutput minus time_stats.
+        fields = [(n, object) for n in io_struct.BatchStrOutput.__struct_fields__ if n != "time_stats"]
+        io_struct.BatchStrOutput = dataclasses.make_dataclass("BatchStrOutput", fields)
+    before = Engine.__dict__["_launch_detokenizer_subprocesses"].__func__
+    logs = capture()
+    load_plugins()
+    after = Engine.__dict__["_launch_detokenizer_subprocesses"].__func__
+    return {"replaced": after is not before, "wraps_original": getattr(after, "__wrapped__", None) is before,
+            "logs": logs.records}
+
+
+def launch(model_dir: str) -> dict:
+    from array import array
+
+    import zmq
+    from sglang.srt.entrypoints.engine import Engine, _set_envs_and_config
+    from sglang.srt.managers import io_struct
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import PortArgs, ServerArgs
+    from sglang.srt.utils.watchdog import SubprocessWatchdog
+    from transformers import AutoTokenizer
+
+    logs = capture()
+    load_plugins()
+    # What Engine._launch_subprocesses does before it launches the detokenizer.
+    server_args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, device="cpu")
+    server_args.resolve_once()
+    _set_envs_and_config(server_args)
+    publish(server_args, role="tokenizer")
+    port_args = PortArgs.init_new(server_args)
+    procs, names = Engine._launch_detokenizer_subprocesses(
+        server_args=server_args, port_args=port_args, run_detokenizer_process_func=Engine.run_detokenizer_process_func
+    )
+    try:
+        return talk_and_kill(procs, names, port_args, model_dir, logs)
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def talk_and_kill(procs, names, port_args, model_dir: str, logs: Captured) -> dict:
+    from array import array
+
+    import psutil
+    import zmq
+    from sglang.srt.managers import io_struct
+    from sglang.srt.utils.watchdog import SubprocessWatchdog
+    from transformers import AutoTokenizer
+
+    out = {"names": names, "logs": logs.records}
+
+    # The scheduler's and the TokenizerManager's ends of SGLang's own addresses.
+    ctx = zmq.Context()
+    to_tokenizer = ctx.socket(zmq.PULL)
+    to_tokenizer.bind(port_args.tokenizer_ipc_name)
+    to_detokenizer = ctx.socket(zmq.PUSH)
+    to_detokenizer.connect(port_args.detokenizer_ipc_name)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok.encode("Hello from the scheduler, ünïcode ✓", add_special_tokens=False)
+    n = 1
+    io_struct.sock_send(to_detokenizer, io_struct.BatchTokenIDOutput(
+        rids=["r0"], http_worker_ipcs=[None], finished_reasons=[{"type": "length", "length": len(ids)}],
+        decoded_texts=[""], decode_ids=[array("q", ids)], read_offsets=[0], output_ids=None,
+        skip_special_tokens=[True], spaces_between_special_tokens=[True], no_stop_trim=[False],
+        prompt_tokens=[3], reasoning_tokens=[0], completion_tokens=[len(ids)], cached_tokens=[0],
+        input_token_logprobs_val=None, input_token_logprobs_idx=None, output_token_logprobs_val=None,
+        output_token_logprobs_idx=None, input_top_logprobs_val=None, input_top_logprobs_idx=None,
+        output_top_logprobs_val=None, output_top_logprobs_idx=None, input_token_ids_logprobs_val=None,
+        input_token_ids_logprobs_idx=None, output_token_ids_logprobs_val=None, output_token_ids_logprobs_idx=None,
+        output_token_entropy_val=None, output_token_sampling_mask=None, output_hidden_states=None,
+        routed_experts=None, indexer_topk=None, placeholder_tokens_idx=None, placeholder_tokens_val=None,
+    ))
+    answered = to_tokenizer.poll(60_000)
+    reply = io_struct.sock_recv(to_tokenizer) if answered else None
+    out["reply_type"] = type(reply).__name__
+    out["output_strs"] = reply.output_strs if reply is not None else None
+    out["expected"] = [tok.decode(ids, skip_special_tokens=True)] * n
+    out["rids"] = reply.rids if reply is not None else None
+    # Set by SGLang's run_detokenizer_process before it serves, so known once it answered.
+    out["sglangs_own"] = "sglang::detokenizer" in " ".join(psutil.Process(procs[0].pid).cmdline())
+
+    # SGLang's watchdog, as _launch_subprocesses sets it up; it SIGQUITs this process.
+    seen = threading.Event()
+    signal.signal(signal.SIGQUIT, lambda *_: seen.set())
+    watchdog = SubprocessWatchdog(processes=procs, process_names=names, interval=0.1)
+    watchdog.start()
+    procs[0].kill()
+    out["death_seen"] = seen.wait(30)
+    procs[0].join(10)
+    out["exitcode"] = procs[0].exitcode
+    watchdog.stop()
+    return out
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    result = loader(sys.argv[2:] == ["mismatch"]) if mode == "loader" else launch(sys.argv[2])
+    print("RESULT " + json.dumps(result), flush=True)
