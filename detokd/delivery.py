@@ -19,13 +19,23 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from .core.bounded import BoundedMap
 from .core.outbox import Outbox
 from .core.records import OutRow
-from .metrics import Stats
+from .metrics import Stats, WorkerFigures
 
 log = logging.getLogger("detokd.delivery")
 
 MAX_OWED = 65536  # error rows kept per worker for when it has room again
+MAX_OWED_BYTES = 16 << 20  # and their bytes: rids are the peer's strings, of any length
+
+
+def owed_cost(rid: str, row: OutRow) -> int:
+    return len(rid) + 120  # the rid twice (key and row) shares one string; the row's fixed size
+
+
+def _owed() -> BoundedMap[str, OutRow]:
+    return BoundedMap(MAX_OWED, MAX_OWED_BYTES, owed_cost)
 
 
 @dataclass
@@ -35,7 +45,7 @@ class Worker:
     socket: zmq.Socket | None = None
     sent: int = 0  # messages
     dropped: int = 0  # messages that found the queue full
-    owed: dict[str, OutRow] = field(default_factory=dict)  # rid -> error row a full queue kept from this worker
+    owed: BoundedMap[str, OutRow] = field(default_factory=_owed)  # rid -> error row a full queue kept from this worker
 
 
 class Delivery:
@@ -151,12 +161,8 @@ class Delivery:
                 log.warning("feedback queue full: %d stopped rows lost", len(stopped))
 
     def _owe(self, w: Worker, rows: list[OutRow]) -> None:
-        owed = w.owed
         for row in rows:
-            owed.pop(row.rid, None)
-            owed[row.rid] = row
-        while len(owed) > MAX_OWED:
-            del owed[next(iter(owed))]
+            w.owed.put(row.rid, row)
 
     def settle(self, encode_text: Callable[[list[OutRow]], bytes], restarted: Callable[[str], bool]) -> None:
         """Send owed error rows to each worker whose queue has room; `restarted(rid)`
@@ -176,7 +182,9 @@ class Delivery:
 
     def publish(self) -> None:
         """Per-worker figures for /metrics."""
-        self.stats.workers = {w.index: (w.sent, w.dropped, self.has_room(w)) for w in self.workers.values()}
+        self.stats.workers = {
+            w.index: WorkerFigures(w.sent, w.dropped, self.has_room(w), len(w.owed)) for w in self.workers.values()
+        }
 
     def close(self) -> None:
         for w in self.workers.values():

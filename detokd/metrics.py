@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -22,6 +22,13 @@ log = logging.getLogger("detokd.metrics")
 
 # Step latency buckets in seconds: a healthy step is tens of microseconds.
 BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class WorkerFigures(NamedTuple):
+    sent: int  # messages queued
+    dropped: int  # messages lost to a full queue
+    writable: bool  # the queue has room now
+    owed: int  # error rows waiting for it to have room
 
 
 class Stats:
@@ -38,7 +45,9 @@ class Stats:
         self.clamped_ids = 0  # out-of-vocabulary ids a dialect mapped to 0 (SGLang's rule)
         self.errors: dict[str, int] = {}
         self.live = 0
-        self.workers: dict[int, tuple[int, int, bool]] = {}  # index -> (sent, dropped, writable)
+        self.workers: dict[int, WorkerFigures] = {}
+        # The bounded memories, entries and bytes: name -> (entries, bytes).
+        self.memory: dict[str, tuple[int, int]] = {}
         self.step_counts = [0] * (len(BUCKETS) + 1)
         self.step_sum = 0.0
         self.step_max = 0.0
@@ -82,13 +91,23 @@ class _Collector:
         sent = CounterMetricFamily("detokd_worker_messages", "text messages queued per worker", labels=["worker"])
         dropped = CounterMetricFamily("detokd_worker_dropped", "messages lost to a full worker queue", labels=["worker"])
         writable = GaugeMetricFamily("detokd_worker_writable", "1 while the worker's send queue has room", labels=["worker"])
-        for w, (n_sent, n_dropped, ok) in sorted(s.workers.items()):
-            sent.add_metric([str(w)], n_sent)
-            dropped.add_metric([str(w)], n_dropped)
-            writable.add_metric([str(w)], 1 if ok else 0)
+        owed = GaugeMetricFamily("detokd_worker_owed_rows", "error rows waiting for the worker's queue to have room", labels=["worker"])
+        for w, f in sorted(s.workers.items()):
+            sent.add_metric([str(w)], f.sent)
+            dropped.add_metric([str(w)], f.dropped)
+            writable.add_metric([str(w)], 1 if f.writable else 0)
+            owed.add_metric([str(w)], f.owed)
         yield sent
         yield dropped
         yield writable
+        yield owed
+        entries = GaugeMetricFamily("detokd_memory_entries", "entries held by each bounded memory", labels=["memory"])
+        size = GaugeMetricFamily("detokd_memory_bytes", "estimated bytes held by each bounded memory", labels=["memory"])
+        for name, (n, nbytes) in sorted(s.memory.items()):
+            entries.add_metric([name], n)
+            size.add_metric([name], nbytes)
+        yield entries
+        yield size
         counts = list(s.step_counts)
         cumulative, buckets = 0, []
         for bound, n in zip(BUCKETS, counts):

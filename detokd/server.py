@@ -20,6 +20,7 @@ from . import readiness
 from .collector import Collector
 from .config import Config, ConfigError
 from .core.decoder import make_codec
+from .core import stops
 from .core.detokenizer import Detokenizer
 from .core.outbox import Outbox
 from .core.records import INTERNAL
@@ -165,7 +166,12 @@ class Server:
     def _publish(self) -> None:
         self.collector.tick(time.monotonic())
         self.delivery.settle(self.dialect.encode_text, self.core.table.__contains__)
-        self.stats.live = len(self.core.table)
+        core = self.core
+        self.stats.live = len(core.table)
+        self.stats.memory = {
+            "tombstones": (len(core.dead), core.dead.nbytes),
+            "stop_automata": (len(stops.cache), stops.cache.nbytes),
+        }
         self.delivery.publish()
 
     def close(self) -> None:

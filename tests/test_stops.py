@@ -242,16 +242,16 @@ def test_the_automaton_cache_is_bounded_in_bytes() -> None:
     for k in range(10):
         a = automaton([f"{k}" + "x" * 60_000])
         assert a.nbytes > CACHE_BYTES // 5
-        assert stops_module._cache.nbytes <= CACHE_BYTES
-    assert len(stops_module._cache) < 10
+        assert stops_module.cache.nbytes <= CACHE_BYTES
+    assert len(stops_module.cache) < 10
     assert automaton(["9" + "x" * 60_000]) is a  # the newest is still shared
 
 
 def test_an_automaton_bigger_than_the_cache_is_built_but_not_kept(monkeypatch) -> None:
-    monkeypatch.setattr(stops_module._cache, "max_bytes", 50_000)
+    monkeypatch.setattr(stops_module.cache, "max_bytes", 50_000)
     big = ["Q" * 1000]
     sc = StopScanner(big, False)
-    assert big[0] not in {s for key in stops_module._cache for s in key}
+    assert big[0] not in {s for key in stops_module.cache for s in key}
     assert sc.feed("a" + "Q" * 1000) == ("a", big[0])
 
 

@@ -92,7 +92,7 @@ CACHE_BYTES = 64 << 20
 
 # Least recently used first out, bounded in bytes as well: a few requests with huge
 # stop strings must not pin gigabytes of automata after they end.
-_cache: BoundedMap[tuple[str, ...], StopAutomaton] = BoundedMap(CACHE_ENTRIES, CACHE_BYTES, lambda key, a: a.nbytes)
+cache: BoundedMap[tuple[str, ...], StopAutomaton] = BoundedMap(CACHE_ENTRIES, CACHE_BYTES, lambda key, a: a.nbytes)
 
 
 def automaton(stops: list[str]) -> StopAutomaton:
@@ -101,12 +101,12 @@ def automaton(stops: list[str]) -> StopAutomaton:
     An automaton bigger than the whole cache is built for its request and not kept.
     """
     key = tuple(stops)
-    a = _cache.get(key)
+    a = cache.get(key)
     if a is None:
         a = StopAutomaton(key)
-        _cache.put(key, a)
+        cache.put(key, a)
     else:
-        _cache.refresh(key)
+        cache.refresh(key)
     return a
 
 

@@ -60,30 +60,13 @@ def unsupported(server_args: Any, run_detokenizer_process_func: Callable) -> str
         return f"a custom run_detokenizer_process_func ({getattr(run_detokenizer_process_func, '__qualname__', run_detokenizer_process_func)})"
     if s.detokenizer_worker_num > 1:
         return f"several detokenizer processes (--detokenizer-worker-num {s.detokenizer_worker_num})"
-    if s.tokenizer_worker_num > 1:
-        return f"several tokenizer workers (--tokenizer-worker-num {s.tokenizer_worker_num}), answered per http_worker_ipc"
     if s.skip_tokenizer_init:
         return "skip_tokenizer_init (--skip-tokenizer-init)"
     if s.tokenizer_mode != "auto":
         return f"tokenizer_mode {s.tokenizer_mode!r} (a slow tokenizer)"
     if s.tokenizer_backend != "huggingface":
         return f"tokenizer_backend {s.tokenizer_backend!r}"
-    parser = s.tool_call_parser
-    if parser and _keeps_tool_close_tokens(parser):
-        return f"tool_call_parser {parser!r} (its closing tokens are kept at a stop)"
     return None
-
-
-def _keeps_tool_close_tokens(parser: str) -> bool:
-    # trim_matched_stop keeps a stop token that closes a tool call: gpt-oss's <|call|>
-    # and the single-token closers of response-template tool parsers.
-    if parser == "gpt-oss":
-        return True
-    from sglang.srt.function_call.function_call_parser import FunctionCallParser
-    from sglang.srt.parser.response_template import ResponseTemplateToolDetector
-
-    detector = FunctionCallParser.ToolCallParserEnum.get(parser)
-    return detector is not None and issubclass(detector, ResponseTemplateToolDetector)
 
 
 def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_args: Any,

@@ -1,0 +1,171 @@
+"""The scenario every SGLang test replays, and the detokenizer processes it runs on.
+
+Each process (SGLang's own detokenizer, or detokd's replacement of it) costs ~15-25 s of
+CPU to import SGLang, so all of them start together on first use and every test module
+shares them (a process-wide cache, closed at exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+from conftest import vocab
+from detokd import zoo
+from detokd.sglang.process import run_detokenizer_process as detokd_target
+from detokd.sglang.replay import DetokenizerProcess, Scripted, embedding_batch, freeze_gc_req, health_check_batch
+
+# The encodings (a transport concern) are crossed with one tokenizer; the other families
+# take one encoding each. (tokenizer, encoding, HTTP workers)
+CASES = [("deepseek", "pickle", 1), ("deepseek", "msgpack", 1), ("qwen2", "pickle", 1), ("mistral_v3", "msgpack", 1)]
+MULTI = ("deepseek", "msgpack", 2)
+TARGETS = {"sglang": None, "detokd": detokd_target}
+
+TEXT = "Hello, world! 世界你好 🤖🎉👍🏽 Привет, мир! مرحبا بالعالم. Done."
+STOP_TEXT = "The answer is 42. END of story"
+
+
+def ids_of(name: str, text: str) -> list[int]:
+    return vocab(name).hf.encode(text, add_special_tokens=False)
+
+
+def specials(name: str) -> tuple[int, int]:
+    """(the stop token, another special token): eos when the tokenizer names one."""
+    v = vocab(name)
+    ordered = sorted(v.special)
+    eos = v.hf.eos_token_id if v.hf.eos_token_id is not None else ordered[0]
+    return eos, next(t for t in ordered if t != eos)
+
+
+def ragged(n: int) -> list[int]:
+    """A ragged partition of n: 1, 2, 3, 1, 2, 3, ... (multi-token steps split emoji)."""
+    out, k = [], 0
+    while sum(out) < n:
+        out.append(min(1 + k % 3, n - sum(out)))
+        k += 1
+    return out
+
+
+def scenario(name: str, workers: int = 1) -> list[Scripted]:
+    out = ids_of(name, TEXT)
+    eos, other = specials(name)
+    prompt = ids_of(name, "Translate the following text, please:")
+    mid = len(out) // 2
+    with_specials = out[:mid] + [other, eos] + out[mid:]
+    # The scheduler stops on the token that completes the stop string.
+    stop_ids = ids_of(name, STOP_TEXT)
+    stop_at = next(k for k in range(1, len(stop_ids) + 1) if "END" in vocab(name).hf.decode(stop_ids[:k]))
+    # Ids the tokenizer never produces on its own: ones that render as "" with
+    # skip_special_tokens (the specials) between real text, and one outside the vocabulary.
+    empties = [other] * 12
+    outside = vocab(name).size + 7
+    w = lambda i: i % workers  # noqa: E731
+    return [
+        Scripted(rid="multilingual", prompt_ids=prompt, output_ids=out, chunks=ragged(len(out)),
+                 logprobs=True, hidden_states=True, routed_experts=True, indexer_topk=True,
+                 customized_info=True, cached_tokens=3, retract_after_chunk=3, http_worker=w(0)),
+        Scripted(rid="one-per-step", prompt_ids=prompt[:2], output_ids=out, http_worker=w(1), first_step=2),
+        Scripted(rid="specials-skipped", prompt_ids=prompt, output_ids=with_specials, http_worker=w(0)),
+        Scripted(rid="specials-kept", prompt_ids=prompt, output_ids=with_specials, skip_special_tokens=False,
+                 spaces_between_special_tokens=False, http_worker=w(1), first_step=1),
+        Scripted(rid="empty-tokens", prompt_ids=prompt, output_ids=out[:3] + empties + out[3:9], http_worker=w(0)),
+        Scripted(rid="out-of-vocabulary", prompt_ids=prompt, output_ids=out[:4] + [outside] + out[4:8],
+                 http_worker=w(1)),
+        Scripted(rid="stop-token", prompt_ids=prompt, output_ids=out[:mid] + [eos], finish="matched_token",
+                 chunks=ragged(mid + 1), http_worker=w(0)),
+        Scripted(rid="stop-token-kept", prompt_ids=prompt, output_ids=out[:mid] + [eos], finish="matched_token",
+                 no_stop_trim=True, skip_special_tokens=False, http_worker=w(1)),
+        Scripted(rid="stop-str", prompt_ids=prompt, output_ids=stop_ids[:stop_at], finish="matched_str",
+                 stop_str="END", http_worker=w(0)),
+        Scripted(rid="stop-str-kept", prompt_ids=prompt, output_ids=stop_ids[:stop_at], finish="matched_str",
+                 stop_str="END", no_stop_trim=True, http_worker=w(1), first_step=3),
+        Scripted(rid="aborted", prompt_ids=prompt, output_ids=out[:5], finish="abort", abort_message="client gone",
+                 http_worker=w(0)),
+        Scripted(rid="reused", prompt_ids=prompt, output_ids=out[:4], http_worker=w(1)),
+        Scripted(rid="reused", prompt_ids=prompt[:3], output_ids=out[4:9], http_worker=w(1), first_step=6),
+    ]
+
+
+def expected_text(name: str, s: Scripted, ctx: list[int]) -> str:
+    """The oracle with SGLang's context (the first row's decode_ids[:read_offset]), its
+    clamp of ids outside the vocabulary to 0, and its trim rules on finish."""
+    v = vocab(name)
+    out = [i if 0 <= i < v.size else 0 for i in s.output_ids]
+    if s.finish == "matched_token" and not s.no_stop_trim:
+        out = out[:-1]
+    kw = dict(skip_special_tokens=s.skip_special_tokens, spaces_between_special_tokens=s.spaces_between_special_tokens)
+    text = v.hf.decode(ctx + out, **kw)[len(v.hf.decode(ctx, **kw)) :]
+    if s.finish == "matched_str":
+        pos = text.find(s.stop_str)
+        text = text[: pos + len(s.stop_str)] if s.no_stop_trim else text[:pos]
+    return text
+
+
+class Run:
+    """One exchange of the scenario through one detokenizer process."""
+
+    def __init__(self, name: str, proc: DetokenizerProcess):
+        self.name, self.proc = name, proc
+        self.requests = scenario(name, proc.http_workers)
+        enc, ipcs = proc.encoding, proc.http_worker_ipcs
+        self.sent = [
+            *proc.build(self.requests, tokenizer=vocab(name).hf),
+            health_check_batch(encoding=enc),
+            freeze_gc_req(),
+            embedding_batch(["emb-0", "emb-1"], encoding=enc, http_worker_ipcs=ipcs, workers=[0, 1 % proc.http_workers]),
+        ]
+        self.received = proc.exchange(self.sent)
+
+    def lifetimes(self) -> dict[str, list[Scripted]]:
+        out: dict[str, list[Scripted]] = {}
+        for s in self.requests:
+            out.setdefault(s.rid, []).append(s)
+        return out
+
+    def contexts(self) -> dict[str, list[list[int]]]:
+        """Per rid lifetime, the first row's decode_ids[:read_offset]."""
+        seen: dict[str, list[list[int]]] = {}
+        live: set[str] = set()
+        for m in self.sent:
+            if type(m).__name__ != "BatchTokenIDOutput":
+                continue
+            for i, rid in enumerate(m.rids):
+                if rid not in live:
+                    seen.setdefault(rid, []).append(list(m.decode_ids[i][: m.read_offsets[i]]))
+                    live.add(rid)
+                if m.finished_reasons[i] is not None:
+                    live.discard(rid)
+        return seen
+
+
+class Runs:
+    """Every (tokenizer, encoding, workers, target) process, started together on first use."""
+
+    def __init__(self) -> None:
+        self.procs: dict[tuple, DetokenizerProcess] = {}
+        self.done: dict[tuple, Run] = {}
+
+    def _start_all(self) -> None:
+        for name, enc, workers in [*CASES, MULTI]:
+            for target, fn in TARGETS.items():
+                self.procs[name, enc, workers, target] = DetokenizerProcess(
+                    zoo.build(name), encoding=enc, http_workers=workers, target=fn
+                ).start()
+
+    def __call__(self, name: str, enc: str, workers: int = 1, target: str = "sglang") -> Run:
+        if not self.procs:
+            self._start_all()
+        key = (name, enc, workers, target)
+        if key not in self.done:
+            self.done[key] = Run(name, self.procs[key])
+        return self.done[key]
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.close()
+        self.procs.clear()
+
+
+RUNS = Runs()
+atexit.register(RUNS.close)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")

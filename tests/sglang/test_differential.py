@@ -1,0 +1,130 @@
+"""detokd in SGLang's place, against SGLang's own detokenizer, on the same message stream.
+
+Both processes get the scenario of runs.py, built by SGLang's own scheduler code
+(output_streamer's accumulator over real Reqs), in both IPC encodings, three tokenizer
+families and two HTTP workers; both outputs are decoded with SGLang's own decoder and
+compared field by field. Where the two differ, the test says which is right and why
+(docs/sglang.md, "Where detokd differs").
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import vocab
+from detokd import zoo
+from detokd.sglang.process import run_detokenizer_process
+from detokd.sglang.replay import DetokenizerDied, DetokenizerProcess, Scripted, accumulate, plain
+from runs import CASES, MULTI, RUNS, expected_text, ids_of
+
+ALL = [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    def get(name, enc, workers):
+        return RUNS(name, enc, workers, "sglang"), RUNS(name, enc, workers, "detokd")
+
+    return get
+
+
+@pytest.mark.parametrize("name,enc,workers", ALL)
+def test_every_receiver_gets_the_same_messages_with_the_same_rids_in_the_same_order(pair, name, enc, workers):
+    theirs, ours = pair(name, enc, workers)
+    assert len(ours.received) == len(theirs.received) == workers
+    for t, o in zip(theirs.received, ours.received):
+        assert [(type(m).__name__, list(m.rids)) for m in o] == [(type(m).__name__, list(m.rids)) for m in t]
+
+
+@pytest.mark.parametrize("name,enc,workers", ALL)
+def test_every_field_but_the_text_chunks_equals_sglangs(pair, name, enc, workers):
+    """Logprobs, token counts, hidden states, time stats, routed experts in base64,
+    finish reasons, embeddings: all of it, message by message."""
+    theirs, ours = pair(name, enc, workers)
+
+    def value(run, msg, field):
+        v = plain(getattr(msg, field))
+        if field == "http_worker_ipcs" and v is not None:  # each process has its own addresses
+            v = [run.proc.http_worker_ipcs.index(ipc) for ipc in v]
+        return v
+
+    compared = 0
+    for t, o in zip(theirs.received, ours.received):
+        for mt, mo in zip(t, o):
+            for field in mt.__struct_fields__:
+                if field == "output_strs":
+                    continue
+                assert value(ours, mo, field) == value(theirs, mt, field), (type(mt).__name__, list(mt.rids), field)
+                compared += 1
+    assert compared > 500
+
+
+@pytest.mark.parametrize("name,enc,workers", ALL)
+def test_each_request_accumulates_sglangs_text_which_is_the_oracles(pair, name, enc, workers):
+    theirs, ours = pair(name, enc, workers)
+    ctx = ours.contexts()
+    for t, o in zip(theirs.received, ours.received):
+        acc_t, acc_o = accumulate(t), accumulate(o)
+        assert acc_o.keys() == acc_t.keys()
+        for rid, lives in acc_o.items():
+            if rid.startswith("emb-"):
+                continue
+            scripted = ours.lifetimes()[rid]
+            assert [a.text for a in lives] == [expected_text(name, s, c) for s, c in zip(scripted, ctx[rid])], rid
+            assert [a.text for a in lives] == [a.text for a in acc_t[rid]], rid
+            assert [a.finished_reason for a in lives] == [a.finished_reason for a in acc_t[rid]], rid
+
+
+@pytest.mark.parametrize("name,enc,workers", ALL)
+def test_detokd_streams_no_later_than_sglang_except_inside_a_byte_fallback_run(pair, name, enc, workers):
+    """Chunks may split differently (detokd sends a U+FFFD once no id can complete it;
+    SGLang waits for the next clean text), but detokd never keeps back text SGLang sent,
+    except characters of a byte-fallback run (<0x..> pieces) that is still open: Hugging
+    Face turns a whole invalid run into U+FFFD, so a later byte can still rewrite them."""
+    theirs, ours = pair(name, enc, workers)
+    fallback = "ByteFallback" in vocab(name).decoder_types()
+    for t, o in zip(theirs.received, ours.received):
+        sent_t: dict[str, str] = {}
+        sent_o: dict[str, str] = {}
+        for mt, mo in zip(t, o):
+            if type(mt).__name__ != "BatchStrOutput":
+                continue
+            for i, rid in enumerate(mt.rids):
+                if mt.finished_reasons[i] is not None:
+                    sent_t.pop(rid, None), sent_o.pop(rid, None)
+                    continue
+                sent_t[rid] = sent_t.get(rid, "") + mt.output_strs[i]
+                sent_o[rid] = sent_o.get(rid, "") + mo.output_strs[i]
+                if not fallback:
+                    assert len(sent_o[rid].rstrip("\ufffd")) >= len(sent_t[rid]), rid
+
+
+def test_a_state_evicted_to_stay_within_capacity_kills_sglang_and_aborts_one_request_in_detokd():
+    """SGLang #2812. SGLANG_DETOKENIZER_MAX_STATES=2 and three live requests: SGLang's
+    detokenizer raises on the evicted request's next row and dies (SIGQUIT to the
+    engine); detokd answers that row with an abort finish reason (the client gets an
+    error) and every other request goes on exactly."""
+    name = "deepseek"
+    out = ids_of(name, "One two three four five six seven eight nine ten.")
+    reqs = [Scripted(rid=f"r{k}", prompt_ids=[1, 2, 3], output_ids=out, first_step=k) for k in range(3)]
+    os.environ["SGLANG_DETOKENIZER_MAX_STATES"] = "2"
+    try:
+        sglang = DetokenizerProcess(zoo.build(name), encoding="msgpack").start()
+        detokd = DetokenizerProcess(zoo.build(name), encoding="msgpack", target=run_detokenizer_process).start()
+    finally:
+        del os.environ["SGLANG_DETOKENIZER_MAX_STATES"]
+    try:
+        with pytest.raises(DetokenizerDied):
+            sglang.exchange(sglang.build(reqs), timeout=120)
+        (got,) = detokd.exchange(detokd.build(reqs), timeout=120)
+    finally:
+        sglang.close()
+        detokd.close()
+    acc = accumulate(got)
+    (evicted,) = acc["r0"]
+    assert evicted.finished_reason["type"] == "abort" and "evicted" in evicted.finished_reason["message"]
+    for rid in ("r1", "r2"):
+        (a,) = acc[rid]
+        assert a.text == vocab(name).reference([1, 2, 3][-5:], out) and a.finished_reason["type"] == "length"
