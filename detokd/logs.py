@@ -149,8 +149,9 @@ class _QueueHandler(logging.Handler):
 class _Writer:
     """The thread that writes queued lines to a file descriptor (stderr's)."""
 
-    def __init__(self, q: queue.Queue, fd: int) -> None:
-        self.queue, self.fd = q, fd
+    def __init__(self, q: queue.Queue, stream) -> None:
+        self.queue, self.stream = q, stream  # held: a collected file object closes its fd
+        self.fd = stream.fileno()
         self.thread = threading.Thread(target=self._run, name="detokd-log", daemon=True)
         self.thread.start()
 
@@ -193,7 +194,7 @@ def setup(level: str | int = "info", stream=None, queue_size: int = QUEUE_SIZE) 
     # On the handler, not the "detokd" logger: a logger's filters do not see the
     # records of its children, a handler's filters see every record it gets.
     handler.addFilter(RateLimitFilter())
-    writer = _Writer(q, stream.fileno())
+    writer = _Writer(q, stream)
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
     logging.captureWarnings(True)

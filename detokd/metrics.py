@@ -111,6 +111,7 @@ class QuietHTTPServer(ThreadingHTTPServer):
     """
 
     daemon_threads = True
+    request_queue_size = 128  # socketserver's 5 makes a burst of scrapes wait out SYN retries
 
     def handle_error(self, request, client_address) -> None:
         exc = sys.exc_info()[1]
