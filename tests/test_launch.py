@@ -328,3 +328,18 @@ def test_real_shards_a_shard_that_cannot_bind_crash_loops_while_its_sibling_serv
     assert "cannot bind input" in out
     assert sup.returncode == 1, out
     assert not alive(pid0)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--supervisor-port", "9"], "needs --shards"),
+        (["--shards", "2", "--metrics-port", "9000", "--supervisor-port", "9001"], "a shard's metrics port"),
+    ],
+)
+def test_a_supervisor_port_that_cannot_work_is_one_line_and_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "detokd", "serve", "--input", f"ipc://{tmp_path}/in", *args],
+        capture_output=True, text=True, env=ENV, timeout=60,
+    )
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
