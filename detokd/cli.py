@@ -25,6 +25,7 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])
     sp.add_argument("--metrics-port", type=int, metavar="PORT", help="serve /health and /metrics on this port")
     sp.add_argument("--shards", type=int, default=1, metavar="N", help="run N detokd processes on derived addresses (input.0, input.1, ...)")
+    sp.add_argument("--supervisor-port", type=int, metavar="PORT", help="with --shards: the supervisor's /health and /status on this port (metrics_host)")
 
 
 def _overrides(ns: argparse.Namespace) -> dict:
@@ -33,16 +34,17 @@ def _overrides(ns: argparse.Namespace) -> dict:
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # Through a bounded queue to stderr, rate-limited and escaped: see detokd/logs.py.
+    from . import logs
+
+    logs.setup(level)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     cfg = load(ns.config, _overrides(ns))
     _setup_logging(cfg.log_level)
+    if ns.supervisor_port is not None and ns.shards < 2:
+        raise ConfigError("--supervisor-port needs --shards 2 or more")
     if ns.shards > 1:
         return _serve_shards(ns, cfg)
     from .server import Server
@@ -51,10 +53,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
-    from .launch import derive_address, run_shards
+    from .launch import StatusPortError, derive_address, run_shards
 
     if cfg.metrics_port is not None and cfg.metrics_port + ns.shards - 1 > 65535:
         raise ConfigError("metrics_port + shards exceeds 65535")
+    sup_port = ns.supervisor_port
+    if sup_port is not None:
+        if not 0 <= sup_port <= 65535:
+            raise ConfigError(f"--supervisor-port {sup_port} is not a port")
+        if cfg.metrics_port and cfg.metrics_port <= sup_port < cfg.metrics_port + ns.shards:
+            raise ConfigError(f"--supervisor-port {sup_port} is a shard's metrics port (metrics_port + i)")
     try:
         inputs = [derive_address(cfg.input, i) for i in range(ns.shards)]
     except ValueError as exc:
@@ -79,7 +87,10 @@ def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
         return args
 
     logging.getLogger("detokd.launch").info("%d shards: %s", ns.shards, ", ".join(inputs))
-    return run_shards(argv, ns.shards)
+    try:
+        return run_shards(argv, ns.shards, status_port=sup_port, status_host=cfg.metrics_host)
+    except StatusPortError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:

@@ -8,15 +8,18 @@ generic: it knows child commands, not the server.
 
 from __future__ import annotations
 
-import collections
+import dataclasses
+import json
 import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler
 
-__all__ = ["derive_address", "run_shards", "die_with_parent"]
+__all__ = ["derive_address", "run_shards", "die_with_parent", "Shard", "StatusServer"]
 
 log = logging.getLogger("detokd.launch")
 
@@ -62,85 +65,193 @@ def die_with_parent() -> None:
         pass
 
 
+class StatusPortError(OSError):
+    """The supervisor's status port cannot be bound (nothing was started)."""
+
+
+@dataclasses.dataclass
+class Shard:
+    """One shard as the supervisor sees it; the status endpoint reads these."""
+
+    index: int
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0  # monotonic time of the last spawn
+    failures: int = 0  # consecutive exits, each before `stable_after` s of running
+    restarts: int = 0  # since the supervisor started
+    last_exit: int | None = None
+    delay: float = 0.0  # the backoff before the pending restart
+    restart_at: float | None = None  # monotonic time of the pending restart
+
+    def status(self, now: float, max_failures: int) -> dict:
+        running = self.proc is not None
+        return {
+            "shard": self.index,
+            "state": "running" if running else "backoff",
+            "pid": self.proc.pid if running else None,
+            "crash_looping": self.failures > max_failures,
+            "consecutive_failures": self.failures,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+            "restart_in": None if self.restart_at is None else round(max(0.0, self.restart_at - now), 3),
+        }
+
+
 def run_shards(
     argv_for_shard: Callable[[int], list[str]],
     n: int,
     *,
     restart_delay: float = 1.0,
+    max_delay: float = 30.0,
     max_restarts: int = 5,
     restart_window: float = 60.0,
     stop_timeout: float = 10.0,
     command: Sequence[str] | None = None,
+    status_port: int | None = None,
+    status_host: str = "127.0.0.1",
 ) -> int:
     """Run `n` children `[*command, *argv_for_shard(i)]` until SIGTERM/SIGINT.
 
-    A child that exits on its own is logged and restarted after `restart_delay`
-    s; a shard restarted more than `max_restarts` times within `restart_window` s
-    is crash-looping, so everything is stopped and 1 returned. SIGTERM/SIGINT are
-    forwarded to the children, which get `stop_timeout` s before SIGKILL. Returns
-    0 when every child stopped in time on the forwarded signal.
-    Call from the main thread (it installs signal handlers, restored on return).
+    A child that exits on its own is logged and restarted, after `restart_delay` s
+    doubled for each consecutive failure up to `max_delay` s; a child that ran
+    `restart_window` s counts as healthy again (backoff and failures reset). A shard
+    with more than `max_restarts` consecutive failures is crash-looping: it is still
+    retried (at `max_delay`) and reported, and no other shard is ever touched for it.
+
+    With `status_port`, /health (200, or 503 naming the crash-looping shards) and
+    /status (JSON, one entry per shard) are served on `status_host`:`status_port`.
+
+    SIGTERM/SIGINT are forwarded to the children, which get `stop_timeout` s before
+    SIGKILL. Returns 0 when every child stopped in time on the forwarded signal and
+    no shard was crash-looping, else 1. Call from the main thread (it installs
+    signal handlers, restored on return).
     """
     if n < 1:
         raise ValueError(f"need at least one shard, got {n}")
     cmd = list(command) if command is not None else [sys.executable, "-m", "detokd"]
+    shards = [Shard(i) for i in range(n)]
 
-    def spawn(i: int) -> subprocess.Popen[bytes]:
+    def spawn(s: Shard) -> None:
         # Own process group: a terminal's Ctrl-C reaches the children once, through us,
         # not twice (which a server may read as "force quit").
-        p = subprocess.Popen(
-            [*cmd, *argv_for_shard(i)],
+        s.proc = subprocess.Popen(
+            [*cmd, *argv_for_shard(s.index)],
             process_group=0,
             preexec_fn=die_with_parent,
         )
-        log.info("shard %d started (pid %d)", i, p.pid)
-        return p
+        s.started = time.monotonic()
+        s.restart_at = None
+        log.info("shard %d started (pid %d)", s.index, s.proc.pid)
+
+    status = None
+    if status_port is not None:
+        try:
+            status = StatusServer(shards, max_restarts, status_host, status_port)
+        except OSError as exc:
+            raise StatusPortError(f"cannot serve supervisor status on {status_host}:{status_port}: {exc.strerror}") from exc
 
     got: list[int] = []  # signals received, handled by the loop rather than the handler
 
     def on_signal(signum: int, _frame: object) -> None:
         got.append(signum)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    procs: list[subprocess.Popen[bytes] | None] = [None] * n
-    restart_at: dict[int, float] = {}
-    restarts: list[collections.deque[float]] = [collections.deque() for _ in range(n)]
-    status = 0
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for i in range(n):
-            procs[i] = spawn(i)
+        if status is not None:
+            status.start()
+        for s in shards:
+            spawn(s)
         while not got:
             now = time.monotonic()
-            for i, p in enumerate(procs):
-                if p is not None and p.poll() is not None:
-                    log.warning("shard %d (pid %d) exited with %s", i, p.pid, p.returncode)
-                    procs[i] = None
-                    recent = restarts[i]
-                    while recent and now - recent[0] > restart_window:
-                        recent.popleft()
-                    if len(recent) >= max_restarts:
+            for s in shards:
+                p = s.proc
+                if p is not None and p.poll() is None:
+                    if s.failures and now - s.started >= restart_window:
+                        log.info("shard %d up for %.0f s: healthy again", s.index, now - s.started)
+                        s.failures = 0
+                    continue
+                if p is not None:  # exited on its own
+                    s.proc, s.last_exit = None, p.returncode
+                    s.failures = 1 if now - s.started >= restart_window else s.failures + 1
+                    s.delay = min(restart_delay * 2 ** (s.failures - 1), max_delay)
+                    s.restart_at = now + s.delay
+                    log.warning(
+                        "shard %d (pid %d) exited with %s; restart in %g s",
+                        s.index, p.pid, p.returncode, s.delay,
+                    )
+                    if s.failures == max_restarts + 1:
                         log.error(
-                            "shard %d restarted %d times within %.0f s: giving up",
-                            i, len(recent), restart_window,
+                            "shard %d is crash-looping (%d exits in a row, none up %.0f s); "
+                            "retrying every %g s at most, the other shards go on",
+                            s.index, s.failures, restart_window, max_delay,
                         )
-                        status = 1
-                        break
-                    recent.append(now)
-                    restart_at[i] = now + restart_delay
-            if status:
-                break
-            for i, t in list(restart_at.items()):
-                if now >= t:
-                    del restart_at[i]
-                    procs[i] = spawn(i)
+                elif s.restart_at is not None and now >= s.restart_at:
+                    s.restarts += 1
+                    spawn(s)
             time.sleep(_POLL)
-        sig = got[0] if got else signal.SIGTERM
-        if got:
-            log.info("got %s: stopping %d shards", signal.Signals(sig).name, n)
-        return _stop([p for p in procs if p is not None], sig, stop_timeout, got) or status
+        sig = got[0]
+        log.info("got %s: stopping %d shards", signal.Signals(sig).name, n)
+        looping = any(s.failures > max_restarts for s in shards)
+        procs = [s.proc for s in shards if s.proc is not None]
+        return _stop(procs, sig, stop_timeout, got) or int(looping)
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        if status is not None:
+            status.close()
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+class StatusServer:
+    """The supervisor's /health and /status, on a thread of their own.
+
+    /health is 503 while a shard is crash-looping: an alert or a readiness signal,
+    not a liveness probe (restarting the supervisor restarts its healthy shards too).
+    Each shard's own loop health is its /health on metrics_port + i.
+    """
+
+    def __init__(self, shards: list[Shard], max_failures: int, host: str, port: int) -> None:
+        from .metrics import QuietHTTPServer  # request errors: rate-limited, one line each
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = 10
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                now = time.monotonic()
+                states = [s.status(now, max_failures) for s in list(shards)]
+                path = self.path.split("?")[0]
+                if path == "/health":
+                    bad = [st for st in states if st["crash_looping"]]
+                    body = "".join(
+                        f"shard {st['shard']} crash-looping: {st['consecutive_failures']} exits in a row, "
+                        f"last exit {st['last_exit']}\n"
+                        for st in bad
+                    ) or "ok\n"
+                    self._reply(503 if bad else 200, body.encode(), "text/plain")
+                elif path == "/status":
+                    self._reply(200, json.dumps({"shards": states}).encode() + b"\n", "application/json")
+                else:
+                    self._reply(404, b"not found\n", "text/plain")
+
+            def _reply(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = QuietHTTPServer((host, port), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="detokd-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        log.info("supervisor health and status on port %d", self.port)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
 
 def _stop(

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import bisect
 import logging
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from . import logs
+from .logs import RateLimitFilter  # noqa: F401 (its old home: server.py imports it from here)
+
 log = logging.getLogger("detokd.metrics")
+# What clients do (hang up mid-request, by the hundred) chooses what this logs: limited
+# here too, so it stays bounded even without logs.setup (detokd as a library).
+log.addFilter(RateLimitFilter())
 
 # Step latency buckets in seconds: a healthy step is tens of microseconds.
 BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -116,6 +123,25 @@ class _Collector:
         buckets.append(("+Inf", cumulative + counts[-1]))
         yield HistogramMetricFamily("detokd_step_seconds", "time to process one inbound batch", buckets=buckets, sum_value=s.step_sum)
         yield GaugeMetricFamily("detokd_loop_idle_seconds", "time since the loop last turned", value=time.monotonic() - s.last_turn)
+        yield CounterMetricFamily("detokd_log_records_dropped", "log records lost to a full queue to stderr (stderr not read)", value=logs.dropped())
+
+
+class QuietHTTPServer(ThreadingHTTPServer):
+    """A threaded HTTP server whose request errors go to the rate-limited logger.
+
+    socketserver prints each one's traceback straight to stderr: a scraper that
+    resets its connections would write kilobytes per scrape, past every limit.
+    """
+
+    daemon_threads = True
+    request_queue_size = 128  # socketserver's 5 makes a burst of scrapes wait out SYN retries
+
+    def handle_error(self, request, client_address) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):  # the client hung up: not our bug
+            log.info("http client %s: %s", client_address[0], type(exc).__name__)
+        else:
+            log.warning("http request from %s failed", client_address[0], exc_info=True)
 
 
 class MetricsServer:
@@ -153,8 +179,7 @@ class MetricsServer:
             def log_message(self, *args) -> None:  # scrapes are not worth a log line
                 pass
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = QuietHTTPServer((host, port), Handler)
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="detokd-metrics", daemon=True)
 
@@ -165,45 +190,3 @@ class MetricsServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-class RateLimitFilter(logging.Filter):
-    """A logger filter: per message template, at most `burst` records per `period`
-    seconds, and none longer than `max_len` characters. The first record let through
-    after a suppressed spell says how many were dropped.
-
-    Installed on the loop's loggers, whose messages quote what peers send (rids,
-    control ops, worker numbers): a flood of hostile frames costs a few lines.
-    """
-
-    def __init__(self, burst: int = 10, period: float = 10.0, max_len: int = 300, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__()
-        self.burst = burst
-        self.period = period
-        self.max_len = max_len
-        self.clock = clock
-        self.windows: dict[str, list] = {}  # template -> [window start, let through, suppressed]
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        key = record.msg if isinstance(record.msg, str) else type(record.msg).__name__
-        now = self.clock()
-        w = self.windows.get(key)
-        if w is None:
-            if len(self.windows) >= 1000:  # templates are few; never let this grow
-                self.windows.clear()
-            w = self.windows[key] = [now, 0, 0]
-        suppressed = 0
-        if now - w[0] >= self.period:
-            suppressed = w[2]
-            w[0], w[1], w[2] = now, 0, 0
-        if w[1] >= self.burst:
-            w[2] += 1
-            return False
-        w[1] += 1
-        msg = record.getMessage()
-        if len(msg) > self.max_len:
-            msg = f"{msg[: self.max_len]}... ({len(msg)} characters)"
-        if suppressed:
-            msg = f"{msg} [{suppressed} similar messages suppressed]"
-        record.msg, record.args = msg, None
-        return True

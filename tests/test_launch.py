@@ -1,21 +1,29 @@
 """detokd.launch: per-shard addresses and the shard supervisor.
 
 The supervisor runs in its own process (it installs signal handlers and is
-signalled), over tiny Python children that write their pid to a file.
+signalled), over tiny Python children that write their pid to a file, and once
+over real `detokd serve` shards.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import alive
+from test_reliability import zctx  # noqa: F401 (fixture)
 from detokd.launch import derive_address, run_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,11 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 SUPERVISOR = r"""
 import logging, sys
 from detokd.launch import run_shards
-logging.basicConfig(level=logging.INFO)
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 d, n, child, max_restarts, stop_timeout = sys.argv[1:6]
 rc = run_shards(
-    lambda i: [d, str(i)], int(n), restart_delay=0.05, max_restarts=int(max_restarts),
-    stop_timeout=float(stop_timeout), command=[sys.executable, "-c", child],
+    lambda i: [d, str(i)], int(n), restart_delay=0.05, max_delay=0.4, max_restarts=int(max_restarts),
+    stop_timeout=float(stop_timeout), command=[sys.executable, "-c", child], status_port=0,
 )
 print("supervisor rc", rc, flush=True)
 sys.exit(rc)
@@ -49,6 +57,9 @@ while True:
 STUBBORN = SLEEPER.replace("sys.exit(0))", "None)")  # ignores SIGTERM and SIGINT
 
 CRASHER = "import sys; sys.exit(3)"
+
+# Shard 1 exits with 3 at once, every time; the others are SLEEPERs.
+ONE_CRASHES = "import sys\nif sys.argv[2] == '1': sys.exit(3)\n" + SLEEPER
 
 
 @pytest.mark.parametrize(
@@ -114,15 +125,49 @@ def _pid(d: Path, i: int) -> int | None:
         return None
 
 
-def _supervise(tmp_path: Path, n: int, child: str, max_restarts: int = 5, stop_timeout: float = 5.0):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen(
+ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+class Supervised(subprocess.Popen):
+    """A supervisor process whose output goes to a file, readable while it runs."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log_path = log
+        self.log_file = open(log, "wb")
+        super().__init__(args, env=ENV, stdout=self.log_file, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def communicate(self, timeout: float | None = None):  # (output, None), as with a pipe
+        self.wait(timeout)
+        self.log_file.close()
+        return self.output(), None
+
+    def status_port(self) -> int:
+        m = _wait(lambda: re.search(r"supervisor health and status on port (\d+)", self.output()), 30, "the status port")
+        return int(m.group(1))
+
+
+def _supervise(tmp_path: Path, n: int, child: str, max_restarts: int = 5, stop_timeout: float = 5.0) -> Supervised:
+    return Supervised(
         [sys.executable, "-c", SUPERVISOR, str(tmp_path), str(n), child, str(max_restarts), str(stop_timeout)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        tmp_path / "supervisor.log",
     )
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _status(port: int) -> list[dict]:
+    code, body = _get(port, "/status")
+    assert code == 200, body
+    return json.loads(body)["shards"]
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
@@ -147,15 +192,50 @@ def test_supervisor_restarts_a_dead_shard_and_stops_cleanly(tmp_path: Path, stop
         assert not alive(pid)
 
 
-def test_supervisor_gives_up_on_a_crash_loop(tmp_path: Path) -> None:
-    sup = _supervise(tmp_path, 2, CRASHER, max_restarts=2)
+def test_a_crash_looping_shard_backs_off_and_is_reported_while_the_healthy_ones_keep_running(tmp_path: Path) -> None:
+    """Shard 1 exits at once, every time (max_restarts 2, delays 0.05 s doubling up to
+    0.4 s). The old supervisor stopped every shard after the third exit; now shard 0
+    keeps its one process throughout, shard 1's restart delays double and cap, and
+    the supervisor's /health says 503 naming shard 1 (its /status says why)."""
+    sup = _supervise(tmp_path, 2, ONE_CRASHES, max_restarts=2)
     try:
+        port = sup.status_port()
+        pid0 = _wait(lambda: _pid(tmp_path, 0), what="shard 0 pid")
+        # Seven exits: past the crash-loop mark (3) and two at the capped delay.
+        _wait(lambda: sup.output().count("shard 1 (pid") >= 7, 30, "seven exits of shard 1")
+        code, body = _get(port, "/health")
+        assert code == 503 and b"shard 1 crash-looping" in body and b"shard 0" not in body, body
+        s0, s1 = _status(port)
+        assert s0["state"] == "running" and s0["pid"] == pid0 and s0["restarts"] == 0 and not s0["crash_looping"]
+        assert s1["crash_looping"] and s1["consecutive_failures"] >= 7 and s1["last_exit"] == 3
+        assert alive(pid0) and _pid(tmp_path, 0) == pid0
+        sup.send_signal(signal.SIGTERM)
         out, _ = sup.communicate(timeout=15)
     finally:
         if sup.poll() is None:
             sup.kill()
-    assert sup.returncode == 1, out
-    assert "giving up" in out
+    delays = [float(d) for d in re.findall(r"shard 1 \(pid \d+\) exited with 3; restart in ([\d.]+) s", out)]
+    assert delays[:7] == [0.05, 0.1, 0.2, 0.4, 0.4, 0.4, 0.4], out
+    assert out.count("shard 1 is crash-looping") == 1, out  # said once, not at every exit
+    assert "shard 0 (pid" not in out  # shard 0 never exited until the stop
+    assert sup.returncode == 1, out  # a shard was crash-looping when stopped
+    assert not alive(pid0)
+
+
+def test_the_supervisor_health_is_200_while_every_shard_runs(tmp_path: Path) -> None:
+    sup = _supervise(tmp_path, 2, SLEEPER)
+    try:
+        port = sup.status_port()
+        pids = [_wait(lambda i=i: _pid(tmp_path, i), what=f"shard {i} pid") for i in range(2)]
+        assert _get(port, "/health") == (200, b"ok\n")
+        assert [(s["state"], s["pid"], s["crash_looping"]) for s in _status(port)] == [("running", p, False) for p in pids]
+        assert _get(port, "/nothing")[0] == 404
+        sup.send_signal(signal.SIGTERM)
+        out, _ = sup.communicate(timeout=15)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert sup.returncode == 0, out
 
 
 def test_supervisor_kills_a_shard_that_ignores_sigterm(tmp_path: Path) -> None:
@@ -183,3 +263,83 @@ def test_shards_die_with_a_killed_supervisor(tmp_path: Path) -> None:
     finally:
         if sup.poll() is None:
             sup.kill()
+
+
+DETOKD_SUPERVISOR = r"""
+import logging, sys
+from detokd import logs
+from detokd.launch import derive_address, run_shards
+logs.setup("info")
+base, worker = sys.argv[1:3]
+rc = run_shards(
+    lambda i: ["serve", "--input", derive_address(base, i), "--worker", worker, "--tokenizer", "deepseek"],
+    2, restart_delay=0.05, max_delay=2.0, max_restarts=2, status_port=0,
+)
+sys.exit(rc)
+"""
+
+
+def test_real_shards_a_shard_that_cannot_bind_crash_loops_while_its_sibling_serves_every_row(tmp_path: Path, zctx) -> None:  # noqa: F811
+    """Two real `detokd serve` shards on tcp ports P and P+1, P+1 held by the test:
+    shard 1 exits (cannot bind) again and again. Shard 0 serves requests before and
+    after shard 1 is reported crash-looping, with the same process throughout."""
+    from test_reliability import Engine, Req, Sink, make_ids
+
+    holder = socket.socket()
+    for _ in range(20):  # a free pair of ports: P for shard 0, P+1 held here for shard 1
+        holder.bind(("127.0.0.1", 0))
+        base_port = holder.getsockname()[1] - 1
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", base_port))
+                break
+            except OSError:
+                holder.close()
+                holder = socket.socket()
+    holder.listen()
+    rng = random.Random(3)
+    before, after = Req("before", make_ids(rng, 60)), Req("after", make_ids(rng, 60))
+    expected = before.expected(), after.expected()  # the oracle loads now, not while shards start
+    worker = f"ipc://{tmp_path}/w0.sock"
+    sink = Sink(zctx, worker)
+    sup = Supervised([sys.executable, "-c", DETOKD_SUPERVISOR, f"tcp://127.0.0.1:{base_port}", worker], tmp_path / "sup.log")
+    try:
+        port = sup.status_port()
+        _wait(lambda: "serving: input tcp://127.0.0.1:%d" % base_port in sup.output(), 60, "shard 0 serving")
+        eng = Engine(zctx, f"tcp://127.0.0.1:{base_port}")
+        eng.rows([before.row(60)])
+        sink.wait(lambda: sink.ended("before"), 20, "the first request's text")
+        pid0 = _status(port)[0]["pid"]
+        code, body = _wait(lambda: (lambda r: r[0] == 503 and r)(_get(port, "/health")), 60, "/health 503")
+        assert b"shard 1 crash-looping" in body and b"last exit 2" in body, body  # 2: the bind config error
+        eng.rows([after.row(30, finish=False)])
+        eng.rows([after.row(30)])
+        sink.wait(lambda: sink.ended("after"), 20, "the second request's text")
+        s0, s1 = _status(port)
+        assert (s0["pid"], s0["restarts"], s0["state"]) == (pid0, 0, "running")
+        assert s1["crash_looping"]
+        assert (sink.text("before"), sink.text("after")) == expected
+        sup.send_signal(signal.SIGTERM)
+        out, _ = sup.communicate(timeout=30)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+        holder.close()
+    assert "cannot bind input" in out
+    assert sup.returncode == 1, out
+    assert not alive(pid0)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--supervisor-port", "9"], "needs --shards"),
+        (["--shards", "2", "--metrics-port", "9000", "--supervisor-port", "9001"], "a shard's metrics port"),
+    ],
+)
+def test_a_supervisor_port_that_cannot_work_is_one_line_and_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "detokd", "serve", "--input", f"ipc://{tmp_path}/in", *args],
+        capture_output=True, text=True, env=ENV, timeout=60,
+    )
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -1,0 +1,212 @@
+"""Logging that can neither block the loop nor be forged by a peer.
+
+`setup(level)` puts one bounded `queue.Queue` between every logger and stderr: the
+thread that logs (the loop, the HTTP threads) only formats and enqueues; a listener
+thread of its own does the writing. A stderr nobody reads then stalls the listener,
+never the loop: once the queue is full, records are dropped and counted (`dropped()`,
+published as detokd_log_records_dropped on /metrics).
+
+On the way in, every record passes the rate limiter (per message template, bounded
+rate and length: a flood of hostile frames costs a few lines) and the escaping
+formatter (control characters in a message come out as visible escapes, so a rid or
+a control op holding "\\n...CRITICAL..." cannot forge a line).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Callable
+
+__all__ = ["setup", "dropped", "escape", "RateLimitFilter", "EscapingFormatter", "FORMAT"]
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+QUEUE_SIZE = 10000  # records waiting for the writer at most; beyond, dropped and counted
+DRAIN_TIMEOUT = 1.0  # s the writer gets at exit to write what is queued
+
+_lock = threading.Lock()
+_dropped = 0
+_installed: list[tuple[logging.Handler, "_Writer"]] = []
+
+
+def dropped() -> int:
+    """Records lost since start because the queue to stderr was full (or stderr broke)."""
+    return _dropped
+
+
+def _count_drop() -> None:
+    global _dropped
+    with _lock:
+        _dropped += 1
+
+
+# C0 controls, DEL, C1 controls, and the two Unicode line separators some viewers break on.
+_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
+_ESCAPES.update({0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def escape(text: str) -> str:
+    """`text` with every control character written as a visible escape: one line."""
+    return text.translate(_ESCAPES)
+
+
+class EscapingFormatter(logging.Formatter):
+    """Formats a record's message on one line, control characters escaped.
+
+    A traceback or stack (the process's own) keeps its lines, each indented two more
+    spaces and escaped within the line: still readable, and no line of it can pass
+    for a record of its own (records start at column 0 with a timestamp).
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = escape(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei) -> str:  # noqa: N802
+        return _indent(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:  # noqa: N802
+        return _indent(super().formatStack(stack_info))
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + escape(line) for line in text.split("\n"))
+
+
+class RateLimitFilter(logging.Filter):
+    """Per message template, at most `burst` records per `period` seconds, and none
+    longer than `max_len` characters. The first record let through after a
+    suppressed spell says how many were dropped.
+
+    The messages of detokd's loggers quote what peers send (rids, control ops, worker
+    numbers, addresses): a flood of hostile frames must cost a few lines. Works as a
+    logger or a handler filter; a record is limited once even if it meets two.
+    """
+
+    def __init__(self, burst: int = 10, period: float = 10.0, max_len: int = 300, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.burst = burst
+        self.period = period
+        self.max_len = max_len
+        self.clock = clock
+        self.windows: dict[str, list] = {}  # template -> [window start, let through, suppressed]
+        self.lock = threading.Lock()  # the loop and the HTTP threads log at once
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "_detokd_limited", False):
+            return True
+        key = record.msg if isinstance(record.msg, str) else type(record.msg).__name__
+        with self.lock:
+            now = self.clock()
+            w = self.windows.get(key)
+            if w is None:
+                if len(self.windows) >= 1000:  # templates are few; never let this grow
+                    self.windows.clear()
+                w = self.windows[key] = [now, 0, 0]
+            suppressed = 0
+            if now - w[0] >= self.period:
+                suppressed = w[2]
+                w[0], w[1], w[2] = now, 0, 0
+            if w[1] >= self.burst:
+                w[2] += 1
+                return False
+            w[1] += 1
+        msg = record.getMessage()
+        if len(msg) > self.max_len:
+            msg = f"{msg[: self.max_len]}... ({len(msg)} characters)"
+        if suppressed:
+            msg = f"{msg} [{suppressed} similar messages suppressed]"
+        record.msg, record.args = msg, None
+        record._detokd_limited = True
+        return True
+
+
+class _QueueHandler(logging.Handler):
+    """Formats on the caller's thread (escaped, traceback included), then enqueues
+    without ever waiting: a full queue drops the record and counts it."""
+
+    def __init__(self, q: queue.Queue) -> None:
+        super().__init__()
+        self.queue = q
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            _count_drop()  # a bad format string: never a traceback on stderr from here
+            return
+        try:
+            self.queue.put_nowait(line)
+        except queue.Full:
+            _count_drop()
+
+
+class _Writer:
+    """The thread that writes queued lines to a file descriptor (stderr's)."""
+
+    def __init__(self, q: queue.Queue, stream) -> None:
+        self.queue, self.stream = q, stream  # held: a collected file object closes its fd
+        self.fd = stream.fileno()
+        self.thread = threading.Thread(target=self._run, name="detokd-log", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        # os.write, not sys.stderr: a write blocked here holds no Python-level lock
+        # that the interpreter's exit would wait for.
+        while True:
+            line = self.queue.get()
+            if line is None:
+                return
+            data = (line + "\n").encode("utf-8", "backslashreplace")
+            try:
+                while data:
+                    data = data[os.write(self.fd, data) :]
+            except OSError:
+                _count_drop()  # stderr closed: nothing left to tell
+
+    def stop(self, timeout: float) -> None:
+        try:
+            self.queue.put(None, timeout=timeout)
+        except queue.Full:
+            return
+        self.thread.join(timeout)
+
+
+def setup(level: str | int = "info", stream=None, queue_size: int = QUEUE_SIZE) -> None:
+    """Route every logger through the bounded queue to `stream` (default stderr).
+
+    Replaces the handlers of the root logger (so detokd.* and third-party loggers
+    alike); calling it again replaces the previous setup. Warnings go through it too.
+    """
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    _shutdown()
+    stream = sys.stderr if stream is None else stream
+    q: queue.Queue = queue.Queue(queue_size)
+    handler = _QueueHandler(q)
+    handler.setFormatter(EscapingFormatter(FORMAT))
+    # On the handler, not the "detokd" logger: a logger's filters do not see the
+    # records of its children, a handler's filters see every record it gets.
+    handler.addFilter(RateLimitFilter())
+    writer = _Writer(q, stream)
+    root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)
+    logging.captureWarnings(True)
+    _installed.append((handler, writer))
+
+
+def _shutdown() -> None:
+    """Give the writer a bounded time to write what is queued (at exit, or on a new setup)."""
+    while _installed:
+        handler, writer = _installed.pop()
+        logging.getLogger().removeHandler(handler)
+        writer.stop(DRAIN_TIMEOUT)
+
+
+atexit.register(_shutdown)

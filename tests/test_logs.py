@@ -1,0 +1,224 @@
+"""detokd.logs: logging can neither block the loop nor be forged, between real processes.
+
+A real `detokd serve` gets a stderr pipe nobody reads (shrunk to one page, so a few
+lines fill it) and must keep serving; peer-controlled strings holding newlines must
+come out as one escaped line; a scraper resetting its connections must cost a
+bounded number of stderr bytes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import random
+import re
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+from test_reliability import (
+    Engine,
+    Req,
+    Sink,
+    http_get,
+    make_ids,
+    metrics_port,
+    wait_until,
+    zctx,  # noqa: F401 (fixture)
+)
+
+F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
+PAGE = 4096
+LINE_START = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ")
+
+
+def _unread(fd: int) -> int:
+    """Bytes written into a pipe and not read yet (FIONREAD on its read end)."""
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(port: int) -> int:
+    try:
+        return http_get(port, "/health", timeout=2)[0]
+    except OSError:  # not listening yet
+        return 0
+
+
+def test_detokd_keeps_serving_rows_while_nobody_reads_its_stderr(tmp_path: Path, zctx) -> None:  # noqa: F811
+    """stderr is a one-page pipe the test never reads. A flood of frames that each
+    log a warning (four message templates, long peer strings) fills it: the pipe is
+    seen full. The old loop then blocked in write() for good; now requests sent
+    after it are served exactly and /health stays 200."""
+    rng = random.Random(5)
+    first, later = Req("first", make_ids(rng, 50)), Req("later", make_ids(rng, 50))
+    expected = first.expected(), later.expected()
+    r, w = os.pipe()
+    fcntl.fcntl(w, F_SETPIPE_SZ, PAGE)
+    inp, worker = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/w0.sock"
+    port = _free_port()
+    sink = Sink(zctx, worker)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "detokd", "serve", "--input", inp, "--worker", worker,
+         "--tokenizer", "deepseek", "--log-level", "info", "--metrics-port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=w,
+    )
+    os.close(w)
+    try:
+        wait_until(lambda: _health(port) == 200 or proc.poll() is not None, 90, "/health 200")
+        assert proc.poll() is None
+        eng = Engine(zctx, inp)
+        eng.rows([first.row(50)])
+        sink.wait(lambda: sink.ended("first"), 20, "the first request's text")
+        long = "x" * 400
+        for k in range(40):
+            eng.send({"type": "control", "op": f"{long}{k}"})  # unknown control op
+            eng.send({"type": f"{long}{k}"})  # bad frame: unknown type
+            eng.rows([{"rid": f"{long}{k}", "ids": [1], "start": {"worker": 9}}])  # no such worker
+            eng.send({"type": "register", "worker": 3, "address": f"bogus://{long}{k}"})  # refused
+        # The one-page pipe holds no further line: a write to it now blocks.
+        wait_until(lambda: _unread(r) > PAGE - 400, 20, "stderr's pipe to fill")
+        eng.rows([later.row(25, finish=False)])
+        eng.rows([later.row(25)])
+        sink.wait(lambda: sink.ended("later"), 20, "a request sent after stderr filled")
+        assert (sink.text("first"), sink.text("later")) == expected
+        assert [_health(port) for _ in range(3)] == [200, 200, 200]
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(10)
+        os.close(r)
+
+
+WRITER = r"""
+import logging, os, sys
+from detokd import logs
+fd = int(sys.argv[1])
+logs.setup("info", stream=os.fdopen(fd, "w"), queue_size=5)
+log = logging.getLogger("detokd.test")
+for i in range(100):
+    log.warning("record %d " % i + "y" * 1000)  # a template each: past the rate limit
+print(logs.dropped(), flush=True)
+sys.stdin.readline()  # the parent drains the pipe, then lets us exit (which writes the queue)
+"""
+
+
+def test_a_full_queue_drops_records_and_counts_every_one(tmp_path: Path) -> None:
+    """A process logs 100 one-kilobyte records into a one-page pipe nobody reads yet,
+    through a queue of 5: logging returns at once, and once the pipe is read every
+    record is accounted for, written or counted in logs.dropped()."""
+    r, w = os.pipe()
+    fcntl.fcntl(w, F_SETPIPE_SZ, PAGE)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(w)], pass_fds=(w,), env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    os.close(w)
+    try:
+        dropped = int(proc.stdout.readline())  # printed only once all 100 calls returned
+        assert 100 - 5 - 5 <= dropped < 100  # at most 4 lines fit the page, 1 in hand, 5 queued
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        with os.fdopen(r, "rb") as pipe:
+            written = pipe.read().decode().splitlines()
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(written) + dropped == 100
+    numbers = [int(re.search(r"record (\d+) ", line).group(1)) for line in written]
+    assert numbers == sorted(numbers)  # what was written is in order, nothing twice
+
+
+FORGED = "\nCRITICAL fake"
+
+
+def test_peer_strings_with_newlines_come_out_as_one_escaped_line(detokd, zctx) -> None:  # noqa: F811
+    """A control op, a rid, a message type and a register address, each holding
+    "\\nCRITICAL fake ..." and an escape character: each is logged on exactly one
+    line, which is a real record with the newline written as \\n; no line of the
+    log starts with the forged text and no raw escape character is written."""
+    d = detokd()
+    Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "control", "op": f"op{FORGED} control\x1b[2J"})
+    eng.rows([{"rid": f"rid{FORGED} rid\x1b[2J", "ids": [1], "start": {"worker": 7}}])
+    eng.send({"type": f"t{FORGED} type\x1b[2J"})
+    eng.send({"type": "register", "worker": 1, "address": f"ipc://{d.input[6:]}.w1{FORGED} register\x1b[2J"})
+    kinds = ("control", "rid", "type", "register")
+    wait_until(lambda: all(f"CRITICAL fake {k}" in d.output() for k in kinds), 20, "the four records")
+    assert d.stop() == 0
+    out = d.output()
+    lines = out.splitlines()
+    for k in kinds:
+        hits = [line for line in lines if f"CRITICAL fake {k}" in line]
+        assert len(hits) == 1, (k, hits)
+        assert LINE_START.match(hits[0]) and "\\nCRITICAL fake" in hits[0], hits[0]
+    assert not any(line.startswith("CRITICAL") for line in lines)
+    assert "\x1b" not in out
+
+
+def test_a_traceback_keeps_its_lines_and_an_exception_message_cannot_forge_one() -> None:
+    """The process's own traceback stays readable, one frame a line; an exception
+    message holding a newline only yields an indented continuation line."""
+    from detokd import logs
+
+    fmt = logs.EscapingFormatter(logs.FORMAT)
+    try:
+        raise KeyError(f"rid{FORGED}")
+    except KeyError:
+        record = logging.LogRecord("detokd.server", logging.ERROR, __file__, 1, "internal error on %r", ("a\nb",), sys.exc_info())
+    text = fmt.format(record)
+    lines = text.split("\n")
+    assert lines[0].endswith("internal error on 'a\\nb'")
+    assert lines[1] == "  Traceback (most recent call last):"
+    assert any(line.strip().startswith('raise KeyError(f"rid{FORGED}")') for line in lines)
+    assert all(line.startswith("  ") for line in lines[1:])  # none can pass for a record
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"^Threads:\s+(\d+)", f.read(), re.M).group(1))
+
+
+def test_300_reset_scrapes_write_a_bounded_number_of_stderr_bytes(detokd) -> None:
+    """300 clients send GET /metrics and reset the connection at once (SO_LINGER 0).
+    Each request error used to print its traceback to stderr (~1.5 KB each); now
+    they go through the rate-limited logger: a few short lines in all."""
+    d = detokd(args=["--metrics-port", "0"])
+    d.wait_ready()
+    port = metrics_port(d)
+    assert http_get(port, "/metrics")[0] == 200
+    idle = wait_until(lambda: (lambda n: n if n == _threads(d.proc.pid) else 0)(_threads(d.proc.pid)), 10, "a thread count")
+    size0 = Path(d.log.name).stat().st_size
+    t0 = time.monotonic()
+    for _ in range(300):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # RST, whatever the server is doing with it
+    # Every request thread has ended: each error it met was logged (or suppressed) by then.
+    wait_until(lambda: _threads(d.proc.pid) <= idle, 30, "the request threads to end")
+    spells = int((time.monotonic() - t0) // 10) + 2  # 10 s rate-limit windows the resets spanned
+    assert http_get(port, "/health")[0] == 200
+    assert d.stop() == 0
+    log = Path(d.log.name).read_bytes()
+    # Up to the loop's last words: after them, exit-time noise of native libraries.
+    grown = log[size0 : log.index(b"INFO detokd.server: stopping:")]
+    lines = grown.decode(errors="replace").splitlines()
+    resets = [line for line in lines if "detokd.metrics: http client 127.0.0.1:" in line]
+    print(f"300 resets: {len(grown)} bytes, {len(lines)} lines on stderr over {spells - 1} rate windows")
+    assert b"Traceback" not in grown
+    # At most 10 lines per template per window, each short.
+    assert len(lines) <= 10 * spells and len(grown) <= 200 * 10 * spells, grown
+    assert resets, grown  # the resets did make request errors (else this test tests nothing)
