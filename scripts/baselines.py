@@ -58,6 +58,7 @@ if str(_ROOT) not in sys.path:
 
 from detokd.wire import native as protocol  # noqa: E402
 from detokd.core.decoder import byte_level_alphabet  # noqa: E402
+from detokd.tokenizer import resolve  # noqa: E402
 from detokd.wire.native import OutRow, Text  # noqa: E402
 
 log = logging.getLogger("baselines")
@@ -69,15 +70,10 @@ REPLACEMENT = "\ufffd"
 
 
 def tokenizer_dir(name_or_path: str) -> Path:
-    """A zoo name (deepseek, mistral_v3, qwen2, ...) or a folder with tokenizer.json."""
-    p = Path(name_or_path)
-    if p.is_dir():
-        return p
-    if p.name == "tokenizer.json" and p.is_file():
-        return p.parent
-    from detokd import zoo
-
-    return zoo.build(name_or_path)
+    """A zoo name (deepseek, mistral_v3, qwen2, ...) or a folder with tokenizer.json, as
+    detokd resolves its `tokenizer` setting (a tokenizer.json file: its folder)."""
+    p = resolve(name_or_path)
+    return p if p.is_dir() else p.parent
 
 
 class Tok:

@@ -40,44 +40,28 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+_SCRIPTS = Path(__file__).resolve().parent
+sys.path[:0] = [p for p in (str(_SCRIPTS.parent), str(_SCRIPTS)) if p not in sys.path]
 
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
-from bench import TAIL, _task_cpu_ns, corpus  # noqa: E402
+from detokbench.harness import detokd_process  # noqa: E402
+from detokbench.proc import cpu_s, descendants  # noqa: E402
+from detokbench.workload import TAIL, corpus  # noqa: E402
 from detokd.client import SchedulerClient, shard_for  # noqa: E402
+from detokd.config import Config  # noqa: E402
 from detokd.launch import derive_address  # noqa: E402
-from detokd.wire.native import Finish, Text, encode  # noqa: E402
+from detokd.process import NotReady  # noqa: E402
+from detokd.wire.native import Finish, Text  # noqa: E402
 from detokd.tokenizer import load  # noqa: E402
 
 MARK = "\x01end-"  # marker rids: no text of the corpus contains \x01
 
 
-def cpu_s(pids: list[int]) -> float:
-    """CPU seconds of these processes, all their threads (a pid gone counts 0)."""
-    return sum(_task_cpu_ns(p) for p in pids) / 1e9
-
-
-def children(pid: int) -> list[int]:
-    """pid and its descendants (a `--shards` supervisor forks the shards)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for tid in os.listdir(f"/proc/{p}/task"):
-            try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
-    return out
-
-
-def marker(shard: int, n: int) -> str:
+def marker(shard: int, n: int, prefix: str = MARK) -> str:
     """A marker rid that falls on `shard` of `n`."""
-    return next(m for j in range(10_000) if shard_for(m := f"{MARK}{shard}.{j}", n) == shard)
+    return next(m for j in range(10_000) if shard_for(m := f"{prefix}{shard}.{j}", n) == shard)
 
 
 def spin(n: int = 400_000) -> float:
@@ -114,10 +98,7 @@ class Streams:
             seq = [ids[(o + i) % len(ids)] for i in range(TAIL + n)]
             self.tails.append(seq[:TAIL])
             self.outs.append(seq[TAIL:])
-        dec = self.vocab.decode  # the oracle: transformers' decode, clean-up included
-        self.want = {
-            rid: dec(t + o, True)[len(dec(t, True)):] for rid, t, o in zip(self.rids, self.tails, self.outs)
-        }
+        self.want = {rid: self.vocab.reference(t, o) for rid, t, o in zip(self.rids, self.tails, self.outs)}
 
     def frames(self, addresses: list[str], steps: int, per_row: int) -> tuple[list[list[bytes]], list[bytes]]:
         """Each shard's frames of one round, and the marker each shard answers last."""
@@ -152,11 +133,9 @@ class Target:
         self.worker = ctx.socket(zmq.PULL)
         self.worker.setsockopt(zmq.RCVHWM, 0)
         self.worker.bind(wrk)
-        cmd = [sys.executable, "-m", "detokd", "serve", "--input", base, "--worker", wrk,
-               "--tokenizer", tokenizer, "--log-level", "warning"]
-        if shards > 1:
-            cmd += ["--shards", str(shards)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        cfg = msgspec.structs.replace(Config(), input=base, workers=[wrk], tokenizer=tokenizer, log_level="warning")
+        self.detokd = detokd_process(cfg, Path(folder), ["--shards", str(shards)] if shards > 1 else [])
+        self.detokd.spawn()
         self.pushes = []
         for a in self.addresses:
             s = ctx.socket(zmq.PUSH)
@@ -166,15 +145,23 @@ class Target:
         self.pids: list[int] = []
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Every shard answers a probe (the first answers wait for the tokenizer to load)."""
-        for i, s in enumerate(self.pushes):
-            s.send(encode({"type": "tokens", "rows": [{"rid": f"probe{i}", "start": {}, "finish": {"reason": "length"}}]}))
+        """Every shard said READY=1, then answers a probe (its worker socket is up)."""
+        try:
+            self.detokd.wait_ready(timeout)
+        except NotReady as e:
+            raise SystemExit(f"detokd with {self.shards} shard(s): {e}")
+        client = SchedulerClient(self.addresses)
+        for i in range(len(self.addresses)):
+            client.begin(marker(i, len(self.addresses), "\x01probe-"), finish=Finish("length"))
+        for shard, frame in client.take():
+            self.pushes[shard].send(frame)
+        client.close(linger=0)
         deadline = time.monotonic() + timeout
         for _ in self.pushes:
             if not self.worker.poll(max(0, deadline - time.monotonic()) * 1000):
                 raise SystemExit(f"detokd with {self.shards} shard(s) did not answer in {timeout:.0f} s")
             self.worker.recv()
-        self.pids = children(self.proc.pid)
+        self.pids = descendants(self.detokd.pid)
 
     def round(self, frames: list[list[bytes]], marks: list[bytes]) -> tuple[float, float, list[bytes]]:
         """Send one round, keep every answer; (wall s, detokd CPU s, frames received).
@@ -200,11 +187,10 @@ class Target:
         return time.perf_counter() - t0, cpu_s(self.pids) - c0, got
 
     def stop(self) -> None:
-        self.proc.terminate()
         try:
-            self.proc.wait(15)
+            self.detokd.stop(15)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            pass  # stop() killed it
 
 
 def check(streams: Streams, got: list[bytes]) -> int:

@@ -41,7 +41,6 @@ import os
 import platform
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -54,10 +53,16 @@ import msgspec
 import zmq
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [p for p in (str(REPO), str(REPO / "scripts")) if p not in sys.path]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from detokbench.harness import detokd_process  # noqa: E402
+from detokd.client import SchedulerClient  # noqa: E402
+from detokd.config import Config  # noqa: E402
+from detokd.process import DetokdProcess, NotReady  # noqa: E402
+from detokd.wire.native import Finish, Text  # noqa: E402
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Streaming text must arrive exactly once. ",
@@ -71,7 +76,6 @@ CORPUS = (
 )
 
 FINISH, ABORT, ABANDON = 0, 1, 2
-enc = msgspec.msgpack.encode
 
 
 def log(msg: str) -> None:
@@ -136,7 +140,7 @@ class Worker(threading.Thread):
         poller = zmq.Poller()
         for s in self.socks:
             poller.register(s, zmq.POLLIN)
-        decode = msgspec.msgpack.Decoder().decode
+        decode = msgspec.msgpack.Decoder(Text).decode
         ended, lengths = self.ended, self.lengths
         while not self.halt:
             for s, _ in poller.poll(100):
@@ -145,29 +149,29 @@ class Worker(threading.Thread):
                         frame = s.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    rows = decode(frame)["rows"]
+                    rows = decode(frame).rows
                     with self.lock:
                         self.messages += 1
                         self.rows += len(rows)
                         texts = self.texts
                         for r in rows:
-                            err = r["error"]
-                            if err is None and r["finish"] is None:
-                                t = texts.get(r["rid"])
+                            err = r.error
+                            if err is None and r.finish is None:
+                                t = texts.get(r.rid)
                                 if t is not None:
-                                    t.append(r["text"])
+                                    t.append(r.text)
                                 continue
-                            i = int(r["rid"][1:])
+                            i = int(r.rid[1:])
                             if ended[i]:
                                 self.duplicate_endings += 1
                             if err is not None:
                                 self.errors[err] = self.errors.get(err, 0) + 1
                                 ended[i] = self.EVICTED if err == "evicted" else self.OTHER_ERROR
                             else:
-                                ended[i] = self.FINISHED if r["n_ids"] == lengths[i] else self.WRONG_END
-                                t = texts.get(r["rid"])
+                                ended[i] = self.FINISHED if r.n_ids == lengths[i] else self.WRONG_END
+                                t = texts.get(r.rid)
                                 if t is not None:
-                                    t.append(r["text"])
+                                    t.append(r.text)
 
     def close(self) -> None:
         self.halt = True
@@ -222,27 +226,23 @@ class Sampler(threading.Thread):
             self.sample()
 
 
-def start_detokd(tmp: Path, args) -> tuple[subprocess.Popen, list[str], str, int, Path]:
-    inp = f"ipc://{tmp}/in.sock"
-    workers = [f"ipc://{tmp}/w{i}.sock" for i in range(args.workers)]
-    log_path = tmp / "detokd.log"
-    cmd = [sys.executable, "-m", "detokd", "serve", "--input", inp, "--max-states", str(args.max_states),
-           "--metrics-port", "0", "--log-level", "info"]
-    for w in workers:
-        cmd += ["--worker", w]
-    f = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-    deadline = time.monotonic() + 120
-    while True:
-        text = log_path.read_text(errors="replace")
-        if "serving:" in text:
-            break
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            sys.exit(f"detokd did not start:\n{text[-3000:]}")
-        time.sleep(0.05)
-    port = int(re.search(r"health and metrics on port (\d+)", text).group(1))
-    return proc, workers, inp, port, log_path
+def start_detokd(tmp: Path, args) -> tuple[DetokdProcess, int]:
+    """detokd on ipc:// addresses in `tmp`, ready (READY=1), and its metrics port (it
+    was told port 0, so it picked a free one and logged which)."""
+    cfg = msgspec.structs.replace(
+        Config(), input=f"ipc://{tmp}/in.sock", workers=[f"ipc://{tmp}/w{i}.sock" for i in range(args.workers)],
+        max_states=args.max_states, metrics_port=0, log_level="info",
+    )
+    d = detokd_process(cfg, tmp)
+    try:
+        d.start(120)
+    except NotReady as e:
+        sys.exit(f"detokd did not start:\n{str(e)[-3000:]}")
+    m = re.search(r"health and metrics on port (\d+)", d.log())  # logged before READY=1
+    if m is None:
+        d.kill()
+        sys.exit(f"detokd logged no metrics port:\n{d.log()[-3000:]}")
+    return d, int(m.group(1))
 
 
 def flatness(samples: list[dict], threshold: float) -> dict:
@@ -306,25 +306,23 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
 
 
 def run(args) -> int:
-    from transformers import AutoTokenizer
-
-    from detokd import zoo
+    from detokd.tokenizer import load
 
     rng = random.Random(args.seed)
-    hf = AutoTokenizer.from_pretrained(str(zoo.build("deepseek")))
-    pool = Pool(hf, 2_000_000, rng)
+    vocab = load("deepseek")
+    pool = Pool(vocab.hf, 2_000_000, rng)
     n_pool = len(pool.ids)
     tmp = Path(tempfile.mkdtemp(prefix="detokd-soak-"))
-    proc, workers, inp, port, log_path = start_detokd(tmp, args)
     ctx = zmq.Context()
     lengths = array.array("i", bytes(4 * args.requests))  # per request number
     fate_of = bytearray(args.requests)
-    worker = Worker(ctx, workers, lengths, fate_of)
+    # The worker binds its addresses first: detokd connects to them.
+    worker = Worker(ctx, [f"ipc://{tmp}/w{i}.sock" for i in range(args.workers)], lengths, fate_of)
     worker.start()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDTIMEO, 30_000)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(inp)
+    detokd, port = start_detokd(tmp, args)
+    proc = detokd.proc
+    engine = SchedulerClient(detokd.input, context=ctx, sndhwm=1000, send_timeout=30)
+    length = Finish("length")
     t0 = time.monotonic()
     sampler = Sampler(proc.pid, port, args.interval, t0)
     sampler.sample()
@@ -358,30 +356,32 @@ def run(args) -> int:
                 fates[fate] += 1
                 active.append(EReq(rid, ids, tail, made % args.workers, fate, stop_at, check))
                 made += 1
-            rows = []
             aborts = []
             still = []
             for r in active:
                 k = rng.randint(1, args.max_delta)
                 end = min(r.pos + k, r.stop_at)
                 chunk = r.ids[r.pos : end]
-                row = {"rid": r.rid, "ids": chunk, "seq": r.pos}
-                if r.pos == 0:
-                    row["start"] = {"worker": r.worker, "prompt_tail": r.tail}
+                first = r.pos == 0
                 r.pos = end
                 sent_tokens += len(chunk)
+                fin = None
                 if r.pos < r.stop_at:
                     still.append(r)
                 elif r.fate == FINISH:
-                    row["finish"] = {"reason": "length"}
+                    fin = length
                 elif r.fate == ABORT:
                     aborts.append(r.rid)
-                # ABANDON: never sent again
-                rows.append(row)
+                if first:
+                    engine.begin(r.rid, chunk, worker=r.worker, prompt_tail=r.tail, finish=fin)
+                else:
+                    engine.add(r.rid, chunk, finish=fin)
+                if r.pos >= r.stop_at and r.fate == ABANDON:
+                    engine.forget(r.rid)  # never sent again, so no longer tracked here
             active = still
-            push.send(enc({"type": "tokens", "rows": rows}))
+            engine.flush()  # one `tokens` message; then the aborts, after their last rows
             if aborts:
-                push.send(enc({"type": "abort", "rids": aborts}))
+                engine.abort(aborts)
             steps += 1
             if proc.poll() is not None:
                 raise RuntimeError(f"detokd exited {proc.returncode}")
@@ -410,14 +410,12 @@ def run(args) -> int:
         elapsed = time.monotonic() - t0
         final = scrape(port)
     finally:
-        proc.send_signal(signal.SIGTERM)
         try:
-            rc = proc.wait(30)
+            rc = detokd.stop(30)
         except subprocess.TimeoutExpired:
-            proc.kill()
             rc = "killed"
         worker.close()
-        push.close(linger=0)
+        engine.close(linger=0)
         ctx.destroy(linger=0)
 
     # --- verdicts
@@ -432,9 +430,7 @@ def run(args) -> int:
     texts = {rid: "".join(parts) for rid, parts in worker.texts.items()}
     wrong = []
     for rid, (tail, ids) in checked.items():
-        full = hf.decode(tail + ids, skip_special_tokens=True)
-        expected = full[len(hf.decode(tail, skip_special_tokens=True)) :]
-        if texts.get(rid) != expected:
+        if texts.get(rid) != vocab.reference(tail, ids):
             wrong.append(rid)
     evicted_rows = worker.errors.get("evicted", 0)
     summary = {
@@ -486,7 +482,7 @@ def run(args) -> int:
     ok = (f.get("flat") and not wrong and bad_finished == 0 and aborted_with_ending == 0 and evicted_live == 0
           and worker.duplicate_endings == 0 and rc == 0)
     if proc.returncode not in (0, None):
-        log(open(log_path, errors="replace").read()[-3000:])
+        log(detokd.log()[-3000:])
     return 0 if ok else 1
 
 

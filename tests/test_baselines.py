@@ -17,7 +17,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import baselines  # noqa: E402
-import bench  # noqa: E402
+from detokbench import workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def text_ids(tok):
-    text = bench.corpus()
+    text = workload.corpus()
     return text, tok.fast.encode(text, add_special_tokens=False).ids
 
 
@@ -98,23 +98,25 @@ def test_floor_flushes_incomplete_character(tok):
 
 
 def test_bench_frames_are_protocol_messages(tok):
-    """The benchmark's pre-encoded frames decode as PROTOCOL.md `tokens` messages."""
+    """The benchmark's pre-encoded frames, filled in for a step, decode as PROTOCOL.md
+    `tokens` messages with that step's seq and meta in every row."""
+    from detokd.client import shard_for
     from detokd.wire import native as protocol
 
-    corp = bench.Corpus(str(tok.dir))
-    wl = bench.Workload(corp, 20, 4, "t")
+    corp = workload.Corpus(str(tok.dir))
+    wl = workload.Workload(corp, 20, 4, "t")
     fr = wl.frames(2)
-    for k, pieces in ((0, fr["start"]), (5, fr["cyc"][5]), (9, fr["finish"])):
+    for k, step in ((0, fr["start"]), (5, fr["cyc"][5]), (9, fr["finish"])):
         rows = []
-        for shard, parts in pieces:
-            msg = protocol.decode_inbound(bench.step_tail(k * 4, (k, 123)).join(parts))
+        for shard, template in step:
+            msg = protocol.decode_inbound(template.fill(*workload.step_values(k * 4, (k, 123))))
             assert isinstance(msg, protocol.Tokens)
-            assert {bench.shard_of(r.rid, 2) for r in msg.rows} == {shard}
+            assert {shard_for(r.rid, 2) for r in msg.rows} == {shard}
             rows += msg.rows
         assert sorted(r.rid for r in rows) == sorted(wl.rids)
         for r in rows:
             i = wl.rids.index(r.rid)
-            assert r.seq == k * 4 and bytes(r.meta) == bench.msgspec.msgpack.encode((k, 123))
+            assert r.seq == k * 4 and bytes(r.meta) == protocol.encode((k, 123))
             assert (r.start is not None) == (k == 0) and (r.finish is not None) == (k == 9)
             if k == 0:
                 assert r.start.prompt_tail == corp.tail(wl.offsets[i])

@@ -1,0 +1,262 @@
+"""Starting the processes of bench.py: the worker, and each implementation under test.
+
+detokd runs through detokd.process.DetokdProcess (a config file, readiness by the
+notify socket, stop by signal); the baselines are `python scripts/baselines.py --algo
+NAME`. Each implementation PULLs at its own ipc:// input in a temporary folder and
+PUSHes text to the one worker (worker.py), which acks whole steps to the scheduler.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from detokd.config import Config
+from detokd.launch import derive_address
+from detokd.process import DetokdProcess
+
+from . import ROOT, SCRIPTS
+from .proc import ProcTree
+from .worker import ACK_CONFIG, ACK_DUMP, ACK_STEP, Configure, Dump, Quit
+
+_STARTED: list[subprocess.Popen] = []
+_DETOKDS: list[DetokdProcess] = []
+
+
+def child_env() -> dict[str, str]:
+    """This process' environment, with the checkout and scripts/ first on PYTHONPATH."""
+    env = dict(os.environ)
+    paths = [str(ROOT), str(SCRIPTS)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return env
+
+
+def stop_proc(p: subprocess.Popen, grace: float = 5.0) -> None:
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)  # its own session: whatever it forked goes too
+    except (ProcessLookupError, PermissionError):
+        p.terminate()
+    try:
+        p.wait(grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            p.kill()
+        p.wait(5)
+
+
+@atexit.register
+def _cleanup() -> None:
+    for p in _STARTED:
+        try:
+            stop_proc(p, 2.0)
+        except Exception:
+            pass
+    for d in _DETOKDS:
+        try:
+            d.stop(2.0)
+        except Exception:
+            d.kill()
+
+
+def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "wb") as logf:
+        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=str(ROOT), env=child_env(),
+                             start_new_session=True)
+    _STARTED.append(p)
+    return p
+
+
+def detokd_process(config: Config, folder: Path, args: list[str] = (), command: list[str] | None = None) -> DetokdProcess:
+    """A DetokdProcess of this checkout (or of `command`, a `... detokd [serve]` prefix),
+    stopped at exit if still running; not yet spawned."""
+    if command and command[-1] == "serve":
+        command = command[:-1]  # DetokdProcess adds `serve`
+    d = DetokdProcess(config, args=list(args), folder=folder, env=child_env(), command=command or None)
+    _DETOKDS.append(d)
+    return d
+
+
+class Stall(RuntimeError):
+    pass
+
+
+class Harness:
+    """The worker process and the scheduler's sockets."""
+
+    def __init__(self, tmp: Path, args) -> None:
+        import zmq
+
+        self.zmq = zmq
+        self.tmp = tmp
+        self.args = args
+        self.ctx = zmq.Context()
+        self.text_addr = f"ipc://{tmp}/text"
+        self.ack_addr = f"ipc://{tmp}/ack"
+        self.ack = self.ctx.socket(zmq.PULL)
+        self.ack.setsockopt(zmq.RCVHWM, 0)
+        self.ack.bind(self.ack_addr)
+        self.worker = spawn([sys.executable, "-m", "detokbench.worker", self.text_addr, self.ack_addr], tmp / "worker.log")
+        self.worker_tree = ProcTree(self.worker.pid)
+        self.self_tree = ProcTree(os.getpid())
+        self.ctl = self.ctx.socket(zmq.PUSH)
+        self.ctl.setsockopt(zmq.SNDHWM, 0)
+        self.ctl.connect(self.text_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.ack, zmq.POLLIN)
+        self.dec = msgspec.msgpack.Decoder()
+        self.enc = msgspec.msgpack.Encoder().encode
+        self.cid = 0
+
+    def recv_ack(self, timeout_s: float) -> list:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Stall(f"no ack within {timeout_s:.0f}s")
+            if self.poller.poll(min(left, 1.0) * 1000):
+                return self.dec.decode(self.ack.recv())
+            if self.worker.poll() is not None:
+                raise RuntimeError(f"the worker process exited ({self.worker.returncode}); see {self.tmp}/worker.log")
+
+    def configure(self, expected: int, check: str, watch: list[str]) -> int:
+        self.cid += 1
+        self.ctl.send(self.enc(Configure(self.cid, expected, check, watch)))
+        while True:
+            a = self.recv_ack(60)
+            if a[0] == ACK_CONFIG and a[1] == self.cid:
+                return self.cid
+
+    def dump(self) -> dict:
+        self.ctl.send(self.enc(Dump(self.cid)))
+        while True:
+            a = self.recv_ack(60)
+            if a[0] == ACK_DUMP and a[1] == self.cid:
+                return a[2]
+
+    def close(self) -> None:
+        try:
+            self.ctl.send(self.enc(Quit()))
+        except Exception:
+            pass
+        try:
+            self.worker.wait(3)
+        except subprocess.TimeoutExpired:
+            pass
+        stop_proc(self.worker)
+        self.ctx.destroy(linger=0)
+
+
+class Impl:
+    """One implementation process (detokd or a baseline) for one tokenizer."""
+
+    def __init__(self, name: str, tokenizer: str, h: Harness, args) -> None:
+        import zmq
+
+        self.name, self.tokenizer, self.h = name, tokenizer, h
+        self.shards = args.shards if name == "detokd" else 1
+        base = f"ipc://{h.tmp}/in-{name}-{tokenizer}"
+        self.detokd: DetokdProcess | None = None
+        self.proc: subprocess.Popen
+        if name == "detokd":
+            settings = {"max_states": args.max_states} if args.max_states else {}
+            cfg = msgspec.structs.replace(Config(), input=base, workers=[h.text_addr], tokenizer=tokenizer,
+                                          log_level="warning", **settings)
+            extra = (["--shards", str(self.shards)] if self.shards > 1 else []) + shlex.split(args.detokd_args or "")
+            self.detokd = detokd_process(cfg, h.tmp, extra, shlex.split(args.detokd_cmd) if args.detokd_cmd else None)
+            self.detokd.spawn()
+            self.proc = self.detokd.proc
+            self.log_path = self.detokd.log_path
+            self.cmd = self.proc.args
+        else:
+            self.log_path = h.tmp / f"{name}-{tokenizer}.log"
+            self.cmd = [sys.executable, str(SCRIPTS / "baselines.py"), "--algo", name,
+                        "--input", base, "--worker", h.text_addr, "--tokenizer", tokenizer]
+            self.proc = spawn(self.cmd, self.log_path)
+        self.tree = ProcTree(self.proc.pid)
+        addrs = [base] if self.shards == 1 else [derive_address(base, i) for i in range(self.shards)]
+        self.socks = []
+        for a in addrs:
+            s = h.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a)
+            self.socks.append(s)
+
+    def wait_ready(self, timeout: float) -> None:
+        """detokd: until it (every shard) said READY=1; a baseline is ready once it
+        answers, which start_impl's warm-up waits for."""
+        if self.detokd is not None:
+            self.detokd.wait_ready(timeout)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def stop(self) -> None:
+        for s in self.socks:
+            s.close(linger=0)
+        if self.detokd is not None:
+            try:
+                self.detokd.stop(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            stop_proc(self.proc)
+
+
+def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
+    """Launch and wait until it has answered a small warm-up round (64 streams, 8 steps)."""
+    from .workload import Workload, step_values
+
+    impl = Impl(name, tokenizer, h, args)
+    wl = Workload(corp, 64, 1, f"warm{name}")
+    try:
+        impl.wait_ready(180)
+        fr = wl.frames(impl.shards)
+        h.configure(64, "off", [])
+        # Frames sent before a baseline binds wait in the socket: send, then wait.
+        for k in range(9):
+            step = fr["start"] if k == 0 else fr["finish"] if k == 8 else fr["cyc"][k]
+            seq, meta = step_values(k, (k, time.monotonic_ns()))
+            for s, tmpl in step:
+                impl.socks[s].send(tmpl.fill(seq, meta))
+        deadline = time.monotonic() + 180
+        got: set[int] = set()
+        while len(got) < 9:
+            if not impl.alive():
+                raise RuntimeError(f"{name} exited ({impl.proc.returncode}):\n{impl.log_tail()}")
+            try:
+                a = h.recv_ack(2.0)
+            except Stall:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not answer within 180 s:\n{impl.log_tail()}")
+                continue
+            if a[0] == ACK_STEP:
+                got.add(a[1])
+        dump = h.dump()
+        if dump["n_errors"]:
+            sys.stderr.write(f"warning: {name} answered the warm-up with error rows: {dump['errors'][:3]}\n")
+    except BaseException:
+        impl.stop()
+        raise
+    impl.tree.refresh()
+    return impl

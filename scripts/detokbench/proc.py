@@ -1,0 +1,165 @@
+"""CPU time and memory of processes, from /proc (Linux), and the rest of the machine's load.
+
+Per-thread /proc/<pid>/task/*/schedstat gives run time in ns (psutil's cpu_times
+rounds to clock ticks, 10 ms): the benchmarks read it around each measured phase.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional
+
+
+def task_cpu_ns(pid: int) -> int:
+    """CPU time of every thread of `pid` so far, in ns (0 once it is gone)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds of these processes, all their threads (a pid gone counts 0)."""
+    return sum(task_cpu_ns(p) for p in pids) / 1e9
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and its descendants (a `--shards` supervisor forks the shards)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return out
+
+
+def _proc_stat() -> Optional[list[int]]:
+    try:
+        with open("/proc/stat") as f:
+            parts = f.readline().split()
+    except OSError:
+        return None
+    return [int(x) for x in parts[1:9]]  # user nice system idle iowait irq softirq steal
+
+
+def machine_busy_ns() -> Optional[int]:
+    """CPU time all processes of the machine ran (from /proc/stat), in ns."""
+    v = _proc_stat()
+    if v is None:
+        return None
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def steal_ns() -> Optional[int]:
+    """CPU time the hypervisor gave to other guests while this one wanted to run."""
+    v = _proc_stat()
+    return None if v is None else v[7] * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def other_load(seconds: float = 0.5) -> float:
+    """Cores kept busy over `seconds` while the benchmark's own processes sit idle."""
+    m0, t0 = machine_busy_ns(), time.monotonic_ns()
+    time.sleep(seconds)
+    m1, t1 = machine_busy_ns(), time.monotonic_ns()
+    if m0 is None or m1 is None:
+        return 0.0
+    return (m1 - m0) / (t1 - t0)
+
+
+class QuietWait:
+    """Waits before a measurement until the rest of the machine is idle, within a
+    budget over the whole run; `waited` is the time spent so far."""
+
+    def __init__(self, budget: float = 120.0) -> None:
+        self.budget = budget
+        self.waited = 0.0
+
+    def __call__(self, threshold: float, max_wait: float, say: Callable[[str], None]) -> float:
+        """Wait at most `max_wait` s (and what is left of the budget) while other
+        processes keep more than `threshold` cores busy; the load seen last."""
+        if max_wait <= 0 or self.waited >= self.budget:
+            return 0.0
+        t0 = time.monotonic()
+        deadline = t0 + min(max_wait, self.budget - self.waited)
+        load = other_load(0.2)
+        while load > threshold and time.monotonic() < deadline:
+            say(f"waiting for a quiet machine: other processes keep {load:.2f} cores busy")
+            load = other_load(1.0)
+        self.waited += time.monotonic() - t0
+        return load
+
+
+class ProcTree:
+    """CPU time and peak RSS of a process and its children (detokd --shards forks)."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.pid = pid
+        self.proc = psutil.Process(pid)
+        self.pids = [pid]
+        self.schedstat = os.path.exists(f"/proc/{pid}/task/{pid}/schedstat")
+
+    def refresh(self) -> None:
+        try:
+            self.pids = [self.pid] + [c.pid for c in self.proc.children(recursive=True)]
+        except Exception:
+            self.pids = [self.pid]
+
+    def cpu_ns(self) -> int:
+        if self.schedstat:
+            return sum(task_cpu_ns(p) for p in self.pids)
+        return int(self.cpu_psutil() * 1e9)
+
+    def cpu_psutil(self) -> float:
+        import psutil
+
+        total = 0.0
+        for p in self.pids:
+            try:
+                t = psutil.Process(p).cpu_times()
+                total += t.user + t.system
+            except Exception:
+                pass
+        return total
+
+    def reset_peak(self) -> bool:
+        """Restart VmHWM from the current RSS (clear_refs 5), so a peak is per phase."""
+        ok = True
+        for p in self.pids:
+            try:
+                with open(f"/proc/{p}/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                ok = False
+        return ok
+
+    def peak_rss_mb(self) -> Optional[float]:
+        total = 0
+        for p in self.pids:
+            try:
+                with open(f"/proc/{p}/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            total += int(line.split()[1])
+            except OSError:
+                return None
+        return total / 1024

@@ -1,0 +1,224 @@
+"""What every implementation decodes: a multilingual corpus, streams over it, their frames.
+
+The corpus is real text in several scripts, concatenated and tokenized with the
+tokenizer under test; each stream starts at its own offset into that id sequence
+(wrapping around), where no character is split across the prompt boundary.
+
+Frames are PROTOCOL.md v1 `tokens` messages encoded from detokd.wire.native's
+Structs before the timed run. All rows of one step share `seq` (step x ids per row)
+and `meta` (step number, send time), so each step's frame is encoded once with a
+placeholder in both places, and a step's values go in with one bytes.join
+(Template.fill: no per-row work while timing). The ids repeat with the corpus (period P
+steps), so a run of any length needs P templates, not one per step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import msgspec
+
+from detokd.client import shard_for
+from detokd.tokenizer import load
+from detokd.wire.native import Finish, Row, Start, Tokens, encode
+
+TEXTS: dict[str, str] = {
+    "english": (
+        "The lighthouse keeper had not spoken to anyone in eleven days when the supply boat "
+        "finally rounded the northern point. She watched it through the salt-streaked window, "
+        "counting the waves that broke over its bow, and wondered whether the captain would "
+        "remember the coffee this time. Fog was rolling in from the west, thick and grey, the "
+        "kind that swallowed sound as well as light.\n"
+        "Streaming detokenization turns token ids back into text while a model is still "
+        "generating. It must never emit half of a character, must keep the leading space of a "
+        "word, and should cost the same for the ten-thousandth token as for the first."
+    ),
+    "chinese": (
+        "清晨的山谷里弥漫着薄雾，远处传来几声鸟鸣。老人背着竹篓，沿着蜿蜒的小路慢慢走向茶园。"
+        "他在这里种了四十年的茶，每一棵茶树的脾气他都了如指掌。今年春天雨水充足，新芽长得格外鲜嫩。\n"
+        "大型语言模型在生成文本时逐个输出词元，服务系统需要把这些词元实时转换成文字并推送给用户。"
+        "如果一个汉字的字节被拆分到两个词元中，解码器必须等到字符完整后再发送，否则用户会看到乱码。"
+    ),
+    "russian": (
+        "Поезд опаздывал уже на сорок минут, и на перроне становилось всё холоднее. Старик в "
+        "потёртом пальто достал из кармана термос, налил себе чаю и предложил соседке. Она "
+        "улыбнулась, поблагодарила и рассказала, что едет к сестре, которую не видела двадцать лет.\n"
+        "Каждый токен модели превращается в несколько байтов, а кириллическая буква занимает два "
+        "байта в UTF-8, поэтому граница токена иногда проходит прямо посередине символа."
+    ),
+    "arabic": (
+        "في صباح يوم هادئ، خرجت الجدة إلى حديقتها الصغيرة لتسقي أشجار الليمون والزيتون. كانت الشمس "
+        "تشرق ببطء فوق أسطح المنازل، والعصافير تغرد على الأغصان. جلست على كرسيها الخشبي وأخذت تتذكر "
+        "أيام طفولتها في القرية.\n"
+        "تعمل النماذج اللغوية الكبيرة على توليد النص كلمة بعد كلمة، ويجب على الخادم أن يحول الرموز "
+        "إلى نص مقروء بسرعة كبيرة ومن دون أخطاء في ترميز الحروف."
+    ),
+    "hindi": (
+        "गाँव के किनारे एक पुराना बरगद का पेड़ था, जिसकी छाँव में बच्चे हर शाम खेलने आते थे। दादी "
+        "वहीं बैठकर कहानियाँ सुनाती थीं — राजा-रानी की, चतुर लोमड़ी की, और उस नदी की जो कभी सूखती नहीं थी।\n"
+        "देवनागरी के अक्षर UTF-8 में तीन बाइट लेते हैं, और मात्राएँ अलग कोड पॉइंट होती हैं, इसलिए "
+        "टोकन की सीमा अक्सर किसी अक्षर के बीच में पड़ती है।"
+    ),
+    "emoji": (
+        "Launch day! 🚀🎉 The team 👩‍💻👨‍💻🧑🏽‍🔬 shipped at 3am ☕☕☕ and the dashboards are all green ✅✅. "
+        "Weather: 🌧️ → ⛅ → ☀️. Flags seen at the meetup: 🇯🇵 🇧🇷 🇰🇪 🇩🇪 🇮🇳 🏳️‍🌈. "
+        "Family photo: 👨‍👩‍👧‍👦 with the dog 🐕‍🦺 and the robot 🤖. Reactions: 👍🏻 👍🏿 ❤️‍🔥 🫶 😂🤣 🥲 🫠."
+    ),
+    "code": (
+        "def stream_decode(tokenizer, ids, prefix_offset=0, read_offset=0):\n"
+        "    \"\"\"Yield text deltas; hold back incomplete UTF-8 sequences.\"\"\"\n"
+        "    for i in range(len(ids)):\n"
+        "        prefix = tokenizer.decode(ids[prefix_offset:read_offset])\n"
+        "        full = tokenizer.decode(ids[prefix_offset:i + 1])\n"
+        "        if len(full) > len(prefix) and not full.endswith(\"\\ufffd\"):\n"
+        "            yield full[len(prefix):]\n"
+        "            prefix_offset, read_offset = read_offset, i + 1\n"
+        "\n"
+        "const cache = new Map<string, number[]>();\n"
+        "for (const [k, v] of Object.entries(cfg)) { if (v?.enabled) cache.set(k, v.ids ?? []); }\n"
+        "SELECT rid, COUNT(*) AS n FROM tokens WHERE step >= 42 GROUP BY rid HAVING n > 1;\n"
+    ),
+}
+
+TAIL = 4  # prompt ids of context each stream starts with
+
+
+def corpus() -> str:
+    return "\n\n".join(TEXTS[k] for k in TEXTS) + "\n\n"
+
+
+class Corpus:
+    """The id sequence of the corpus for one tokenizer, and clean stream starts."""
+
+    def __init__(self, tokenizer: str) -> None:
+        self.name = tokenizer
+        self.vocab = load(tokenizer)
+        fast = self.vocab.backend
+        self.base = fast.encode(corpus(), add_special_tokens=False).ids
+        n = len(self.base)
+        self.cyc = self.base * 3
+        # Stream starts where the previous ids decode with no broken character and the
+        # next ones start a whole character: the prompt tail then means the same to
+        # every implementation (no character split across the prompt boundary).
+        self.starts: list[int] = []
+        for p in range(n, 2 * n):
+            head = fast.decode(self.cyc[p - TAIL:p])
+            nxt = fast.decode(self.cyc[p:p + 3])
+            if "\ufffd" not in head and not nxt.startswith("\ufffd"):
+                self.starts.append(p - n)
+        if not self.starts:
+            raise RuntimeError(f"no clean stream start in the corpus for {tokenizer}")
+        self._ref_cache: dict[tuple, str] = {}
+
+    def offset(self, i: int) -> int:
+        return self.starts[(i * 7919 + 13) % len(self.starts)]
+
+    def ids(self, off: int, start: int, count: int) -> list[int]:
+        n = len(self.base)
+        a = off + start
+        if a + count <= len(self.cyc):
+            return self.cyc[a:a + count]
+        return [self.base[(a + j) % n] for j in range(count)]
+
+    def tail(self, off: int) -> list[int]:
+        n = len(self.base)
+        return [self.base[(off - TAIL + j) % n] for j in range(TAIL)]
+
+    def reference(self, off: int, count: int) -> str:
+        """The oracle's text of the first `count` ids of the stream at `off`."""
+        key = (off, count)
+        r = self._ref_cache.get(key)
+        if r is None:
+            r = self._ref_cache[key] = self.vocab.reference(self.tail(off), self.ids(off, 0, count))
+        return r
+
+
+# Placeholders of a template frame: a seq no scheduler sends (uint64, while ids and
+# seqs stay far below) and a meta of 18 bytes no row holds otherwise.
+_SEQ_HOLE = 2**64 - 1
+_SEQ_BYTES = encode(_SEQ_HOLE)
+_META_BYTES = encode(b"\xffdetokbench-meta\xff")
+_META_HOLE = msgspec.Raw(_META_BYTES)
+
+
+class Template:
+    """One encoded frame with a step's `seq` and `meta` left open in every row.
+
+    Within a row `seq` comes before `meta` and, in one step's frame, what lies between
+    them is the same in every row (`mid`: nothing, or the same `finish`), so the frame
+    is cut at `seq + mid + meta` once, here, and `fill` is one bytes.join, as cheap as
+    sending a frame encoded in advance. A start step's rows (with their different
+    prompt tails between the two) have no `seq` hole: a start row's seq is 0, the
+    default, left out."""
+
+    __slots__ = ("mid", "pieces")
+
+    def __init__(self, frame: bytes) -> None:
+        holes = frame.count(_META_BYTES)
+        if _SEQ_BYTES not in frame:
+            self.mid, self.pieces = None, frame.split(_META_BYTES)
+            return
+        a = frame.index(_SEQ_BYTES) + len(_SEQ_BYTES)
+        self.mid = frame[a:frame.index(_META_BYTES, a)]
+        self.pieces = frame.split(_SEQ_BYTES + self.mid + _META_BYTES)
+        if len(self.pieces) != holes + 1 or frame.count(_SEQ_BYTES) != holes:
+            raise ValueError("the rows of a step differ between seq and meta")
+
+    def fill(self, seq: bytes, meta: bytes) -> bytes:
+        """The frame with one step's encoded `seq` and `meta` in every row."""
+        if self.mid is None:
+            return meta.join(self.pieces)
+        return (seq + self.mid + meta).join(self.pieces)
+
+
+def step_values(seq: int, meta: tuple) -> tuple[bytes, bytes]:
+    """The encoded `seq` and `meta` of one step, for Template.fill."""
+    return encode(seq), encode(meta)
+
+
+class Workload:
+    """B streams, n ids per row per step, as ready-made template frames.
+
+    Every stream starts at step 0 (a `start` row) and reads the corpus' ids from its
+    own offset; `frames(shards)` splits the streams over detokd's shards as the
+    scheduler client does (crc32 of the rid)."""
+
+    def __init__(self, corp: Corpus, batch: int, n: int, tag: str) -> None:
+        self.corp, self.batch, self.n = corp, batch, n
+        self.rids = [f"{tag}-{i}" for i in range(batch)]
+        self.offsets = [corp.offset(i) for i in range(batch)]
+        L = len(corp.base)
+        self.period = L // math.gcd(L, n)
+        self._built: dict[int, dict] = {}
+
+    def frames(self, shards: int) -> dict:
+        """{"start": frames, "cyc": [frames] * period, "finish": frames}; frames is a
+        list of (shard, Template), one entry per shard that has rows."""
+        b = self._built.get(shards)
+        if b is None:
+            b = self._built[shards] = self._build(shards)
+        return b
+
+    def _build(self, shards: int) -> dict:
+        groups: list[list[int]] = [[] for _ in range(shards)]
+        for i, rid in enumerate(self.rids):
+            groups[shard_for(rid, shards)].append(i)
+        groups_nz = [(s, g) for s, g in enumerate(groups) if g]
+        n, corp, rids = self.n, self.corp, self.rids
+
+        def step(row: Callable[[int], Row]) -> list[tuple[int, Template]]:
+            return [(s, Template(encode(Tokens([row(i) for i in g])))) for s, g in groups_nz]
+
+        starts = [Start(prompt_tail=corp.tail(off)) for off in self.offsets]
+        length = Finish("length")
+        return {
+            "start": step(lambda i: Row(rids[i], corp.ids(self.offsets[i], 0, n), 0, starts[i], None, _META_HOLE)),
+            "finish": step(lambda i: Row(rids[i], [], _SEQ_HOLE, None, length, _META_HOLE)),
+            "cyc": [step(lambda i: Row(rids[i], corp.ids(self.offsets[i], j * n, n), _SEQ_HOLE, None, None, _META_HOLE))
+                    for j in range(self.period)],
+        }
+
+    def reference(self, i: int, rounds: list[int]) -> str:
+        """Everything stream i's rid receives over rounds of these step counts."""
+        return "".join(self.corp.reference(self.offsets[i], k * self.n) for k in rounds)
