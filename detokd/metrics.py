@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from . import logs
-from .logs import RateLimitFilter  # noqa: F401 (its old home: server.py imports it from here)
+from .logs import RateLimitFilter
 
 log = logging.getLogger("detokd.metrics")
 # What clients do (hang up mid-request, by the hundred) chooses what this logs: limited

@@ -25,7 +25,8 @@ from .core.detokenizer import Detokenizer
 from .core.outbox import Outbox
 from .core.records import INTERNAL
 from .delivery import Delivery
-from .metrics import MetricsServer, RateLimitFilter, Stats
+from .logs import RateLimitFilter
+from .metrics import MetricsServer, Stats
 from .tokenizer import Vocab, load
 from .wire.native import NativeDialect
 
@@ -90,7 +91,9 @@ class Server:
         self.collector = Collector(self.stats)
         self.dialect = dialect(self.core, self.delivery, self.collector, self.stats, cfg)
         # What peers send chooses what these log (rids, ops, worker numbers): each
-        # message template gets a bounded rate and a bounded length.
+        # message template gets a bounded rate and a bounded length. logs.setup (the
+        # CLI) limits every record at its handler; these hold where another program
+        # owns the logging (SGLang's detokenizer process).
         for name in ("detokd.server", "detokd.core", "detokd.delivery", f"detokd.wire.{self.dialect.name}"):
             logger = logging.getLogger(name)
             if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
