@@ -156,9 +156,9 @@ def test_peer_strings_with_newlines_come_out_as_one_escaped_line(detokd, zctx) -
     eng.send({"type": f"t{FORGED} type\x1b[2J"})
     eng.send({"type": "register", "worker": 1, "address": f"ipc://{d.input[6:]}.w1{FORGED} register\x1b[2J"})
     kinds = ("control", "rid", "type", "register")
-    wait_until(lambda: all(f"CRITICAL fake {k}" in d.output() for k in kinds), 20, "the four records")
+    wait_until(lambda: all(f"CRITICAL fake {k}" in d.log() for k in kinds), 20, "the four records")
     assert d.stop() == 0
-    out = d.output()
+    out = d.log()
     lines = out.splitlines()
     for k in kinds:
         hits = [line for line in lines if f"CRITICAL fake {k}" in line]
@@ -200,7 +200,7 @@ def test_300_reset_scrapes_write_a_bounded_number_of_stderr_bytes(detokd) -> Non
     port = metrics_port(d)
     assert http_get(port, "/metrics")[0] == 200
     idle = wait_until(lambda: (lambda n: n if n == _threads(d.proc.pid) else 0)(_threads(d.proc.pid)), 10, "a thread count")
-    size0 = Path(d.log.name).stat().st_size
+    size0 = d.log_path.stat().st_size
     t0 = time.monotonic()
     for _ in range(300):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -212,7 +212,7 @@ def test_300_reset_scrapes_write_a_bounded_number_of_stderr_bytes(detokd) -> Non
     spells = int((time.monotonic() - t0) // 10) + 2  # 10 s rate-limit windows the resets spanned
     assert http_get(port, "/health")[0] == 200
     assert d.stop() == 0
-    log = Path(d.log.name).read_bytes()
+    log = d.log_path.read_bytes()
     # Up to the loop's last words: after them, exit-time noise of native libraries.
     grown = log[size0 : log.index(b"INFO detokd.server: stopping:")]
     lines = grown.decode(errors="replace").splitlines()

@@ -151,14 +151,23 @@ class Runs:
                 self.procs[name, enc, workers, target] = DetokenizerProcess(
                     zoo.build(name), encoding=enc, http_workers=workers, target=fn
                 ).start()
+        # Ready once each answers a fence: they import SGLang side by side meanwhile.
+        for proc in self.procs.values():
+            proc.exchange([], timeout=900)
 
     def __call__(self, name: str, enc: str, workers: int = 1, target: str = "sglang") -> Run:
         if not self.procs:
             self._start_all()
         key = (name, enc, workers, target)
         if key not in self.done:
-            self.done[key] = Run(name, self.procs[key])
-        return self.done[key]
+            try:
+                self.done[key] = Run(name, self.procs[key])
+            except Exception as exc:  # every test of this process fails with the same cause
+                self.done[key] = exc
+        run = self.done[key]
+        if isinstance(run, Exception):
+            raise run
+        return run
 
     def close(self) -> None:
         for p in self.procs.values():

@@ -122,7 +122,8 @@ def talk_and_kill(procs, names, port_args, model_dir: str, logs: Captured) -> di
     out["expected"] = [tok.decode(ids, skip_special_tokens=True)] * n
     out["rids"] = reply.rids if reply is not None else None
     # Set by SGLang's run_detokenizer_process before it serves, so known once it answered.
-    out["sglangs_own"] = "sglang::detokenizer" in " ".join(psutil.Process(procs[0].pid).cmdline())
+    title = " ".join(psutil.Process(procs[0].pid).cmdline())
+    out["sglangs_own"] = "sglang::detokenizer" in title and "(detokd)" not in title  # detokd's says so
 
     # SGLang's watchdog, as _launch_subprocesses sets it up; it SIGQUITs this process.
     seen = threading.Event()

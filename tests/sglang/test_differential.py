@@ -109,19 +109,16 @@ def test_a_state_evicted_to_stay_within_capacity_kills_sglang_and_aborts_one_req
     name = "deepseek"
     out = ids_of(name, "One two three four five six seven eight nine ten.")
     reqs = [Scripted(rid=f"r{k}", prompt_ids=[1, 2, 3], output_ids=out, first_step=k) for k in range(3)]
+    # One after the other: a SIGQUIT does not say which child sent it.
     os.environ["SGLANG_DETOKENIZER_MAX_STATES"] = "2"
     try:
-        sglang = DetokenizerProcess(zoo.build(name), encoding="msgpack").start()
-        detokd = DetokenizerProcess(zoo.build(name), encoding="msgpack", target=run_detokenizer_process).start()
+        with DetokenizerProcess(zoo.build(name), encoding="msgpack") as sglang:
+            with pytest.raises(DetokenizerDied):
+                sglang.exchange(sglang.build(reqs), timeout=600)
+        with DetokenizerProcess(zoo.build(name), encoding="msgpack", target=run_detokenizer_process) as detokd:
+            (got,) = detokd.exchange(detokd.build(reqs), timeout=600)
     finally:
         del os.environ["SGLANG_DETOKENIZER_MAX_STATES"]
-    try:
-        with pytest.raises(DetokenizerDied):
-            sglang.exchange(sglang.build(reqs), timeout=120)
-        (got,) = detokd.exchange(detokd.build(reqs), timeout=120)
-    finally:
-        sglang.close()
-        detokd.close()
     acc = accumulate(got)
     (evicted,) = acc["r0"]
     assert evicted.finished_reason["type"] == "abort" and "evicted" in evicted.finished_reason["message"]
