@@ -91,7 +91,7 @@ class Server:
                 self.input.bind(cfg.input)
             except zmq.ZMQError as exc:
                 raise ConfigError(f"cannot bind input {cfg.input}: {exc.strerror}") from exc
-            log.info("input bound at %s%s", self.input.getsockopt_string(zmq.LAST_ENDPOINT), " (CURVE)" if curve else "")
+            self.bound = self.input.getsockopt_string(zmq.LAST_ENDPOINT) + (" (CURVE)" if curve else "")
             self.vocab = vocab or load(cfg.tokenizer)
             t0 = time.perf_counter()
             self.codec = make_codec(self.vocab, cfg.codec)
@@ -160,7 +160,7 @@ class Server:
         self.running = True
         stats = self.stats
         stats.ready = True
-        log.info("serving: input %s, %d worker(s), %s dialect", self.cfg.input, len(self.delivery.workers), self.dialect.name)
+        log.info("serving: input %s, %d worker(s), %s dialect", self.bound, len(self.delivery.workers), self.dialect.name)
         readiness.notify("READY=1")
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)

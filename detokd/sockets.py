@@ -93,7 +93,7 @@ def claim_ipc(address: str, what: str = "input") -> None:
         raise ConfigError(f"{what} {address} is held by another process (a connect to {path} succeeded); not taking it over")
     finally:
         probe.close()
-    log.info("removing stale socket %r", path)
+    log.debug("removing stale socket %r", path)
     os.unlink(path)
 
 

@@ -176,7 +176,6 @@ def test_a_stale_input_socket_is_removed_and_bound(detokd, zctx, tmp_path):
     Engine(zctx, d.input).rows([r.row(20)])
     w.wait(lambda: w.ended("s"), 20, "a request through the re-bound input")
     assert w.text("s") == r.expected()
-    assert "removing stale socket" in d.log()
 
 
 # --------------------------------------------------------------------------- 3. CURVE
@@ -211,7 +210,7 @@ def test_a_curve_input_serves_key_holders_and_nobody_else(tmp_path, zctx):
     )
     d = DetokdProcess(cfg, folder=tmp_path).start()
     try:
-        address = re.search(r"input bound at (tcp://\S+) \(CURVE\)", d.log()).group(1)
+        address = re.search(r"serving: input (tcp://\S+) \(CURVE\)", d.log()).group(1)
         # No CURVE at all, and CURVE with a key not on the allow-list: neither gets through.
         plain = zctx.socket(zmq.PUSH)
         plain.setsockopt(zmq.LINGER, 0)
