@@ -173,7 +173,8 @@ def test_a_stale_input_socket_is_removed_and_bound(detokd, zctx, tmp_path):
     w = Sink(zctx, d.workers[0])
     d.wait_ready()
     r = Req("s", make_ids(random.Random(4), 20))
-    Engine(zctx, d.input).rows([r.row(20)])
+    eng = Engine(zctx, d.input)  # kept: a closed Engine (LINGER 0) drops what it queued
+    eng.rows([r.row(20)])
     w.wait(lambda: w.ended("s"), 20, "a request through the re-bound input")
     assert w.text("s") == r.expected()
 
@@ -394,7 +395,8 @@ def test_a_signal_ends_the_process_within_the_shutdown_grace_even_when_the_loop_
     d = detokd(workers=1, debug_ops=True, shutdown_grace_s=1.0)
     Sink(zctx, d.workers[0])
     d.wait_ready()
-    Engine(zctx, d.input).send({"type": "control", "op": "debug_stall:120"})
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "control", "op": "debug_stall:120"})
     wait_until(lambda: "debug_stall: blocking the loop" in d.log(), 20, "the loop to stall")
     d.proc.send_signal(signal.SIGTERM)
     try:
