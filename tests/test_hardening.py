@@ -364,9 +364,12 @@ def test_above_max_rss_new_requests_are_refused_and_live_ones_go_on(detokd, zctx
     ids = make_ids(random.Random(8), 40)
     eng.rows([{"rid": "live", "ids": ids[:20], "start": {"worker": 1}}])
     w1.wait(lambda: w1.rows("live"), 20, "the live request's first row")
-    # Output that worker 0 does not read stays queued in detokd: its RSS grows.
+    # Output that worker 0 does not read stays queued in detokd: its RSS grows. The rows
+    # belong to a live request, so none of them is refused once the guard is on.
+    eng.rows([{"rid": "hog", "ids": [100], "start": {"worker": 0}}])
     for i in range(5):
-        eng.rows([{"rid": f"big{i}", "ids": [100], "start": {"worker": 0}, "finish": {"reason": "length"}, "meta": b"\0" * chunk}])
+        eng.rows([{"rid": "hog", "ids": [100], "seq": 1 + i, "meta": b"\0" * chunk}])
+    wait_until(lambda: metric(scrape(port), "detokd_frames_total") == 7, 60, "detokd to take every frame")
     wait_until(lambda: metric(scrape(port), "detokd_overloaded") == 1, 60, "the RSS guard to turn on")
     eng.rows([{"rid": "new1", "ids": ids[:5], "start": {"worker": 1}}, {"rid": "live", "ids": ids[20:], "seq": 20, "finish": {"reason": "length"}}])
     w1.wait(lambda: w1.ended("new1") and w1.ended("live"), 20, "the rows sent while overloaded")
@@ -374,18 +377,19 @@ def test_above_max_rss_new_requests_are_refused_and_live_ones_go_on(detokd, zctx
     assert w1.text("live") == oracle(v, [], ids, True) and not w1.errors("live")
     # Worker 0 reads its queue: the memory goes, new requests are served again.
     stuck.sock.setsockopt(zmq.RCVTIMEO, 20000)
-    refused = 0  # the big requests that came after the guard turned on were refused too
-    for _ in range(5):
-        refused += sum(r["error"] == "overloaded" for r in dec(stuck.sock.recv())["rows"])
+    for _ in range(6):
+        assert [r["error"] for r in dec(stuck.sock.recv())["rows"]] == [None]
     wait_until(lambda: metric(scrape(port), "detokd_overloaded") == 0, 60, "the RSS guard to turn off")
     eng.rows([{"rid": "new2", "ids": ids, "start": {"worker": 1}, "finish": {"reason": "length"}}])
     w1.wait(lambda: w1.ended("new2"), 20, "a new request after the guard turned off")
     assert w1.text("new2") == oracle(v, [], ids, True)
     m = scrape(port)
-    assert metric(m, "detokd_errors_total", kind="overloaded") == 1 + refused
-    assert metric(m, "detokd_overload_transitions_total") == 2
+    assert metric(m, "detokd_errors_total", kind="overloaded") == 1
+    # RSS may cross the limit more than once while the frames come in: each crossing
+    # is one transition and one log line.
+    turns = metric(m, "detokd_overload_transitions_total")
     log = d.log()
-    assert log.count("is above max_rss_mb") == 1 and log.count("is below max_rss_mb") == 1
+    assert turns >= 2 and log.count("is above max_rss_mb") == log.count("is below max_rss_mb") == turns / 2
 
 
 # --------------------------------------------------------------------------- 7. shutdown grace
