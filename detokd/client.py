@@ -82,6 +82,15 @@ def _ids(ids: Sequence[int]) -> list[int]:
 # --------------------------------------------------------------------------- scheduler
 
 
+def _curve_client(sock: zmq.Socket, server_key: bytes | None, keypair: tuple[bytes, bytes] | None) -> None:
+    if server_key is None:
+        return
+    if keypair is None:
+        raise ValueError("a CURVE client needs its own key pair as well as the server's public key")
+    sock.curve_publickey, sock.curve_secretkey = keypair
+    sock.curve_serverkey = server_key
+
+
 class SchedulerClient:
     """PUSH side of detokd's input, one socket per shard. Not thread-safe.
 
@@ -99,7 +108,11 @@ class SchedulerClient:
         context: zmq.Context | None = None,
         sndhwm: int = 100_000,
         send_timeout: float | None = None,
+        curve_server_key: bytes | None = None,
+        curve_keypair: tuple[bytes, bytes] | None = None,
     ) -> None:
+        """`curve_server_key` (detokd's public key) and `curve_keypair` (this client's
+        public, secret; zmq.auth.load_certificate) connect with CURVE."""
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
             raise ValueError("SchedulerClient needs at least one detokd input address")
@@ -111,6 +124,7 @@ class SchedulerClient:
             s.setsockopt(zmq.SNDHWM, sndhwm)
             if send_timeout is not None:
                 s.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))
+            _curve_client(s, curve_server_key, curve_keypair)
             s.connect(addr)
             self._socks.append(s)
         self._n = len(self._socks)
@@ -439,7 +453,12 @@ class WorkerClient:
         max_buffered: int = 1024,
         advertise: str | None = None,
         context: zmq.Context | None = None,
+        curve_keypair: tuple[bytes, bytes] | None = None,
+        curve_server_key: bytes | None = None,
     ) -> None:
+        """`curve_keypair` (public, secret) makes the PULL socket a CURVE server (give
+        detokd its public key: curve_worker_keys); `curve_server_key` is detokd's
+        public key, for `register`."""
         if max_buffered < 0:
             raise ValueError("max_buffered must be >= 0")
         self.address = address
@@ -452,6 +471,9 @@ class WorkerClient:
         self._ctx = zmq.asyncio.Context() if context is None else zmq.asyncio.Context.shadow(context.underlying)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        if curve_keypair is not None:
+            self._pull.curve_publickey, self._pull.curve_secretkey = curve_keypair
+            self._pull.curve_server = True
         try:
             self._pull.bind(address)
         except zmq.ZMQError:
@@ -468,6 +490,7 @@ class WorkerClient:
         for shard in shards if worker is not None else ():
             s = self._sync_ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 0)
+            _curve_client(s, curve_server_key, curve_keypair)
             s.connect(shard)
             self._reg.append(s)
         self.register()

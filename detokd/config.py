@@ -6,6 +6,7 @@ message that names the key, so no setting is validated by hand.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from typing import Annotated, Literal
 
@@ -17,14 +18,30 @@ from . import zoo
 # A ZMQ endpoint detokd can bind or connect.
 Address = Annotated[str, Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+# Caps on what one peer's frame may make detokd hold (docs/protocol.md, "too_large").
+Cap = Annotated[int, Meta(ge=1)]
+
+
+def runtime_dir() -> str:
+    """The private folder of the default ipc sockets: $XDG_RUNTIME_DIR/detokd (a per-user
+    tmpfs the session manager made 0700), else /tmp/detokd-<uid>. A fixed /tmp path
+    could be created first by anyone on the machine (detokd.sockets checks the folder)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isabs(base):
+        return os.path.join(base, "detokd")
+    return f"/tmp/detokd-{os.getuid()}"
+
+
+def default_address(name: str) -> str:
+    return f"ipc://{runtime_dir()}/{name}.sock"
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Address detokd binds its PULL socket on; schedulers PUSH-connect to it.
-    input: Address = "ipc:///tmp/detokd-input.sock"
+    input: Address = msgspec.field(default_factory=lambda: default_address("input"))
     # Worker w receives its requests' text at workers[w] (it binds, detokd connects).
     workers: Annotated[list[Address], Meta(min_length=1)] = msgspec.field(
-        default_factory=lambda: ["ipc:///tmp/detokd-worker-0.sock"]
+        default_factory=lambda: [default_address("worker-0")]
     )
     # Where the scheduler listens for `stopped` messages; none when unset.
     feedback: Address | None = None
@@ -50,6 +67,44 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     codec: Literal["auto", "window"] = "auto"
     # Enables the control op "debug_stall:<seconds>" that blocks the loop (tests only).
     debug_ops: bool = False
+    # After the first SIGTERM/SIGINT the process ends within this many seconds, whatever
+    # the loop is doing (below a container runtime's 10 s before SIGKILL).
+    shutdown_grace_s: Annotated[float, Meta(gt=0)] = 8.0
+
+    # --- `register` (docs/protocol.md): off unless enabled; then only addresses matching
+    # one of register_allow (fnmatch globs), at most register_max workers added at run
+    # time, and no existing worker moved unless register_replace.
+    register_enabled: bool = False
+    register_allow: list[str] = []
+    register_replace: bool = False
+    register_max: Annotated[int, Meta(ge=0)] = 16
+
+    # --- CURVE (docs/security.md): key files as zmq.auth.create_certificates writes them.
+    # detokd's own key pair (the .key_secret file): the input becomes a CURVE server.
+    curve_secret_key: str | None = None
+    # A folder of client public keys (.key files) allowed on the input; unset: any
+    # client that knows detokd's public key.
+    curve_clients: str | None = None
+    # Worker w's public key file (same order as workers): detokd connects to it with CURVE.
+    curve_worker_keys: list[str] = []
+    # The scheduler's feedback socket's public key file.
+    curve_feedback_key: str | None = None
+
+    # --- memory caps on what peers send (docs/protocol.md "too_large")
+    # Bigger inbound messages are never read: ZMQ drops the sender's connection.
+    max_frame_bytes: Cap = 64 * 1024 * 1024
+    # A tokens frame with more rows is dropped whole (a counted bad frame).
+    max_rows: Cap = 65536
+    # Per row: ids, rid characters, meta bytes; per start: prompt_tail ids as sent,
+    # stop strings and their total characters. Beyond, the request gets "too_large".
+    max_row_ids: Cap = 65536
+    max_rid_len: Cap = 1024
+    max_meta_bytes: Cap = 1024 * 1024
+    max_wire_prompt_tail: Cap = 65536
+    max_stop_strings: Cap = 256
+    max_stop_chars: Cap = 65536
+    # Above this resident size new requests are refused ("overloaded"); off when unset.
+    max_rss_mb: Annotated[int, Meta(ge=1)] | None = None
 
 
 class ConfigError(ValueError):
@@ -67,11 +122,23 @@ def load(path: str | None, overrides: dict) -> Config:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
     raw.update({k: v for k, v in overrides.items() if v is not None})
+    where = f"config {path}" if path else "settings"
     try:
-        return msgspec.convert(raw, Config)
+        cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
-        where = f"config {path}" if path else "settings"
         raise ConfigError(f"{where}: {exc}") from exc
+    check(cfg, where)
+    return cfg
+
+
+def check(cfg: Config, where: str = "settings") -> None:
+    """What msgspec cannot check: keys that only make sense together."""
+    if cfg.register_enabled and not cfg.register_allow:
+        raise ConfigError(f"{where}: register_enabled needs register_allow (address patterns a register may name)")
+    if (cfg.curve_worker_keys or cfg.curve_feedback_key or cfg.curve_clients) and not cfg.curve_secret_key:
+        raise ConfigError(f"{where}: curve keys need curve_secret_key (detokd's own key pair)")
+    if len(cfg.curve_worker_keys) > len(cfg.workers):
+        raise ConfigError(f"{where}: curve_worker_keys has {len(cfg.curve_worker_keys)} keys for {len(cfg.workers)} workers")
 
 
 def to_toml(cfg: Config) -> str:

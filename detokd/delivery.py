@@ -13,6 +13,7 @@ Frames are encoded by the wire dialect; delivery only moves bytes.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from .core.bounded import BoundedMap
 from .core.outbox import Outbox
 from .core.records import OutRow
 from .metrics import Stats, WorkerFigures
+from .sockets import Curve
 
 log = logging.getLogger("detokd.delivery")
 
@@ -36,6 +38,37 @@ def owed_cost(rid: str, row: OutRow) -> int:
 
 def _owed() -> BoundedMap[str, OutRow]:
     return BoundedMap(MAX_OWED, MAX_OWED_BYTES, owed_cost)
+REGISTER_REFUSED = "register_refused"  # detokd_errors kind of a register the policy refused
+
+
+@dataclass(frozen=True)
+class RegisterPolicy:
+    """Who may point a worker's rows somewhere else (docs/protocol.md, `register`).
+
+    Anyone who reaches the input can send `register`; left open, a stranger could
+    name worker 0 with its own address and receive every later row of it. So it is
+    off unless enabled, only addresses matching an allow-list, no existing worker
+    moved unless `replace`, and at most `max_added` workers added at run time.
+    """
+
+    enabled: bool = False
+    allow: tuple[str, ...] = ()
+    replace: bool = False
+    max_added: int = 16
+
+    def refusal(self, delivery: Delivery, index: int, address: str) -> str | None:
+        """Why this register is refused, or None."""
+        if not self.enabled:
+            return "register is disabled (register_enabled = false)"
+        if not any(fnmatch.fnmatchcase(address, pattern) for pattern in self.allow):
+            return "the address matches no register_allow pattern"
+        w = delivery.workers.get(index)
+        if w is not None:
+            if w.address != address and not self.replace:
+                return "the worker exists and register_replace = false"
+        elif delivery.added >= self.max_added:
+            return f"register_max ({self.max_added}) workers were added already"
+        return None
 
 
 @dataclass
@@ -59,8 +92,13 @@ class Delivery:
         hwm: int,
         linger_ms: int,
         stats: Stats,
+        policy: RegisterPolicy = RegisterPolicy(),
+        curve: Curve | None = None,
     ) -> None:
         self.ctx = ctx
+        self.policy = policy
+        self.curve = curve
+        self.added = 0  # workers added by `register` at run time
         self.outbox = outbox
         self.hwm = hwm
         self.linger_ms = linger_ms
@@ -69,10 +107,10 @@ class Delivery:
         self.feedback: zmq.Socket | None = None
         try:
             for i, address in enumerate(workers):
-                if not self.register(i, address):
+                if not self._place(i, address):
                     raise ValueError(f"cannot connect to worker {i} at {address}")
             if feedback:
-                self.feedback = self._connect(feedback)
+                self.feedback = self._connect(feedback, curve.feedback if curve else None)
         except (ValueError, zmq.ZMQError):
             self.close()
             raise
@@ -80,6 +118,21 @@ class Delivery:
     # --- destinations -------------------------------------------------------------------
 
     def register(self, index: int, address: str) -> bool:
+        """A peer's `register`: applied only if the RegisterPolicy allows it; every
+        change and every refusal is logged, refusals counted. False when refused."""
+        why = self.policy.refusal(self, index, address)
+        if why is not None:
+            self.stats.error(REGISTER_REFUSED)
+            log.warning("register of worker %d at %r refused: %s", index, address, why)
+            return False
+        new = index not in self.workers
+        if not self._place(index, address):
+            return False
+        if new:
+            self.added += 1
+        return True
+
+    def _place(self, index: int, address: str) -> bool:
         """Add worker `index`, or move it to a new address (it rebound elsewhere).
 
         Connects at once (ZMQ connects need no listener yet), so an address ZMQ refuses
@@ -90,8 +143,9 @@ class Delivery:
         w = self.workers.get(index)
         if w is not None and w.address == address:
             return True
+        key = self.curve.workers.get(index) if self.curve is not None else None
         try:
-            sock = self._connect(address)
+            sock = self._connect(address, key)
         except zmq.ZMQError as exc:
             self.stats.error("bad_register")
             log.warning("worker %d: cannot connect to %r (%s); register refused", index, address, exc.strerror)
@@ -104,15 +158,17 @@ class Delivery:
                 w.socket.close(linger=0)
             w.socket = sock
             w.address = address
-        log.info("worker %d at %s", index, address)
+        log.info("worker %d at %r%s", index, address, " (CURVE)" if key is not None else "")
         return True
 
     def known(self, index: int) -> bool:
         return index in self.workers
 
-    def _connect(self, address: str) -> zmq.Socket:
+    def _connect(self, address: str, server_key: bytes | None = None) -> zmq.Socket:
         s = self.ctx.socket(zmq.PUSH)
         try:
+            if server_key is not None:
+                self.curve.connect_to(s, server_key)
             s.setsockopt(zmq.SNDHWM, self.hwm)
             s.setsockopt(zmq.LINGER, self.linger_ms)
             s.connect(address)

@@ -60,6 +60,8 @@ class Stats:
         self.step_max = 0.0
         self.last_turn = time.monotonic()
         self.ready = False  # set once the tokenizer is loaded and every socket bound
+        self.overloaded = False  # RSS above max_rss_mb: new requests refused
+        self.overload_transitions = 0
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -88,6 +90,7 @@ class _Collector:
             ("evictions", s.evictions, "requests evicted to stay within max_states"),
             ("gc_collected", s.gc_collected, "unreachable objects the periodic collection freed (cycles)"),
             ("clamped_ids", s.clamped_ids, "out-of-vocabulary ids decoded as id 0, as SGLang's detokenizer does (sglang dialect)"),
+            ("overload_transitions", s.overload_transitions, "times the RSS guard turned on or off"),
         ):
             yield CounterMetricFamily(f"detokd_{name}", doc, value=value)
         errors = CounterMetricFamily("detokd_errors", "error rows sent, by kind", labels=["kind"])
@@ -95,6 +98,7 @@ class _Collector:
             errors.add_metric([kind], n)
         yield errors
         yield GaugeMetricFamily("detokd_live_requests", "request states held", value=s.live)
+        yield GaugeMetricFamily("detokd_overloaded", "1 while RSS is above max_rss_mb (new requests refused)", value=1 if s.overloaded else 0)
         sent = CounterMetricFamily("detokd_worker_messages", "text messages queued per worker", labels=["worker"])
         dropped = CounterMetricFamily("detokd_worker_dropped", "messages lost to a full worker queue", labels=["worker"])
         writable = GaugeMetricFamily("detokd_worker_writable", "1 while the worker's send queue has room", labels=["worker"])

@@ -10,21 +10,23 @@ the dialect decodes frames and encodes output, the core decides, delivery sends.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
 import zmq
 
-from . import readiness
+from . import readiness, sockets
 from .collector import Collector
-from .config import Config, ConfigError
-from .core.decoder import make_codec
+from .config import Config, ConfigError, check
 from .core import stops
-from .core.detokenizer import Detokenizer
+from .core.decoder import make_codec
+from .core.detokenizer import Detokenizer, Limits
 from .core.outbox import Outbox
 from .core.records import INTERNAL
-from .delivery import Delivery
+from .delivery import Delivery, RegisterPolicy
 from .logs import RateLimitFilter
 from .metrics import MetricsServer, Stats
 from .tokenizer import Vocab, load
@@ -34,6 +36,16 @@ log = logging.getLogger("detokd.server")
 
 POLL_MS = 100  # the loop turns at least this often, so /health sees it alive when idle
 MAX_FRAMES_PER_TURN = 256  # then settle owed rows and refresh metrics before reading on
+RSS_EVERY = 0.1  # seconds between two reads of the resident size, at most
+PAGE = os.sysconf("SC_PAGE_SIZE")
+EXIT_GRACE = 3  # the exit status when the shutdown grace ran out
+
+
+def rss_bytes() -> int:
+    """Resident size: one short read of /proc/self/statm (no psutil, no parsing of status)."""
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * PAGE
+
 
 # A dialect is built over the parts it drives: (core, delivery, collector, stats, cfg).
 DialectFactory = Callable[[Detokenizer, Delivery, Collector, Stats, Config], object]
@@ -48,8 +60,10 @@ class Server:
         self.cfg = cfg
         self.stats = Stats()
         self.metrics = None
+        check(cfg)
         self.ctx = zmq.Context()
         self.delivery = None
+        self.auth = None
         # Health first, so a supervisor sees "starting" during the seconds a tokenizer
         # takes; then the input, since an address in use is a config error worth knowing
         # before them.
@@ -60,12 +74,26 @@ class Server:
                 except OSError as exc:
                     raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
                 self.metrics.start()
+            sockets.prepare_private([cfg.input, *cfg.workers, cfg.feedback])
+            curve = sockets.Curve.from_config(cfg)
             self.input = self.ctx.socket(zmq.PULL)
             self.input.setsockopt(zmq.LINGER, 0)
+            # A bigger message is never read: ZMQ drops the connection of its sender.
+            self.input.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
+            if curve is not None:
+                self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients)
+                curve.serve(self.input)
+            elif sockets.is_loopback_tcp(cfg.input) is False:
+                log.warning(
+                    "input %s is reachable from other hosts and unauthenticated: anyone who reaches it can "
+                    "send rows and register workers; set curve_secret_key (docs/security.md)", cfg.input,
+                )
+            sockets.claim_ipc(cfg.input)
             try:
                 self.input.bind(cfg.input)
             except zmq.ZMQError as exc:
                 raise ConfigError(f"cannot bind input {cfg.input}: {exc.strerror}") from exc
+            self.bound = self.input.getsockopt_string(zmq.LAST_ENDPOINT) + (" (CURVE)" if curve else "")
             self.vocab = vocab or load(cfg.tokenizer)
             t0 = time.perf_counter()
             self.codec = make_codec(self.vocab, cfg.codec)
@@ -78,6 +106,8 @@ class Server:
                 self.delivery = Delivery(
                     self.ctx, self.outbox, list(cfg.workers),
                     feedback=cfg.feedback, hwm=cfg.send_hwm, linger_ms=cfg.linger_ms, stats=self.stats,
+                    policy=RegisterPolicy(cfg.register_enabled, tuple(cfg.register_allow), cfg.register_replace, cfg.register_max),
+                    curve=curve,
                 )
             except (ValueError, zmq.ZMQError) as exc:
                 raise ConfigError(str(exc)) from exc
@@ -87,6 +117,10 @@ class Server:
         self.core = Detokenizer(
             self.codec, self.vocab.size, self.outbox,
             max_states=cfg.max_states, max_prompt_tail=cfg.max_prompt_tail, stats=self.stats,
+            limits=Limits(
+                rows=cfg.max_rows, row_ids=cfg.max_row_ids, rid_len=cfg.max_rid_len, meta_bytes=cfg.max_meta_bytes,
+                wire_prompt_tail=cfg.max_wire_prompt_tail, stop_strings=cfg.max_stop_strings, stop_chars=cfg.max_stop_chars,
+            ),
         )
         self.collector = Collector(self.stats)
         self.dialect = dialect(self.core, self.delivery, self.collector, self.stats, cfg)
@@ -94,14 +128,34 @@ class Server:
         # message template gets a bounded rate and a bounded length. logs.setup (the
         # CLI) limits every record at its handler; these hold where another program
         # owns the logging (SGLang's detokenizer process).
-        for name in ("detokd.server", "detokd.core", "detokd.delivery", f"detokd.wire.{self.dialect.name}"):
+        for name in ("detokd.server", "detokd.core", "detokd.delivery", "detokd.auth", f"detokd.wire.{self.dialect.name}"):
             logger = logging.getLogger(name)
             if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
                 logger.addFilter(RateLimitFilter())
         self.running = False
+        self.stopping_since: float | None = None
+        self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None
+        self.rss_checked = 0.0
 
-    def stop(self, *_args) -> None:
+    def stop(self, signum: int = signal.SIGTERM, _frame=None) -> None:
+        """First signal: stop after the frame in hand, and arm the grace timer, since a
+        frame (a million rows, a mass eviction) or a stuck loop may take longer than a
+        supervisor waits before SIGKILL. A second signal: exit now."""
         self.running = False
+        if self.stopping_since is not None:
+            log.warning("second signal %d while stopping: exiting now", signum)
+            os._exit(EXIT_GRACE)
+        self.stopping_since = time.monotonic()
+        grace = self.cfg.shutdown_grace_s
+        timer = threading.Timer(grace, self._grace_over, args=(grace,))
+        timer.daemon = True
+        timer.start()
+
+    @staticmethod
+    def _grace_over(grace: float) -> None:
+        log.error("not stopped within shutdown_grace_s = %s s: exiting now, unsent output is lost", grace)
+        logging.shutdown()
+        os._exit(EXIT_GRACE)
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -110,7 +164,7 @@ class Server:
         self.running = True
         stats = self.stats
         stats.ready = True
-        log.info("serving: input %s, %d worker(s), %s dialect", self.cfg.input, len(self.delivery.workers), self.dialect.name)
+        log.info("serving: input %s, %d worker(s), %s dialect", self.bound, len(self.delivery.workers), self.dialect.name)
         readiness.notify("READY=1")
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
@@ -166,7 +220,24 @@ class Server:
         self.stats.bad_frames += 1
         log.warning("multipart message of %d frames dropped: the protocol is one frame per message", parts)
 
+    def _guard_rss(self, now: float) -> None:
+        """max_rss_mb: above it new requests are refused ("overloaded"), live ones go on."""
+        if now - self.rss_checked < RSS_EVERY:
+            return
+        self.rss_checked = now
+        rss = rss_bytes()
+        over = rss > self.max_rss
+        if over != self.core.overloaded:
+            self.core.overloaded = self.stats.overloaded = over
+            self.stats.overload_transitions += 1
+            if over:
+                log.warning("RSS %.0f MB is above max_rss_mb = %d: new requests are refused (overloaded)", rss / 2**20, self.cfg.max_rss_mb)
+            else:
+                log.warning("RSS %.0f MB is below max_rss_mb = %d again: new requests are served", rss / 2**20, self.cfg.max_rss_mb)
+
     def _publish(self) -> None:
+        if self.max_rss is not None:
+            self._guard_rss(time.monotonic())
         self.collector.tick(time.monotonic())
         self.delivery.settle(self.dialect.encode_text, self.core.table.__contains__)
         core = self.core
@@ -184,4 +255,6 @@ class Server:
             self.input.close(linger=0)
         if self.delivery is not None:
             self.delivery.close()
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()

@@ -767,7 +767,9 @@ def test_end_to_end_through_detokd_serve(tmp_path: Path, deepseek) -> None:
     tok = deepseek
     inp = f"ipc://{tmp_path}/in"
     workers = [f"ipc://{tmp_path}/w{i}" for i in range(3)]
-    proc = _serve(tmp_path, "--input", inp, "--worker", workers[0], "--worker", workers[1])
+    # Worker 2 comes by `register`, which detokd takes only when its config allows it.
+    (tmp_path / "register.toml").write_text(f'register_enabled = true\nregister_allow = ["ipc://{tmp_path}/*"]\n')
+    proc = _serve(tmp_path, "--config", str(tmp_path / "register.toml"), "--input", inp, "--worker", workers[0], "--worker", workers[1])
     rng = random.Random(1234)
     eos = tok.eos_token_id
     specials = [eos, tok.convert_tokens_to_ids("<｜fim▁hole｜>")]

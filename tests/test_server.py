@@ -197,7 +197,7 @@ def test_abort_frees_state_and_a_later_row_gets_an_error(detokd, peers):
 
 
 def test_register_adds_a_worker_at_run_time(detokd, peers, tmp_path):
-    d = detokd(workers=1)
+    d = detokd(workers=1, register_enabled=True, register_allow=[f"ipc://{tmp_path}/*"])
     p = peers(d)
     late = p.ctx.socket(zmq.PULL)
     late.setsockopt(zmq.RCVTIMEO, 20000)

@@ -10,6 +10,7 @@ the engine's finishing row frees the state.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from ..metrics import Stats
 from . import records as r
@@ -23,6 +24,20 @@ from .table import RequestTable, Tombstones
 log = logging.getLogger("detokd.core")
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one row may make detokd hold (Config's max_* keys). Rows beyond them get
+    `too_large`; a frame of more than `rows` rows is dropped whole, a bad frame."""
+
+    rows: int = 65536
+    row_ids: int = 65536
+    rid_len: int = 1024
+    meta_bytes: int = 1024 * 1024
+    wire_prompt_tail: int = 65536
+    stop_strings: int = 256
+    stop_chars: int = 65536
+
+
 class Detokenizer:
     def __init__(
         self,
@@ -33,6 +48,7 @@ class Detokenizer:
         max_states: int,
         max_prompt_tail: int,
         stats: Stats,
+        limits: Limits = Limits(),
     ) -> None:
         self.codec = codec
         self.size = vocab_size
@@ -41,17 +57,26 @@ class Detokenizer:
         self.dead = Tombstones(max(1024, max_states))
         self.max_tail = max_prompt_tail
         self.stats = stats
+        self.limits = limits
+        self.overloaded = False  # set by the loop's RSS guard: new requests are refused
 
     def tokens(self, rows: list[Row]) -> None:
         """One engine step. The common row (a live, plain streaming request's next ids)
         is handled inline; everything else goes through `_row`."""
+        limits = self.limits
+        if len(rows) > limits.rows:
+            self.stats.bad_frames += 1
+            log.warning("tokens frame of %d rows dropped: max_rows is %d", len(rows), limits.rows)
+            return
         get = self.table.states.get
         size = self.size
+        max_ids = limits.row_ids
+        max_meta = limits.meta_bytes
         n_tok = 0
         for row in rows:
             rid = row.rid
             st = get(rid)
-            if st is None or st.slow or row.start is not None or row.finish is not None:
+            if st is None or st.slow or row.start is not None or row.finish is not None or len(row.meta) > max_meta:
                 self._guarded(row)
                 continue
             ids = row.ids
@@ -67,7 +92,7 @@ class Detokenizer:
                     continue
                 quick = st.decoder.quick
                 text = quick[i] if quick is not None else None
-            elif n and (max(ids) >= size or min(ids) < 0):
+            elif n and (n > max_ids or max(ids) >= size or min(ids) < 0):
                 self._guarded(row)
                 continue
             else:
@@ -102,9 +127,19 @@ class Detokenizer:
         rid = row.rid
         st = self.table.get(rid)
         start = row.start
+        why = self._oversize(row)
+        if why is not None:
+            self._too_large(row, st, why)
+            return
+        if start is not None and st is not None and start.worker != st.worker:
+            self._collision(row, st)
+            return
         if start is not None and (st is None or st.vid != start.vid):
             if st is not None:  # a new vid: the engine retracted and re-runs this request
                 self.table.pop(rid)
+            elif self.overloaded:
+                self._refuse_new(row, start)
+                return
             st = self._begin(row, start)
             if st is None:
                 return
@@ -158,6 +193,65 @@ class Detokenizer:
             old.outbox.append(error_row(old_rid, r.EVICTED, n_ids=old.n_ids))
         self.stats.started += 1
         return st
+
+    # --- caps, collisions, overload ---------------------------------------------------
+
+    def _oversize(self, row: Row) -> str | None:
+        """Which cap the row is beyond, or None. Only rows off the fast path pay."""
+        lim = self.limits
+        if len(row.rid) > lim.rid_len:
+            return "rid"
+        if len(row.ids) > lim.row_ids:
+            return "ids"
+        if len(row.meta) > lim.meta_bytes:
+            return "meta"
+        start = row.start
+        if start is not None:
+            if len(start.prompt_tail) > lim.wire_prompt_tail:
+                return "prompt_tail"
+            stop = start.stop
+            if len(stop) > lim.stop_strings:
+                return "stop strings"
+            if sum(map(len, stop)) > lim.stop_chars:
+                return "stop characters"
+        return None
+
+    def _too_large(self, row: Row, st: Request | None, why: str) -> None:
+        """Fail the row's request. Its meta is not echoed (it may be what is too large);
+        a rid beyond the cap gets no row at all: it would be echoed to every worker."""
+        rid = row.rid
+        log.warning("row of rid %r beyond the cap on %s: too_large", rid[:64], why)
+        if st is not None:
+            self.table.pop(rid)
+        if why == "rid":
+            self.stats.error(r.TOO_LARGE)
+            return
+        worker = st.worker if st is not None else None
+        if row.start is not None and self.outbox.known(row.start.worker):
+            worker = row.start.worker
+        if worker is not None:
+            self.dead.add(rid, worker, r.TOO_LARGE)
+        self._error(rid, worker, r.TOO_LARGE, r.NIL, st.n_ids if st is not None else 0)
+        if st is not None and worker != st.worker:
+            self._error(rid, st.worker, r.TOO_LARGE, r.NIL, st.n_ids)
+
+    def _collision(self, row: Row, st: Request) -> None:
+        """Two schedulers started one rid for two workers: neither can be served
+        without the other never hearing of its request, so both are told and the
+        state is dropped (later rows of the rid are unknown to every worker)."""
+        rid, other = row.rid, row.start.worker
+        log.warning("rid %r started for worker %d while live for worker %d: rid_collision", rid, other, st.worker)
+        self.table.pop(rid)
+        self.dead.discard(rid)
+        self._error(rid, st.worker, r.RID_COLLISION, r.NIL, st.n_ids)
+        if self.outbox.known(other):
+            self._error(rid, other, r.RID_COLLISION, row.meta, 0)
+        else:
+            self._error(rid, None, r.BAD_START, row.meta, 0)
+
+    def _refuse_new(self, row: Row, start: r.Start) -> None:
+        worker = start.worker if self.outbox.known(start.worker) else None
+        self._error(row.rid, worker, r.OVERLOADED if worker is not None else r.BAD_START, row.meta, 0)
 
     # --- errors -----------------------------------------------------------------------
 

@@ -77,5 +77,11 @@ BAD_ROW = "bad_row"  # the row did not match the schema (wrong type, missing rid
 BAD_START = "bad_start"  # start names a worker detokd has no address for
 WORKER_STALLED = "worker_stalled"  # an earlier message for this rid could not be queued
 INTERNAL = "internal"  # an unexpected failure while decoding this rid; the rest go on
+TOO_LARGE = "too_large"  # the row or its start is beyond a configured cap (max_row_ids, ...)
+RID_COLLISION = "rid_collision"  # a start for a live rid named another worker: both are told
+OVERLOADED = "overloaded"  # detokd's memory is above max_rss_mb: new requests are refused
 
-ERRORS = (UNKNOWN_RID, EVICTED, SEQUENCE_GAP, BAD_IDS, BAD_ROW, BAD_START, WORKER_STALLED, INTERNAL)
+ERRORS = (
+    UNKNOWN_RID, EVICTED, SEQUENCE_GAP, BAD_IDS, BAD_ROW, BAD_START, WORKER_STALLED, INTERNAL,
+    TOO_LARGE, RID_COLLISION, OVERLOADED,
+)

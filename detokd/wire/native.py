@@ -25,7 +25,10 @@ from ..core.records import (  # noqa: F401 (v1's rows and error words, re-export
     EVICTED,
     INTERNAL,
     NIL,
+    OVERLOADED,
+    RID_COLLISION,
     SEQUENCE_GAP,
+    TOO_LARGE,
     UNKNOWN_RID,
     WORKER_STALLED,
     Finish,
@@ -207,6 +210,8 @@ class NativeDialect:
         elif op == "flush":
             log.info("flush: dropped %d request states", self.core.flush())
         elif self.debug_ops and op.startswith("debug_stall:"):
-            time.sleep(float(op.split(":", 1)[1]))
+            seconds = float(op.split(":", 1)[1])
+            log.warning("debug_stall: blocking the loop for %s s", seconds)
+            time.sleep(seconds)
         else:
             log.warning("unknown control op %r ignored", op)

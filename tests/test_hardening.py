@@ -1,0 +1,411 @@
+"""detokd beside strangers: what a peer that reaches a socket, or a file path, cannot do.
+
+Every test runs real `detokd serve` processes and talks to them over real ZMQ sockets
+(frames are plain dicts through msgspec, independent of detokd.wire); texts are checked
+against the oracle. docs/reliability.md and docs/security.md state each guarantee.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
+
+from conftest import oracle, vocab
+from detokd.config import Config, to_toml
+from detokd.process import DetokdProcess, ipc_config
+from test_reliability import Engine, Req, Sink, make_ids, metric, metrics_port, scrape, wait_until, zctx  # noqa: F401
+
+enc = msgspec.msgpack.encode
+dec = msgspec.msgpack.decode
+PY = sys.executable
+
+
+def serve_fails(tmp_path: Path, cfg: Config) -> tuple[int, str]:
+    """Run `detokd serve` on cfg, which must refuse to start: (exit code, stderr)."""
+    path = tmp_path / "refused.toml"
+    path.write_text(to_toml(cfg))
+    p = subprocess.run([PY, "-m", "detokd", "serve", "--config", str(path)], capture_output=True, text=True, timeout=60)
+    return p.returncode, p.stderr
+
+
+def monitor_until(sock: zmq.Socket, events: set[int], timeout_ms: int = 20000) -> int:
+    """Wait for one of `events` on a socket's monitor; the event seen."""
+    mon = sock.get_monitor_socket()
+    mon.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    try:
+        while True:
+            try:
+                ev = recv_monitor_message(mon)["event"]
+            except zmq.Again:
+                raise AssertionError(f"no monitor event among {events} within {timeout_ms} ms") from None
+            if ev in events:
+                return ev
+    finally:
+        sock.disable_monitor()
+        mon.close(0)
+
+
+# --------------------------------------------------------------------------- 1. register
+
+
+def test_a_stranger_cannot_take_over_a_worker_with_register(detokd, zctx, tmp_path):
+    d = detokd(workers=1, args=["--metrics-port", "0"])
+    legit = Sink(zctx, d.workers[0])
+    thief = Sink(zctx, f"ipc://{tmp_path}/thief.sock")
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "register", "worker": 0, "address": thief.address})
+    r = Req("r1", make_ids(random.Random(1), 40))
+    eng.rows([r.row(40)])  # same socket: detokd handles the register first
+    legit.wait(lambda: legit.ended("r1"), 20, "r1's rows at the configured worker")
+    assert legit.text("r1") == r.expected()
+    assert thief.messages == 0
+    assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="register_refused") == 1
+    assert f"register of worker 0 at {thief.address!r} refused: register is disabled" in d.log()
+
+
+def test_an_enabled_register_adds_only_allowed_new_workers_up_to_register_max(detokd, zctx, tmp_path):
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"],
+        register_enabled=True, register_allow=[f"ipc://{tmp_path}/ok-*"], register_max=1,
+    )
+    w0 = Sink(zctx, d.workers[0])
+    ok1, ok2 = Sink(zctx, f"ipc://{tmp_path}/ok-1.sock"), Sink(zctx, f"ipc://{tmp_path}/ok-2.sock")
+    bad = Sink(zctx, f"ipc://{tmp_path}/bad.sock")
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "register", "worker": 0, "address": ok2.address})  # configured: register_replace = false
+    eng.send({"type": "register", "worker": 1, "address": bad.address})  # matches no pattern
+    eng.send({"type": "register", "worker": 1, "address": ok1.address})  # added (an old peer's message, as it was)
+    eng.send({"type": "register", "worker": 2, "address": ok2.address})  # beyond register_max
+    rng = random.Random(2)
+    reqs = [Req(f"p{w}", make_ids(rng, 30), worker=w) for w in (0, 1, 2)]
+    eng.rows([q.row(30) for q in reqs])
+    w0.wait(lambda: w0.ended("p0") and w0.ended("p2"), 20, "worker 0's rows")
+    ok1.wait(lambda: ok1.ended("p1") and ok1.ended("p2"), 20, "worker 1's rows")
+    assert w0.text("p0") == reqs[0].expected() and ok1.text("p1") == reqs[1].expected()
+    assert w0.errors("p2") == ok1.errors("p2") == ["bad_start"]  # worker 2 was never added
+    assert ok2.messages == bad.messages == 0
+    assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="register_refused") == 3
+
+
+# --------------------------------------------------------------------------- 2. socket paths
+
+
+def test_default_addresses_live_in_a_private_runtime_folder(tmp_path, monkeypatch, zctx):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+    shown = subprocess.run([PY, "-m", "detokd", "config"], capture_output=True, text=True, timeout=60, env=os.environ).stdout
+    assert f'input = "ipc://{run}/detokd/input.sock"' in shown
+    assert f'workers = ["ipc://{run}/detokd/worker-0.sock"]' in shown
+    cfg = Config()  # the defaults, as `detokd serve` with no addresses computes them
+    assert cfg.input == f"ipc://{run}/detokd/input.sock"
+    d = DetokdProcess(cfg, folder=tmp_path, env={"XDG_RUNTIME_DIR": str(run)})
+    d.spawn()
+    try:
+        # The worker binds in detokd's folder, so it waits for detokd to make it.
+        wait_until(lambda: (run / "detokd").is_dir(), 60, "detokd to create its socket folder")
+        assert stat.S_IMODE((run / "detokd").stat().st_mode) == 0o700
+        w = Sink(zctx, cfg.workers[0])
+        d.wait_ready()
+        eng = Engine(zctx, cfg.input)
+        r = Req("q", make_ids(random.Random(3), 20))
+        eng.rows([r.row(20)])
+        w.wait(lambda: w.ended("q"), 20, "the request served on the default addresses")
+        assert w.text("q") == r.expected()
+    finally:
+        d.kill()
+
+
+def test_a_socket_folder_someone_else_could_write_is_refused(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / "detokd").mkdir(parents=True)
+    os.chmod(run / "detokd", 0o755)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+    code, err = serve_fails(tmp_path, Config())
+    assert code == 2
+    assert f"socket folder {run / 'detokd'} is not private: its mode is 0755, not 0700" in err
+
+
+def test_an_input_path_that_is_not_a_socket_is_never_removed(tmp_path):
+    cfg = ipc_config(tmp_path)
+    victim = Path(cfg.input[len("ipc://"):])
+    victim.write_text("someone's data")
+    code, err = serve_fails(tmp_path, cfg)
+    assert code == 2 and "exists and is not a socket; not removing it" in err
+    assert victim.read_text() == "someone's data"
+
+
+def test_an_input_socket_held_by_a_live_process_is_not_taken_over(tmp_path, zctx):
+    cfg = ipc_config(tmp_path)
+    holder = zctx.socket(zmq.PULL)
+    holder.setsockopt(zmq.RCVTIMEO, 20000)
+    holder.bind(cfg.input)
+    code, err = serve_fails(tmp_path, cfg)
+    assert code == 2 and f"input {cfg.input} is held by another process" in err
+    peer = zctx.socket(zmq.PUSH)
+    peer.connect(cfg.input)
+    peer.send(b"still mine")
+    assert holder.recv() == b"still mine"  # the holder's socket still works
+    holder.close(0), peer.close(0)
+
+
+def test_a_stale_input_socket_is_removed_and_bound(detokd, zctx, tmp_path):
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(tmp_path / "in.sock"))  # the file stays when its process is gone
+    stale.close()
+    d = detokd(workers=1)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    r = Req("s", make_ids(random.Random(4), 20))
+    eng = Engine(zctx, d.input)  # kept: a closed Engine (LINGER 0) drops what it queued
+    eng.rows([r.row(20)])
+    w.wait(lambda: w.ended("s"), 20, "a request through the re-bound input")
+    assert w.text("s") == r.expected()
+
+
+# --------------------------------------------------------------------------- 3. CURVE
+
+
+def _tcp_pull(ctx: zmq.Context, keys: tuple[bytes, bytes] | None) -> tuple[zmq.Socket, str]:
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 20000)
+    if keys is not None:
+        s.curve_publickey, s.curve_secretkey = keys
+        s.curve_server = True
+    s.bind("tcp://127.0.0.1:*")
+    return s, s.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def test_a_curve_input_serves_key_holders_and_nobody_else(tmp_path, zctx):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in ("detokd", "worker", "client", "stranger"):
+        zmq.auth.create_certificates(keys, name)
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    shutil.copy(keys / "client.key", allowed)
+    pair = lambda name: zmq.auth.load_certificate(keys / f"{name}.key_secret")  # noqa: E731
+    detokd_public = pair("detokd")[0]
+    worker, worker_address = _tcp_pull(zctx, pair("worker"))
+    cfg = msgspec.structs.replace(
+        ipc_config(tmp_path), input="tcp://127.0.0.1:*", workers=[worker_address], metrics_port=0,
+        curve_secret_key=str(keys / "detokd.key_secret"), curve_clients=str(allowed),
+        curve_worker_keys=[str(keys / "worker.key")],
+    )
+    d = DetokdProcess(cfg, folder=tmp_path).start()
+    try:
+        address = re.search(r"serving: input (tcp://\S+) \(CURVE\)", d.log()).group(1)
+        # No CURVE at all, and CURVE with a key not on the allow-list: neither gets through.
+        plain = zctx.socket(zmq.PUSH)
+        plain.setsockopt(zmq.LINGER, 0)
+        mon_plain = plain.get_monitor_socket()
+        plain.connect(address)
+        plain.send(enc({"type": "tokens", "rows": [{"rid": "plain", "ids": [100], "start": {}}]}))
+        stranger = zctx.socket(zmq.PUSH)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.curve_publickey, stranger.curve_secretkey = pair("stranger")
+        stranger.curve_serverkey = detokd_public
+        mon_stranger = stranger.get_monitor_socket()
+        stranger.connect(address)
+        stranger.send(enc({"type": "tokens", "rows": [{"rid": "stranger", "ids": [100], "start": {}}]}))
+        for mon, wanted in ((mon_plain, {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}),
+                            (mon_stranger, {zmq.EVENT_HANDSHAKE_FAILED_AUTH})):
+            mon.setsockopt(zmq.RCVTIMEO, 20000)
+            while recv_monitor_message(mon)["event"] not in wanted:
+                pass
+        # The key holder, through detokd.client.
+        from detokd.client import SchedulerClient
+        from detokd.core.records import Finish
+
+        ids = make_ids(random.Random(5), 40)
+        sched = SchedulerClient(address, context=zctx, curve_server_key=detokd_public, curve_keypair=pair("client"))
+        sched.begin("ok", ids, finish=Finish("length"))
+        sched.flush()
+        rows = []
+        while not rows or rows[-1]["finish"] is None:
+            msg = dec(worker.recv())
+            rows += msg["rows"]
+        assert {r["rid"] for r in rows} == {"ok"}
+        assert "".join(r["text"] for r in rows) == oracle(vocab("deepseek"), [], ids, True)
+        assert metric(scrape(metrics_port(d)), "detokd_frames_total") == 1  # only the key holder's frame
+        sched.close(0)
+        for s in (plain, stranger):
+            s.disable_monitor()
+            s.close(0)
+        mon_plain.close(0), mon_stranger.close(0)
+    finally:
+        d.kill()
+        worker.close(0)
+
+
+def test_a_non_loopback_tcp_input_without_curve_is_warned_about(tmp_path):
+    cfg = msgspec.structs.replace(ipc_config(tmp_path), input="tcp://0.0.0.0:*")
+    with DetokdProcess(cfg, folder=tmp_path) as d:
+        assert "reachable from other hosts and unauthenticated" in d.log()
+
+
+# --------------------------------------------------------------------------- 4. memory caps
+
+
+def test_a_frame_over_max_frame_bytes_is_never_read_and_its_sender_is_cut_off(detokd, zctx):
+    d = detokd(workers=1, args=["--metrics-port", "0"], max_frame_bytes=1 << 20, max_meta_bytes=4 << 20)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    mon = eng.sock.get_monitor_socket()
+    mon.setsockopt(zmq.RCVTIMEO, 20000)
+    eng.rows([{"rid": "huge", "ids": [100], "start": {}, "meta": "x" * (2 << 20)}])
+    while recv_monitor_message(mon)["event"] != zmq.EVENT_DISCONNECTED:
+        pass
+    eng.sock.disable_monitor()
+    mon.close(0)
+    r = Req("after", make_ids(random.Random(6), 30))
+    eng.rows([r.row(30)])  # PUSH reconnects by itself
+    w.wait(lambda: w.ended("after"), 20, "the next request after the cut-off")
+    assert w.text("after") == r.expected() and not w.rows("huge")
+    assert metric(scrape(metrics_port(d)), "detokd_frames_total") == 1
+
+
+def test_rows_beyond_the_caps_get_too_large_and_rows_at_the_caps_are_served(detokd, zctx):
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"], max_rows=4, max_row_ids=16, max_rid_len=32, max_meta_bytes=64,
+        max_wire_prompt_tail=8, max_stop_strings=2, max_stop_chars=10,
+    )
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    rng = random.Random(7)
+    ids = make_ids(rng, 16)
+    tail = make_ids(rng, 8)
+    eng.rows([{"rid": f"many{i}", "ids": [100], "start": {}} for i in range(5)])  # 5 rows: a bad frame
+    eng.rows([
+        {"rid": "ids", "ids": make_ids(rng, 17), "start": {}},
+        {"rid": "tail", "ids": [100], "start": {"prompt_tail": make_ids(rng, 9)}},
+        {"rid": "nstops", "ids": [100], "start": {"stop": ["qq", "zz", "xx"]}},
+    ])
+    eng.rows([{"rid": "chars", "ids": [100], "start": {"stop": ["qqqqqq", "zzzzz"]}}, {"rid": "r" * 33, "ids": [1], "start": {}}])
+    eng.rows([{"rid": "live", "ids": ids[:2], "start": {}}])
+    eng.rows([{"rid": "live", "ids": ids[2:4], "seq": 2, "meta": "m" * 70}])  # meta beyond the cap on a plain row
+    eng.rows([{"rid": "live", "ids": [5], "seq": 4}])  # its state is gone: too_large again
+    edge = {"rid": "e" * 32, "ids": ids, "start": {"prompt_tail": tail, "stop": ["\x00qq", "\x01zz"]}, "meta": "m" * 60,
+            "finish": {"reason": "length"}}
+    eng.rows([edge])
+    w.wait(lambda: w.ended("e" * 32), 20, "the row at every cap")
+    for rid in ("ids", "tail", "nstops", "chars"):
+        assert w.errors(rid) == ["too_large"], rid
+    assert [r["text"] for r in w.rows("live")][0] == oracle(v, [], ids[:2], True)
+    assert w.errors("live") == ["too_large", "too_large"]
+    assert not any(w.rows(f"many{i}") for i in range(5)) and not w.rows("r" * 33)
+    assert w.text("e" * 32) == oracle(v, tail, ids, True) and not w.errors("e" * 32)
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_bad_frames_total") == 1
+    assert metric(m, "detokd_errors_total", kind="too_large") == 7  # 4 starts, the long rid, live twice
+
+
+# --------------------------------------------------------------------------- 5. rid collision
+
+
+@pytest.mark.parametrize("vid", [0, 1], ids=["same-vid", "new-vid"])
+def test_a_rid_started_for_two_workers_fails_on_both(detokd, zctx, vid):
+    d = detokd(workers=2)
+    w0, w1 = Sink(zctx, d.workers[0]), Sink(zctx, d.workers[1])
+    d.wait_ready()
+    a, b = Engine(zctx, d.input), Engine(zctx, d.input)  # two schedulers
+    a.rows([{"rid": "c", "ids": [100, 101], "start": {"worker": 0}}])
+    w0.wait(lambda: w0.rows("c"), 20, "scheduler A's first row")
+    b.rows([{"rid": "c", "ids": [102], "start": {"worker": 1, "vid": vid}}])
+    w1.wait(lambda: w1.rows("c"), 20, "worker 1 to hear of its request")
+    w0.wait(lambda: len(w0.rows("c")) == 2, 20, "worker 0 to hear of the collision")
+    assert w0.errors("c") == w1.errors("c") == ["rid_collision"]
+    a.rows([{"rid": "c", "ids": [103], "seq": 2}])  # the state is gone
+    w0.wait(lambda: len(w0.rows("c")) == 3, 20, "A's next row answered")
+    assert w0.errors("c")[-1] == "unknown_rid"
+
+
+# --------------------------------------------------------------------------- 6. RSS guard
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_above_max_rss_new_requests_are_refused_and_live_ones_go_on(detokd, zctx, tmp_path):
+    probe = detokd(workers=2)
+    probe.wait_ready()
+    base = _rss_mb(probe.pid)
+    probe.kill()
+    chunk = 40 << 20  # above glibc's largest mmap threshold: freed memory goes back to the system
+    d = detokd(workers=2, args=["--metrics-port", "0"], max_rss_mb=int(base) + 80, max_meta_bytes=64 << 20)
+    stuck = Sink(zctx, d.workers[0], read=False, rcvhwm=1)
+    w1 = Sink(zctx, d.workers[1])
+    d.wait_ready()
+    port = metrics_port(d)
+    v = vocab("deepseek")
+    eng = Engine(zctx, d.input)
+    ids = make_ids(random.Random(8), 40)
+    eng.rows([{"rid": "live", "ids": ids[:20], "start": {"worker": 1}}])
+    w1.wait(lambda: w1.rows("live"), 20, "the live request's first row")
+    # Output that worker 0 does not read stays queued in detokd: its RSS grows. The rows
+    # belong to a live request, so none of them is refused once the guard is on.
+    eng.rows([{"rid": "hog", "ids": [100], "start": {"worker": 0}}])
+    for i in range(5):
+        eng.rows([{"rid": "hog", "ids": [100], "seq": 1 + i, "meta": b"\0" * chunk}])
+    wait_until(lambda: metric(scrape(port), "detokd_frames_total") == 7, 60, "detokd to take every frame")
+    wait_until(lambda: metric(scrape(port), "detokd_overloaded") == 1, 60, "the RSS guard to turn on")
+    eng.rows([{"rid": "new1", "ids": ids[:5], "start": {"worker": 1}}, {"rid": "live", "ids": ids[20:], "seq": 20, "finish": {"reason": "length"}}])
+    w1.wait(lambda: w1.ended("new1") and w1.ended("live"), 20, "the rows sent while overloaded")
+    assert w1.errors("new1") == ["overloaded"]
+    assert w1.text("live") == oracle(v, [], ids, True) and not w1.errors("live")
+    # Worker 0 reads its queue: the memory goes, new requests are served again.
+    stuck.sock.setsockopt(zmq.RCVTIMEO, 20000)
+    for _ in range(6):
+        assert [r["error"] for r in dec(stuck.sock.recv())["rows"]] == [None]
+    wait_until(lambda: metric(scrape(port), "detokd_overloaded") == 0, 60, "the RSS guard to turn off")
+    eng.rows([{"rid": "new2", "ids": ids, "start": {"worker": 1}, "finish": {"reason": "length"}}])
+    w1.wait(lambda: w1.ended("new2"), 20, "a new request after the guard turned off")
+    assert w1.text("new2") == oracle(v, [], ids, True)
+    m = scrape(port)
+    assert metric(m, "detokd_errors_total", kind="overloaded") == 1
+    # RSS may cross the limit more than once while the frames come in: each crossing
+    # is one transition and one log line.
+    turns = metric(m, "detokd_overload_transitions_total")
+    log = d.log()
+    assert turns >= 2 and log.count("is above max_rss_mb") == log.count("is below max_rss_mb") == turns / 2
+
+
+# --------------------------------------------------------------------------- 7. shutdown grace
+
+
+def test_a_signal_ends_the_process_within_the_shutdown_grace_even_when_the_loop_is_stuck(detokd, zctx):
+    d = detokd(workers=1, debug_ops=True, shutdown_grace_s=1.0)
+    Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "control", "op": "debug_stall:120"})
+    wait_until(lambda: "debug_stall: blocking the loop" in d.log(), 20, "the loop to stall")
+    d.proc.send_signal(signal.SIGTERM)
+    try:
+        code = d.proc.wait(30)  # the stall lasts 120 s: only the grace timer ends it sooner
+    except subprocess.TimeoutExpired:
+        raise AssertionError("detokd still running 30 s after SIGTERM") from None
+    assert code == 3
+    assert "not stopped within shutdown_grace_s = 1.0 s" in d.log()
