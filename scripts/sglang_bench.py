@@ -54,7 +54,7 @@ from bench import corpus  # noqa: E402  (the multilingual text only)
 
 from detokd import zoo  # noqa: E402
 from detokd.sglang.process import run_detokenizer_process as detokd_target  # noqa: E402
-from detokd.sglang.replay import DetokenizerProcess, Scripted, accumulate, build_stream, ipc_encoding  # noqa: E402
+from detokd.sglang.replay import DetokenizerProcess, Scripted, accumulate, build_stream, freeze_gc_req, ipc_encoding  # noqa: E402
 from detokd.tokenizer import load  # noqa: E402
 
 TARGETS = {"sglang": None, "detokd": detokd_target}
@@ -125,6 +125,11 @@ def status_kb(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
+def loadavg() -> float:
+    """The machine's 1-minute load: other work on the cores makes the figures noisier."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
 class Hung(RuntimeError):
     pass
 
@@ -141,6 +146,7 @@ def run_pass(proc: DetokenizerProcess, stream: Stream, window: int) -> dict:
     got: list[bytes] = []
     gc.collect()
     gc.disable()
+    load = loadavg()
     cpu0 = cpu_seconds(pid)
     t0 = time.perf_counter_ns()
     sent = 0
@@ -168,7 +174,7 @@ def run_pass(proc: DetokenizerProcess, stream: Stream, window: int) -> dict:
     tokens = stream.batch * stream.steps
     return dict(
         wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, cpu_s=cpu, cpu_us_per_token=cpu / tokens * 1e6,
-        latency_ms=[x / 1e6 for x in latency_ns], answers=decode(got, stream.encoding),
+        loadavg_1m=load, latency_ms=[x / 1e6 for x in latency_ns], answers=decode(got, stream.encoding),
     )
 
 
@@ -197,13 +203,14 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def bench_encoding(encoding: str, procs: dict, vocab, ids, args) -> list[dict]:
+def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
     results = []
     for batch in sorted(args.batch):
         stream = Stream(vocab, ids, batch, args.steps, encoding)
         log(f"[{encoding} B={batch}] built {len(stream.frames)} steps ({stream.megabytes:.1f} MB) in {stream.build_seconds:.1f}s")
         for name, proc in procs.items():
-            proc.exchange(stream.warmup)
+            # --freeze-gc: what SGLang's /freeze_gc endpoint makes its detokenizer do (gc.freeze()).
+            proc.exchange([*stream.warmup, *([freeze_gc_req()] if args.freeze_gc else [])])
         first_text: dict[str, dict] = {}
         passes = []
         for r in range(args.rounds):
@@ -218,7 +225,7 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args) -> list[dict]:
                     passes.append(dict(target=name, mode=mode, round=r, slot=slot, lat=lat, **p, **problems))
                     log(f"[{encoding} B={batch}] r{r} {name:6} {mode:10} {p['tokens_per_s']:>9.0f} tok/s "
                         f"p50 {pct(lat, 50):6.2f} ms p99 {pct(lat, 99):6.2f} ms cpu {p['cpu_us_per_token']:5.2f} us/tok "
-                        f"off-oracle {problems['off_oracle']}")
+                        f"off-oracle {problems['off_oracle']} load {p['loadavg_1m']:.1f}")
         agree = first_text["sglang"] == first_text["detokd"]
         differing = sum(1 for rid in first_text["sglang"] if first_text["sglang"][rid] != first_text["detokd"].get(rid))
         for name, proc in procs.items():
@@ -228,10 +235,11 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args) -> list[dict]:
                 mine = [p for p in passes if p["target"] == name and p["mode"] == mode]
                 lat = [x for p in mine for x in p["lat"]]
                 results.append(dict(
-                    encoding=encoding, batch=batch, steps=args.steps, target=name, mode=mode,
+                    encoding=encoding, batch=batch, steps=args.steps, target=name, mode=mode, freeze_gc=args.freeze_gc,
                     window=1 if mode == "latency" else args.window, passes=len(mine),
                     tokens_per_s_median=statistics.median(p["tokens_per_s"] for p in mine),
                     tokens_per_s_all=[p["tokens_per_s"] for p in mine],
+                    loadavg_1m_per_pass=[p["loadavg_1m"] for p in mine],
                     latency_ms_p50=pct(lat, 50), latency_ms_p99=pct(lat, 99), latency_ms_max=max(lat),
                     cpu_us_per_token=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * 1e6,
                     vm_hwm_mb=hwm / 1024, vm_rss_mb=rss / 1024,
@@ -243,6 +251,8 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args) -> list[dict]:
                     same_text_every_pass=all(p["same_as_first_pass"] for p in mine),
                     build_seconds=stream.build_seconds, stream_mb=stream.megabytes,
                 ))
+        raw += [dict(encoding=encoding, batch=batch, **{k: v for k, v in p.items() if k != "lat"},
+                     latency_ms=[round(x, 3) for x in p["lat"]]) for p in passes]
         log(f"[{encoding} B={batch}] texts equal across targets: {agree} ({differing} rids differ)")
     return results
 
@@ -292,7 +302,8 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_xticks(range(len(cases)), labels)
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
-    fig.suptitle("detokd vs SGLang's detokenizer process, SGLang's own stream (DeepSeek tokenizer, 1 id/request/step)", fontsize=11)
+    fig.suptitle("detokd vs SGLang's detokenizer process, SGLang's own stream (DeepSeek tokenizer, 1 id/request/step)"
+                 + (", GC frozen" if any(r.get("freeze_gc") for r in results) else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -305,7 +316,11 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=8, help="steps in flight in the throughput mode (default 8)")
     ap.add_argument("--encodings", nargs="+", choices=["pickle", "msgpack"], default=["pickle", "msgpack"],
                     help="SGLang IPC encodings (SGLANG_USE_PICKLE_IPC), each with its own pair of processes")
-    ap.add_argument("--json", metavar="PATH", help="write the environment, arguments and raw results here")
+    ap.add_argument("--freeze-gc", action="store_true", help="after the warm-up, send both processes a FreezeGCReq, as "
+                    "SGLang's /freeze_gc endpoint does (off by default, as in SGLang: its detokenizer then pays "
+                    "full Python GC passes over the torch/sglang heap mid-stream)")
+    ap.add_argument("--json", metavar="PATH", help="write the environment, arguments, the summary and every pass "
+                    "(with each step's latency) here")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib; or --plot-only later)")
     ap.add_argument("--plot-only", metavar="JSON", help="only draw --plot from an earlier --json file (any python with matplotlib)")
     args = ap.parse_args()
@@ -319,10 +334,10 @@ def main() -> int:
     folder = zoo.build(TOKENIZER)
     procs = {enc: {name: DetokenizerProcess(folder, encoding=enc, target=fn).start() for name, fn in TARGETS.items()}
              for enc in args.encodings}
-    results, failure = [], None
+    results, raw, failure = [], [], None
     try:
         for enc in args.encodings:
-            results += bench_encoding(enc, procs[enc], vocab, ids, args)
+            results += bench_encoding(enc, procs[enc], vocab, ids, args, raw)
     except Exception as e:  # a crash, a hang, an impossible answer: report it with what was measured so far
         failure = f"{type(e).__name__}: {e}"
         log(f"FAILED: {failure}")
@@ -331,7 +346,8 @@ def main() -> int:
             for p in pair.values():
                 p.close()
     doc = dict(environment=environment(), args={k: v for k, v in vars(args).items() if k != "plot_only"},
-               corpus_ids=len(ids), seconds=time.perf_counter() - t_start, failure=failure, results=results)
+               corpus_ids=len(ids), seconds=time.perf_counter() - t_start, failure=failure, results=results,
+               passes=raw)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
