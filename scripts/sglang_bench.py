@@ -52,7 +52,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import corpus  # noqa: E402  (the multilingual text only)
+from detokbench.workload import corpus  # noqa: E402  (the multilingual text only)
 
 from detokd import zoo  # noqa: E402
 from detokd.sglang.process import run_detokenizer_process as detokd_target  # noqa: E402
