@@ -86,15 +86,21 @@ def test_each_worker_gets_one_message_per_batch_with_its_rows_in_order(rig) -> N
 
 
 def test_a_full_queue_loses_only_that_workers_message_and_settle_sends_what_it_is_owed(rig) -> None:
-    r = rig(hwm=2)
+    r = rig(hwm=4)
     r.bind(1)  # worker 0 is bound by nobody: its queue fills
+    r.step([start("warm", 1)])  # its arrival says worker 1 is connected, not queueing
+    assert r.messages(1, 1)[0][0].rid == "warm"
+    w0 = r.delivery.workers[0]
     steps = 0
-    while r.delivery.workers[0].dropped == 0:
+    while r.delivery.has_room(w0):
         steps += 1
-        assert steps < 100, "worker 0's queue never filled"
-        r.step([start(f"a{steps}", 0), start(f"b{steps}", 1)])
-        assert [x.rid for x in r.messages(1, 1)[0]] == [f"b{steps}"]  # a reading worker loses nothing
-    assert r.delivery.workers[1].dropped == 0
+        assert steps < 1000, "worker 0's queue never filled"
+        r.step([start(f"a{steps}", 0)])
+    assert w0.dropped == 0
+    steps += 1
+    r.step([start(f"a{steps}", 0), start("b", 1)])  # one batch: worker 0's message is lost, not 1's
+    assert w0.dropped == 1 and r.delivery.workers[1].dropped == 0
+    assert [x.rid for x in r.messages(1, 1)[0]] == ["b"]
     lost = f"a{steps}"
     assert lost not in r.core.table and r.stats.errors[P.WORKER_STALLED] == 1
     r.delivery.settle(P.encode_text, r.core.table.__contains__)  # still no room: still owed
