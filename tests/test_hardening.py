@@ -27,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 from conftest import oracle, vocab
 from detokd.config import Config, to_toml
 from detokd.process import DetokdProcess, ipc_config
-from test_reliability import Engine, Req, Sink, make_ids, metric, metrics_port, scrape, wait_until, zctx  # noqa: F401
+from utils import Engine, Req, Sink, make_ids, metric, metrics_port, scrape, wait_until
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from conftest import alive
-from test_reliability import zctx  # noqa: F401 (fixture)
 from detokd.launch import derive_address, run_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -283,7 +282,7 @@ def test_real_shards_a_shard_that_cannot_bind_crash_loops_while_its_sibling_serv
     """Two real `detokd serve` shards on tcp ports P and P+1, P+1 held by the test:
     shard 1 exits (cannot bind) again and again. Shard 0 serves requests before and
     after shard 1 is reported crash-looping, with the same process throughout."""
-    from test_reliability import Engine, Req, Sink, make_ids
+    from utils import Engine, Req, Sink, make_ids
 
     holder = socket.socket()
     for _ in range(20):  # a free pair of ports: P for shard 0, P+1 held here for shard 1

@@ -21,16 +21,7 @@ import termios
 import time
 from pathlib import Path
 
-from test_reliability import (
-    Engine,
-    Req,
-    Sink,
-    http_get,
-    make_ids,
-    metrics_port,
-    wait_until,
-    zctx,  # noqa: F401 (fixture)
-)
+from utils import Engine, Req, Sink, http_get, make_ids, metrics_port, wait_until
 
 F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
 PAGE = 4096
