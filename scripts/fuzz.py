@@ -30,8 +30,8 @@ survive, stay exact, and keep its memory?
     PYTHONPATH=$PWD python scripts/fuzz.py --frames 3000 --json /tmp/f.json
 
 Exit status 0 when detokd lived (and exited 0 on SIGTERM), every honest stream was
-exact, hostile rows never got text, detokd counted exactly the frames it read and
-the bad ones among them, and the end RSS is within --rss-tolerance of the post-warm-up
+exact, hostile rows never got text, detokd counted exactly the frames it read, the
+bad ones among them, the over-cap rows (too_large) and the refused registers, and the end RSS is within --rss-tolerance of the post-warm-up
 RSS; 1 otherwise.
 """
 
@@ -453,7 +453,14 @@ def run(args: argparse.Namespace) -> dict:
             problems.append(f"detokd_frames_total {metrics.get('detokd_frames_total')} != {read} frames read")
         if metrics.get("detokd_bad_frames_total") != bad:
             problems.append(f"detokd_bad_frames_total {metrics.get('detokd_bad_frames_total')} != {bad} bad frames sent")
-        if metrics.get("detokd_errors_total", {}).get("internal"):
+        errors = metrics.get("detokd_errors_total", {})
+        # Every over-cap row (all but over_rows, a bad frame) is one too_large; every register one refusal.
+        capped = sum(kinds[k] for k in ("huge_rid", "over_row_ids", "over_prompt_tail", "many_stops", "long_stops", "huge_meta"))
+        if errors.get("too_large", 0) != capped:
+            problems.append(f"too_large errors {errors.get('too_large', 0)} != {capped} over-cap rows sent")
+        if errors.get("register_refused", 0) != kinds["odd_register"]:
+            problems.append(f"register_refused {errors.get('register_refused', 0)} != {kinds['odd_register']} registers sent")
+        if errors.get("internal"):
             problems.append("internal errors")
     if died:
         problems.append(f"detokd died: exit {d.returncode}\n" + "\n".join(log_lines[-30:]))
