@@ -1,28 +1,29 @@
 """`detokd demo`: real multilingual text streaming through a live detokd.
 
-Three parties, as in production: `detokd serve` in its own process (default
-config, addresses in a temporary folder), a synthetic scheduler replaying real
-text tokenized with the same tokenizer as many concurrent streams, and a worker
-showing one stream live. At the end every stream's text is checked against the
-reference decode.
+Three parties, as in production: `detokd serve` in its own process (started by
+DetokdProcess; default config, addresses in a temporary folder), a synthetic
+scheduler (SchedulerClient) replaying real text tokenized with the same tokenizer
+as many concurrent streams, and a worker showing one stream live. At the end
+every stream's text is checked against the reference decode (Vocab.reference).
 """
 
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import msgspec
 import zmq
 
+from .client import SchedulerClient
 from .config import Config
+from .process import DetokdProcess, NotReady, ipc_config
 from .tokenizer import load
+from .wire.native import Finish, Text
 
 TEXTS = (
     "detokd turns token ids into text, one step at a time, and never decodes a whole "
@@ -38,8 +39,7 @@ TEXTS = (
 PROMPT = "User: write something in many languages.\nAssistant:"
 STEP_INTERVAL = 0.02  # the synthetic engine's decode step: 50 steps/s, watchable
 
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder()
+_text = msgspec.msgpack.Decoder(Text)
 
 
 def _streams(vocab, n: int, steps: int) -> tuple[list[int], list[list[int]]]:
@@ -57,35 +57,34 @@ def _streams(vocab, n: int, steps: int) -> tuple[list[int], list[list[int]]]:
 class _Scheduler(threading.Thread):
     """Sends one `tokens` batch per step: one new id for every live stream."""
 
-    def __init__(self, ctx: zmq.Context, address: str, tail: list[int], outs: list[list[int]], interval: float) -> None:
+    def __init__(self, address: str, tail: list[int], outs: list[list[int]], interval: float) -> None:
         super().__init__(name="scheduler", daemon=True)
-        self.sock = ctx.socket(zmq.PUSH)
-        self.sock.connect(address)
-        self.tail, self.outs, self.interval = tail, outs, interval
+        self.address, self.tail, self.outs, self.interval = address, tail, outs, interval
         self.halt = threading.Event()
         self.sent = 0
 
     def run(self) -> None:
+        client = SchedulerClient(self.address)  # this thread's alone: a client is not thread-safe
         steps = max(len(o) for o in self.outs)
         next_at = time.monotonic()
-        for k in range(steps + 1):
-            if self.halt.is_set():
-                break
-            rows = []
-            for i, ids in enumerate(self.outs):
-                if k > len(ids):
-                    continue
-                row = {"rid": f"demo-{i}", "ids": ids[k : k + 1], "seq": k}
-                if k == 0:
-                    row["start"] = {"prompt_tail": self.tail}
-                if k == len(ids):
-                    row["finish"] = {"reason": "length"}
-                rows.append(row)
-                self.sent += len(row["ids"])
-            self.sock.send(_enc.encode({"type": "tokens", "rows": rows}))
-            next_at += self.interval
-            time.sleep(max(0.0, next_at - time.monotonic()))
-        self.sock.close(linger=1000)
+        try:
+            for k in range(steps + 1):
+                if self.halt.is_set():
+                    break
+                for i, ids in enumerate(self.outs):
+                    if k > len(ids):
+                        continue
+                    new, finish = ids[k : k + 1], Finish("length") if k == len(ids) else None
+                    if k == 0:
+                        client.begin(f"demo-{i}", new, prompt_tail=self.tail, finish=finish)
+                    else:
+                        client.add(f"demo-{i}", new, finish=finish)
+                    self.sent += len(new)
+                client.flush()
+                next_at += self.interval
+                time.sleep(max(0.0, next_at - time.monotonic()))
+        finally:
+            client.close(linger=1.0)
 
 
 class _Screen:
@@ -116,38 +115,19 @@ class _Screen:
             sys.stdout.flush()
 
 
-def _wait_serving(ctx: zmq.Context, address: str, worker: zmq.Socket, server: subprocess.Popen) -> bool:
-    """Probe with a row for a rid nobody started: detokd answers every worker with an
-    `unknown_rid` error row as soon as it serves."""
-    probe = ctx.socket(zmq.PUSH)
-    probe.connect(address)
-    try:
-        while server.poll() is None:
-            probe.send(_enc.encode({"type": "tokens", "rows": [{"rid": "demo-probe"}]}))
-            if worker.poll(250):
-                worker.recv()
-                return True
-        return False
-    finally:
-        probe.close(linger=0)
-
-
 def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show: bool = True, interval: float = STEP_INTERVAL) -> int:
-    cfg = Config()
-    name = tokenizer or cfg.tokenizer
+    name = tokenizer or Config().tokenizer
     print(f"detokd demo: loading tokenizer {name} ...", file=sys.stderr)
     vocab = load(name)
     tail, outs = _streams(vocab, streams, steps)
-    folder = Path(tempfile.mkdtemp(prefix="detokd-demo-"))
-    inp, wrk = f"ipc://{folder}/in.sock", f"ipc://{folder}/worker.sock"
+    folder = tempfile.mkdtemp(prefix="detokd-demo-")
+    cfg = ipc_config(folder, tokenizer=name, log_level="warning")
     ctx = zmq.Context()
     worker = ctx.socket(zmq.PULL)
-    worker.bind(wrk)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "detokd", "serve", "--input", inp, "--worker", wrk, "--tokenizer", name, "--log-level", "warning"],
-        start_new_session=True,  # Ctrl-C reaches the demo, which stops the server itself
-    )
-    scheduler = _Scheduler(ctx, inp, tail, outs, interval)
+    worker.bind(cfg.workers[0])
+    # Its own session: Ctrl-C reaches the demo, which stops the server itself.
+    server = DetokdProcess(cfg, folder=folder, popen={"start_new_session": True})
+    scheduler = _Scheduler(cfg.input, tail, outs, interval)
     texts = [[] for _ in outs]
     done: set[int] = set()
     screen = _Screen(show)
@@ -158,33 +138,33 @@ def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show:
     try:
         poller = zmq.Poller()
         poller.register(worker, zmq.POLLIN)
-        if not _wait_serving(ctx, inp, worker, server):
-            print(f"detokd exited with code {server.returncode} before serving", file=sys.stderr)
+        try:
+            server.start()  # returns once detokd says it is ready (READY=1)
+        except NotReady as e:
+            print(e, file=sys.stderr)
             return 1
-        print(f"detokd serving on {inp}; {len(outs)} streams of {steps} tokens", file=sys.stderr)
+        print(f"detokd serving on {cfg.input}; {len(outs)} streams of {steps} tokens", file=sys.stderr)
         scheduler.start()
         while len(done) < len(outs):
-            if server.poll() is not None:
-                print(f"\ndetokd exited with code {server.returncode}", file=sys.stderr)
+            if server.returncode is not None:
+                print(f"\ndetokd exited with code {server.returncode}:\n{server.log()[-3000:]}", file=sys.stderr)
                 return 1
             if not poller.poll(200):
                 continue
-            msg = _dec.decode(worker.recv())
+            msg = _text.decode(worker.recv())
             first = first or time.monotonic()
             delta0 = ""
-            for row in msg["rows"]:
-                if row["rid"] == "demo-probe":  # a late answer to a readiness probe
-                    continue
-                i = int(row["rid"].split("-")[1])
-                if row["error"]:
-                    print(f"\n{row['rid']}: error {row['error']}", file=sys.stderr)
+            for row in msg.rows:
+                i = int(row.rid.split("-")[1])
+                if row.error:
+                    print(f"\n{row.rid}: error {row.error}", file=sys.stderr)
                     done.add(i)
                     continue
-                texts[i].append(row["text"])
+                texts[i].append(row.text)
                 received += 1
                 if i == 0:
-                    delta0 += row["text"]
-                if row["finish"] is not None:
+                    delta0 += row.text
+                if row.finish is not None:
                     done.add(i)
             elapsed = max(1e-9, time.monotonic() - first)
             progress = f"{len(outs)} streams · {len(done)} finished · {received:,} rows · {received / elapsed:,.0f} tokens/s"
@@ -207,12 +187,10 @@ def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show:
         code = 130
     finally:
         scheduler.halt.set()
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(10)
-            except subprocess.TimeoutExpired:
-                server.kill()
+        try:
+            server.stop(10)
+        except subprocess.TimeoutExpired:
+            pass  # stop() killed it
         scheduler.join(5)
         worker.close(linger=0)
         ctx.destroy(linger=0)

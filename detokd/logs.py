@@ -201,6 +201,12 @@ def setup(level: str | int = "info", stream=None, queue_size: int = QUEUE_SIZE) 
     _installed.append((handler, writer))
 
 
+def close() -> None:
+    """Write what is queued, within a bounded time, and stop: before an os._exit, which
+    skips the atexit hook that does the same."""
+    _shutdown()
+
+
 def _shutdown() -> None:
     """Give the writer a bounded time to write what is queued (at exit, or on a new setup)."""
     while _installed:

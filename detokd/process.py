@@ -22,6 +22,7 @@ import itertools
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -52,7 +53,9 @@ class DetokdProcess:
     """A `detokd serve` child process.
 
     `args` are extra command-line arguments (`--shards 2`: then ready means every
-    shard said so). `env` adds to the inherited environment. Use as a context
+    shard said so). `env` adds to the inherited environment. `popen` passes more
+    keyword arguments to subprocess.Popen (`process_group=0`, so a terminal's Ctrl-C
+    reaches its parent only; `preexec_fn=launch.die_with_parent`). Use as a context
     manager, or call start() and stop().
     """
 
@@ -64,6 +67,7 @@ class DetokdProcess:
         folder: str | os.PathLike | None = None,
         env: Mapping[str, str] | None = None,
         command: Sequence[str] | None = None,
+        popen: Mapping[str, Any] | None = None,
     ) -> None:
         self._tmp = None
         if folder is None:
@@ -74,6 +78,7 @@ class DetokdProcess:
         self.args = list(args)
         self.env = dict(env or {})
         self.command = list(command) if command is not None else [sys.executable, "-m", "detokd"]
+        self.popen = dict(popen or {})
         self.shards = _shards(self.args)
         n = next(_ids)
         self.log_path = self.folder / f"detokd-{n}.log"
@@ -101,7 +106,7 @@ class DetokdProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [*self.command, "serve", "--config", str(self.config_path), *self.args],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, **self.popen,
             )
         return self
 

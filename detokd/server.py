@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import zmq
 
-from . import readiness, sockets
+from . import logs, readiness, sockets
 from .collector import Collector
 from .config import Config, ConfigError, check
 from .core import stops
@@ -144,6 +144,7 @@ class Server:
         self.running = False
         if self.stopping_since is not None:
             log.warning("second signal %d while stopping: exiting now", signum)
+            logs.close()
             os._exit(EXIT_GRACE)
         self.stopping_since = time.monotonic()
         grace = self.cfg.shutdown_grace_s
@@ -154,6 +155,7 @@ class Server:
     @staticmethod
     def _grace_over(grace: float) -> None:
         log.error("not stopped within shutdown_grace_s = %s s: exiting now, unsent output is lost", grace)
+        logs.close()
         logging.shutdown()
         os._exit(EXIT_GRACE)
 

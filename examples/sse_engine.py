@@ -5,7 +5,8 @@
 
 Three parts, as in a real deployment, here in one process except detokd:
 
-- detokd itself: `python -m detokd serve`, a subprocess, on ipc:// sockets in a temp dir;
+- detokd itself: `detokd serve`, a subprocess started by detokd.process.DetokdProcess,
+  on ipc:// sockets in a temp dir;
 - a fake scheduler (SchedulerClient): "generates" each reply by tokenizing a fixed
   text (the prompt echoed, then a multilingual paragraph) with the same tokenizer
   detokd serves, and sends the ids a few per step, like an engine's decode loop;
@@ -35,6 +36,7 @@ from pathlib import Path
 from detokd import zoo
 from detokd.client import DetokdError, SchedulerClient, WorkerClient, run
 from detokd.launch import die_with_parent
+from detokd.process import DetokdProcess, NotReady, ipc_config
 from detokd.wire.native import Finish
 
 log = logging.getLogger("sse_engine")
@@ -268,11 +270,11 @@ class App:
 
 async def amain(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="detokd-sse-"))
-    inp, wad = f"ipc://{tmp}/in", f"ipc://{tmp}/w0"
-    cmd = [sys.executable, "-m", "detokd", "serve", "--input", inp, "--worker", wad, "--tokenizer", TOKENIZER]
+    cfg = ipc_config(tmp, tokenizer=TOKENIZER)
+    inp, wad = cfg.input, cfg.workers[0]
     # Own process group: a terminal's Ctrl-C reaches detokd through us, once. And it
     # dies with us, even if we are SIGKILLed.
-    detokd = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with_parent)
+    detokd = DetokdProcess(cfg, folder=tmp, popen={"process_group": 0, "preexec_fn": die_with_parent}).spawn()
     print(f"detokd pid {detokd.pid}", flush=True)
     scheduler_client = SchedulerClient(inp)
     worker = WorkerClient(wad)
@@ -290,9 +292,9 @@ async def amain(args: argparse.Namespace) -> int:
 
     async def watch_detokd() -> None:
         nonlocal status
-        while detokd.poll() is None:
+        while detokd.returncode is None:
             await asyncio.sleep(0.2)
-        log.error("detokd exited with %s", detokd.returncode)
+        log.error("detokd exited with %s:\n%s", detokd.returncode, detokd.log()[-3000:])
         status = 1
         stop.set()
 
@@ -312,6 +314,11 @@ async def amain(args: argparse.Namespace) -> int:
     server = await asyncio.start_server(app.handle, args.host, args.port)
     try:
         await worker.start()
+        try:
+            await asyncio.to_thread(detokd.wait_ready)  # serve only once detokd does (READY=1)
+        except NotReady as e:
+            log.error("%s", e)
+            return 1
         port = server.sockets[0].getsockname()[1]
         print(f"serving on http://{args.host}:{port}/v1/completions", flush=True)
         await stop.wait()
@@ -324,14 +331,10 @@ async def amain(args: argparse.Namespace) -> int:
         await asyncio.gather(*tasks, return_exceptions=True)
         await worker.aclose()  # open streams end with WorkerClosed
         scheduler_client.close(linger=0)
-        if detokd.poll() is None:
-            detokd.send_signal(signal.SIGTERM)
         try:
-            await asyncio.to_thread(detokd.wait, 10)
+            await asyncio.to_thread(detokd.stop, 10)
         except subprocess.TimeoutExpired:
-            log.error("detokd did not stop within 10 s: killing it")
-            detokd.kill()
-            detokd.wait()
+            log.error("detokd did not stop within 10 s: killed it")
             status = 1
         shutil.rmtree(tmp, ignore_errors=True)
     return status

@@ -114,3 +114,18 @@ def detokd(tmp_path):
     yield start
     for d in started:
         d.kill()
+
+
+@pytest.fixture
+def zctx():
+    """A ZMQ context for a test's peers; the utils.Sink threads on it are closed first."""
+    import zmq
+
+    from utils import SINKS
+
+    ctx = zmq.Context()
+    yield ctx
+    for s in [s for s in SINKS if s.ctx is ctx]:
+        SINKS.remove(s)
+        s.close()
+    ctx.destroy(linger=0)

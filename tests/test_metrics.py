@@ -15,21 +15,10 @@ import subprocess
 import sys
 import time
 
-from test_reliability import (
-    Engine,
-    Req,
-    Sink,
-    http_get,
-    make_ids,
-    metric,
-    metrics_port,
-    scrape,
-    wait_until,
-    zctx,  # noqa: F401 (fixture)
-)
+from utils import Engine, Req, Sink, http_get, make_ids, metric, metrics_port, scrape, wait_until
 
 
-def test_health_is_200_while_the_loop_turns_and_503_while_it_is_stuck(detokd, tmp_path, zctx):  # noqa: F811
+def test_health_is_200_while_the_loop_turns_and_503_while_it_is_stuck(detokd, tmp_path, zctx):
     """health_timeout 0.5 s: an idle loop still turns (it polls with a timeout), so
     /health says 200; blocked for 3 s (the debug_stall op), /health says 503 within
     the timeout and /metrics still answers; once the loop turns again, 200, and the
@@ -131,7 +120,7 @@ def test_health_answers_within_100ms_while_the_loop_is_saturated(detokd, tmp_pat
     assert d.stop() == 0
 
 
-def test_metrics_is_prometheus_text_with_every_counter_exact(detokd, zctx):  # noqa: F811
+def test_metrics_is_prometheus_text_with_every_counter_exact(detokd, zctx):
     """Known traffic (finished, live, evicted, lost-row and unknown requests, bad
     frames, over two workers), then /metrics parsed by prometheus_client: rows,
     tokens, live requests, evictions, errors by kind, bad frames, per-worker

@@ -3,271 +3,41 @@
 Every test here runs the real server (conftest's `detokd` fixture: a subprocess on
 ipc:// sockets in tmp_path), talks to it over real ZMQ sockets with frames encoded
 independently of detokd.wire.native (plain dicts through msgspec.msgpack, or bytes
-written by hand), and checks every text against the oracle: transformers' own
-`decode` of the real DeepSeek tokenizer. No expected string is written down.
+written by hand), and checks every text against the oracle: Vocab.reference, the real DeepSeek
+tokenizer's own decode. No expected string is written down.
 
 Nothing sleeps and hopes: every wait polls a condition against a deadline and
 every socket has a timeout, so a broken server fails a test instead of hanging it.
-The helpers at the top are shared with tests/test_metrics.py.
+The peers and helpers are tests/utils.py's, shared with tests/test_metrics.py.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import random
-import re
 import signal
 import threading
 import time
 import types
-import urllib.error
-import urllib.request
-from functools import lru_cache
-from pathlib import Path
-from typing import Any, Callable
 
-import msgspec
 import pytest
 import zmq
 
-from detokd import zoo
-from frames import CORPUS, Hostile, mixed_ids
-
-enc = msgspec.msgpack.encode
-dec = msgspec.msgpack.decode
-RECV_MS = 50  # receive timeout of every polling socket here
-SEND_MS = 10_000  # a send that cannot leave in this long fails the test
-
-
-# --------------------------------------------------------------------------- the oracle
-
-
-@lru_cache(maxsize=None)
-def hf():
-    """The real DeepSeek tokenizer, loaded by transformers: the oracle of every text."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(zoo.build("deepseek")))
-
-
-def oracle(ids: list[int], skip_special_tokens: bool = True) -> str:
-    """PROTOCOL.md's text of a request with no prompt tail, under the Start defaults."""
-    return hf().decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-@lru_cache(maxsize=None)
-def corpus_ids() -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(hf().encode(t, add_special_tokens=False)) for t in CORPUS)
-
-
-def make_ids(rng: random.Random, n: int) -> list[int]:
-    """n output ids of the DeepSeek tokenizer: runs of CORPUS with random ids sprinkled in."""
-    return mixed_ids(rng, n, corpus_ids(), len(hf()))
-
-
-# --------------------------------------------------------------------------- peers
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    """Poll `pred` until it is truthy; fail with `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-class Req:
-    """A request the test plays the engine for: its planned output ids, sent in deltas."""
-
-    def __init__(self, rid: str, ids: list[int], worker: int = 0, vid: int = 0) -> None:
-        self.rid, self.ids, self.worker, self.vid = rid, ids, worker, vid
-        self.pos = 0
-
-    @property
-    def done(self) -> bool:
-        return self.pos >= len(self.ids)
-
-    def row(self, k: int, finish: bool = True, **extra: Any) -> dict:
-        chunk = self.ids[self.pos : self.pos + k]
-        row: dict[str, Any] = {"rid": self.rid, "ids": chunk, "seq": self.pos}
-        if self.pos == 0:
-            row["start"] = {"worker": self.worker, "vid": self.vid}
-        self.pos += len(chunk)
-        if finish and self.pos >= len(self.ids):
-            row["finish"] = {"reason": "length"}
-        row.update(extra)
-        return row
-
-    def expected(self) -> str:
-        return oracle(self.ids)
-
-
-_SINKS: list[Sink] = []  # closed by the zctx fixture before its context ends
-
-
-class Sink:
-    """A tokenizer worker: a PULL socket bound at `address` and a thread that receives
-    every `text` message into per-rid row lists (`read=False`: bound, never read)."""
-
-    def __init__(self, ctx: zmq.Context, address: str, *, read: bool = True, rcvhwm: int | None = None) -> None:
-        self.ctx, self.address, self.rcvhwm = ctx, address, rcvhwm
-        self.cond = threading.Condition()
-        self.by_rid: dict[str, list[dict]] = collections.defaultdict(list)
-        self.messages = 0
-        self.kinds: collections.Counter = collections.Counter()
-        self.stopping = False
-        self.sock: zmq.Socket | None = None
-        self.thread: threading.Thread | None = None
-        _SINKS.append(self)
-        if read:
-            bound = threading.Event()
-            self.thread = threading.Thread(target=self._run, args=(bound,), daemon=True)
-            self.thread.start()
-            assert bound.wait(10), f"worker could not bind {address}"
-        else:
-            self.sock = self._bind()
-
-    def _bind(self) -> zmq.Socket:
-        s = self.ctx.socket(zmq.PULL)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, RECV_MS)
-        if self.rcvhwm is not None:
-            s.setsockopt(zmq.RCVHWM, self.rcvhwm)
-            s.setsockopt(zmq.RCVBUF, 4096)
-        s.bind(self.address)
-        return s
-
-    def _run(self, bound: threading.Event) -> None:
-        s = self._bind()
-        bound.set()
-        try:
-            while not self.stopping:
-                try:
-                    frame = s.recv()
-                except zmq.Again:
-                    continue
-                except zmq.ContextTerminated:
-                    break
-                msg = dec(frame)
-                with self.cond:
-                    self.messages += 1
-                    self.kinds[msg["type"]] += 1
-                    if msg["type"] == "text":
-                        for row in msg["rows"]:
-                            self.by_rid[row["rid"]].append(row)
-                    self.cond.notify_all()
-        finally:
-            s.close(linger=0)
-
-    def close(self) -> None:
-        self.stopping = True
-        if self.thread is not None:
-            self.thread.join(5)
-        if self.sock is not None:
-            self.sock.close(linger=0)
-
-    def rows(self, rid: str) -> list[dict]:
-        with self.cond:
-            return list(self.by_rid.get(rid, ()))
-
-    def text(self, rid: str) -> str:
-        return "".join(r["text"] for r in self.rows(rid) if r["error"] is None)
-
-    def ended(self, rid: str) -> bool:
-        rows = self.rows(rid)
-        return bool(rows) and (rows[-1]["finish"] is not None or rows[-1]["error"] is not None)
-
-    def errors(self, rid: str) -> list[str]:
-        return [r["error"] for r in self.rows(rid) if r["error"] is not None]
-
-    def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                value = pred()
-                if value:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-                self.cond.wait(min(left, 0.1))
-
-
-class Engine:
-    """The scheduler side: a PUSH socket connected to detokd's input."""
-
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
-        self.sock = ctx.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDTIMEO, SEND_MS)
-        self.sock.connect(address)
-
-    def send(self, msg: dict) -> None:
-        self.raw(enc(msg))
-
-    def rows(self, rows: list[dict]) -> None:
-        self.send({"type": "tokens", "rows": rows})
-
-    def raw(self, frame: bytes) -> None:
-        try:
-            self.sock.send(frame)
-        except zmq.Again:
-            raise AssertionError(f"detokd took no input for {SEND_MS} ms") from None
-
-    def multipart(self, frames: list[bytes]) -> None:
-        try:
-            self.sock.send_multipart(frames)
-        except zmq.Again:
-            raise AssertionError(f"detokd took no input for {SEND_MS} ms") from None
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
-def metrics_port(d) -> int:
-    """The port detokd serves /health and /metrics on (it was told port 0: a free one)."""
-    m = wait_until(lambda: re.search(r"health and metrics on port (\d+)", d.log()), 30, "the metrics port in the log")
-    return int(m.group(1))
-
-
-def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def scrape(port: int) -> dict[tuple, float]:
-    """/metrics as {(sample name, (label, value), ...): value}, through the Prometheus parser."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    status, body = http_get(port, "/metrics")
-    assert status == 200, body
-    out = {}
-    for fam in text_string_to_metric_families(body.decode()):
-        for s in fam.samples:
-            out[(s.name, *sorted(s.labels.items()))] = s.value
-    return out
-
-
-def metric(m: dict, name: str, **labels: str) -> float:
-    return m.get((name, *sorted(labels.items())), 0.0)
-
-
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    for s in [s for s in _SINKS if s.ctx is ctx]:
-        _SINKS.remove(s)
-        s.close()
-    ctx.destroy(linger=0)
+from frames import Hostile
+from utils import (
+    SINKS,
+    Engine,
+    Req,
+    Sink,
+    deepseek,
+    enc,
+    expected_text,
+    make_ids,
+    metric,
+    metrics_port,
+    scrape,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +59,7 @@ def shared(tmp_path_factory):
             d.proc.kill()
             d.proc.wait(10)
         for s in sinks:
-            _SINKS.remove(s)
+            SINKS.remove(s)
             s.close()
         ctx.destroy(linger=0)
 
@@ -310,7 +80,7 @@ def test_fuzz_hostile_frames_never_kill_or_corrupt(detokd, tmp_path, zctx):
     port = metrics_port(d)
     eng = Engine(zctx, d.input)
     reqs = [Req(f"ok-{i}", make_ids(rng, rng.randint(150, 400)), worker=i % 2) for i in range(12)]
-    hostile = Hostile(rng, len(hf()))
+    hostile = Hostile(rng, deepseek().size)
     expected_bad = sent_bad = 0
     valid_frames = 0
     per_valid = int(1.3 * N_BAD) // (sum(len(r.ids) for r in reqs) // 8) + 1
@@ -679,7 +449,7 @@ def test_a_signal_under_load_stops_cleanly_with_consistent_output(detokd, zctx, 
             assert all(r["error"] is None for r in rows), rows
             assert n_ids == sorted(n_ids) and n_ids[-1] <= len(ids), (rid, n_ids)
             text = "".join(r["text"] for r in rows)
-            full = oracle(ids)
+            full = expected_text(ids)
             assert full.startswith(text), (rid, text, full)
             if rows[-1]["finish"] is not None:
                 assert text == full

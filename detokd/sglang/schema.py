@@ -31,7 +31,8 @@ pickle form (the default)
     importable. The cheapest exact way is therefore the one SGLang pays itself:
     pickle.loads the frame (detokd runs inside SGLang's environment when the plugin
     launches it, so the classes import), read the same attribute names the msgpack
-    Structs type (decode_ids elements are array.array in both forms), build SGLang's own
+    Structs type (decode_ids elements are array.array here, ext 1 in msgpack: both read by
+    the codec's ids()), build SGLang's own
     BatchStrOutput from the computed fields plus *references* to the received objects
     (no copies), and pickle.dumps it with HIGHEST_PROTOCOL. A custom Unpickler mapping
     the class to a lighter one saves nothing: the nested objects dominate and still have
@@ -89,7 +90,7 @@ class _Single(msgspec.Struct, tag=True, kw_only=True, array_like=True):
 class BatchTokenIDOutput(_Batch, kw_only=True):
     finished_reasons: list[FinishReason]
     decoded_texts: list[str]
-    decode_ids: list[array]
+    decode_ids: list[Ext]  # array('q') as SGLang's ext 1; read them with the codec's ids()
     read_offsets: list[int]
     output_ids: Raw
     skip_special_tokens: list[bool]
@@ -234,20 +235,31 @@ FILLS: dict[str, str] = {
 COPIED = tuple(name for name, how in FILLS.items() if how == "copy")
 
 
-def _ext_hook(code: int, data: memoryview) -> Any:
-    # Only typed fields reach the hook (Raw skips, Ext fields stay Ext): decode_ids' arrays.
-    if code != _EXT_ARRAY:
-        return Ext(code, bytes(data))
+def array_of(ext: Ext) -> array:
+    """An array.array from SGLang's ext 1: a big-endian u32 n, n bytes of msgpack (the
+    typecode), the items' native bytes."""
+    if ext.code != _EXT_ARRAY:
+        raise msgspec.ValidationError(f"expected an array (ext {_EXT_ARRAY}), got ext {ext.code}")
+    data = memoryview(ext.data)
     n = int.from_bytes(data[:4], "big")
     out = array(msgspec.msgpack.decode(data[4 : 4 + n]))
     out.frombytes(data[4 + n :])
     return out
 
 
-def _dec_hook(tp: type, obj: Any) -> Any:
-    if isinstance(obj, tp):
-        return obj
-    raise TypeError(f"expected {tp.__name__}, got {type(obj).__name__}")
+# The head of an ext-1 payload holding array('q'), as SGLang's scheduler sends every
+# decode_ids row: its items follow at once, so the common row skips the generic parse.
+_INT64_HEAD = b"\x00\x00\x00\x02\xa1q"
+
+
+def ids_of(exts: list[Ext]) -> list[list[int]]:
+    """Each row's decode_ids as a list of ints."""
+    head = _INT64_HEAD
+    k = len(head)
+    return [
+        memoryview(e.data)[k:].cast("q").tolist() if e.code == _EXT_ARRAY and e.data[:k] == head else array_of(e).tolist()
+        for e in exts
+    ]
 
 
 def tensor_b64(ext: Ext) -> str:
@@ -275,11 +287,15 @@ class MsgpackCodec:
     name = "msgpack"
 
     def __init__(self) -> None:
-        self._decoder = msgspec.msgpack.Decoder(Inbound, ext_hook=_ext_hook, dec_hook=_dec_hook)
+        self._decoder = msgspec.msgpack.Decoder(Inbound)
         self._encoder = msgspec.msgpack.Encoder()
 
     def decode(self, frame: bytes) -> Inbound:
         return self._decoder.decode(frame)
+
+    @staticmethod
+    def ids(tok: BatchTokenIDOutput) -> list[list[int]]:
+        return ids_of(tok.decode_ids)
 
     def str_output(self, tok: BatchTokenIDOutput, output_strs: list[str]) -> BatchStrOutput:
         return BatchStrOutput(
@@ -310,6 +326,10 @@ class PickleCodec:
 
     def decode(self, frame: bytes) -> Any:
         return pickle.loads(frame)
+
+    @staticmethod
+    def ids(tok: Any) -> list[list[int]]:
+        return [a.tolist() for a in tok.decode_ids]
 
     def str_output(self, tok: Any, output_strs: list[str]) -> Any:
         return self._out(

@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from ..core.records import BAD_ROW, Finish, OutRow, Row, Start, StoppedRow
 from ..sglang import schema
 
@@ -35,6 +37,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("detokd.wire.sglang")
 
 GPT_OSS_CALL = 200012  # <|call|>: a stop token SGLang keeps with the gpt-oss tool parser
+
+
+# A row's meta is its position in the batch, as opaque bytes like every meta (the core
+# neither reads nor sizes it differently); rows detokd sends on its own (an eviction
+# notice) carry nil there.
+_positions: list[msgspec.Raw] = []
+_position = msgspec.msgpack.Decoder(int | None).decode
+
+
+def position_meta(i: int) -> msgspec.Raw:
+    while len(_positions) <= i:
+        _positions.append(msgspec.Raw(msgspec.msgpack.encode(len(_positions))))
+    return _positions[i]
 
 
 def _io():
@@ -116,23 +131,28 @@ class SglangDialect:
         tombstone = self.core.dead.get
         ipcs = batch.http_worker_ipcs
         rows = []
-        for i, rid in enumerate(rids):
+        position_meta(len(rids))
+        meta = _positions
+        size = self.size
+        reasons = batch.finished_reasons
+        for i, (rid, ids) in enumerate(zip(rids, self.ipc.ids(batch))):
             worker = 0
             if self.http_workers:
                 worker = self._worker(ipcs[i] if ipcs else None)
                 if worker is None:
                     continue
-            ids = batch.decode_ids[i].tolist()
-            if ids and (max(ids) >= self.size or min(ids) < 0):
+            if ids and (max(ids) >= size or min(ids) < 0):
                 ids = self._clamp(ids)
-            finish, trim = self._finish(batch.finished_reasons[i], ids, batch.no_stop_trim[i])
-            if trim:
-                ids = ids[:-1]
+            finish = None
+            if reasons[i] is not None:
+                finish, trim = self._finish(reasons[i], ids, batch.no_stop_trim[i])
+                if trim:
+                    ids = ids[:-1]
             st = get(rid)
             if st is not None:
-                rows.append(Row(rid, ids, st.n_ids, None, finish, i))
+                rows.append(Row(rid, ids, st.n_ids, None, finish, meta[i]))
             elif tombstone(rid) is not None:
-                rows.append(Row(rid, ids, 0, None, finish, i))  # answered with its error
+                rows.append(Row(rid, ids, 0, None, finish, meta[i]))  # answered with its error
             else:
                 context = batch.read_offsets[i]
                 start = Start(
@@ -142,7 +162,7 @@ class SglangDialect:
                     spaces_between_special_tokens=batch.spaces_between_special_tokens[i],
                     no_stop_trim=batch.no_stop_trim[i],
                 )
-                rows.append(Row(rid, ids[context:], 0, start, finish, i))
+                rows.append(Row(rid, ids[context:], 0, start, finish, meta[i]))
         self.core.tokens(rows)
 
     def _finish(self, reason: dict | None, ids: list[int], no_stop_trim: bool) -> tuple[Finish | None, bool]:
@@ -196,15 +216,16 @@ class SglangDialect:
     def encode_text(self, rows: list[OutRow]) -> bytes | list[bytes]:
         """The BatchStrOutput answering the batch in hand, for one worker's rows."""
         batch = self.batch
-        if rows and all(type(row.meta) is not int for row in rows):
-            return []  # notices for requests of other batches only (evicted, or owed after a stall)
+        # Rows of this batch, by position; a notice for a request of another batch (an
+        # eviction, error rows owed after a stall) has none: its next row is answered
+        # from its tombstone instead.
+        mine = [(i, row) for row in rows if (i := _position(row.meta)) is not None]
+        if rows and not mine:
+            return []
         if not self.http_workers:
             texts = [""] * len(batch.rids or [])
             aborts = {}
-            for row in rows:
-                i = row.meta
-                if type(i) is not int:  # a notice for a request of another batch (evicted):
-                    continue  # its next row is answered from its tombstone instead
+            for i, row in mine:
                 texts[i] = row.text
                 if row.error is not None:
                     aborts[i] = abort_reason(row.error)
@@ -212,14 +233,13 @@ class SglangDialect:
             if aborts:
                 out.finished_reasons = [aborts.get(i, r) for i, r in enumerate(out.finished_reasons)]
             return self.ipc.encode(out)
-        mine = [row for row in rows if type(row.meta) is int]
         if not mine:
             return []
         if self.blank is None:
             blank = self.ipc.str_output(batch, [""] * len(batch.rids))
             self.blank = blank if self.ipc.name == "pickle" else _io().msgpack_decode(self.ipc.encode(blank))
         frames = []
-        for sub, picked in self._subsets(self.blank, [row.meta for row in mine], mine):
+        for sub, picked in self._subsets(self.blank, [i for i, _ in mine], [row for _, row in mine]):
             sub.output_strs = [row.text for row in picked]
             sub.finished_reasons = [
                 abort_reason(row.error) if row.error is not None else r for row, r in zip(picked, sub.finished_reasons)

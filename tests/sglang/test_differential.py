@@ -120,8 +120,12 @@ def test_a_state_evicted_to_stay_within_capacity_kills_sglang_and_aborts_one_req
     finally:
         del os.environ["SGLANG_DETOKENIZER_MAX_STATES"]
     acc = accumulate(got)
-    (evicted,) = acc["r0"]
-    assert evicted.finished_reason["type"] == "abort" and "evicted" in evicted.finished_reason["message"]
+    # Until the engine hears of the abort, each further row of r0 is answered with one.
+    first, *later = acc["r0"]
+    assert vocab(name).reference([1, 2, 3], out).startswith(first.text)
+    for a in [first, *later]:
+        assert a.finished_reason["type"] == "abort" and "evicted" in a.finished_reason["message"]
+    assert all(a.text == "" for a in later)
     for rid in ("r1", "r2"):
         (a,) = acc[rid]
-        assert a.text == vocab(name).reference([1, 2, 3][-5:], out) and a.finished_reason["type"] == "length"
+        assert a.text == vocab(name).reference([1, 2, 3], out) and a.finished_reason["type"] == "length"

@@ -1,0 +1,284 @@
+"""SchedulerClient: what an engine's scheduler uses to send token ids to detokd.
+
+It batches one step's rows, tracks each rid's `seq` and sends one `tokens` message
+per detokd shard. Sharding: every message about a rid goes to shard
+`crc32(utf8(rid)) % n`, so any number of scheduler processes (in any language:
+CRC-32 is zlib's) agree on a rid's shard without talking to each other, and a shard
+sees all rows of its rids.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from detokd.wire.native import (
+    NIL,
+    Abort,
+    Control,
+    EmbeddingRow,
+    Embeddings,
+    Finish,
+    Register,
+    Row,
+    Start,
+    Tokens,
+    encode,
+)
+
+__all__ = ["SchedulerClient", "shard_for"]
+
+
+def shard_for(rid: str, n: int) -> int:
+    """The shard of `rid` among `n`: stable across processes, hosts and languages.
+
+    Not Python's hash(): it is salted per process, so two schedulers would disagree.
+    """
+    return zlib.crc32(rid.encode()) % n if n > 1 else 0
+
+
+def _raw(obj: Any) -> msgspec.Raw:
+    # meta/data are opaque to detokd: encode once here, detokd copies the bytes through.
+    if obj is None:
+        return NIL
+    if isinstance(obj, msgspec.Raw):
+        return obj
+    return msgspec.Raw(encode(obj))
+
+
+def _ids(ids: Sequence[int]) -> list[int]:
+    if isinstance(ids, list):
+        return ids
+    tolist = getattr(ids, "tolist", None)  # numpy / torch: plain ints, not np.int64
+    return tolist() if tolist is not None else list(ids)
+
+
+class Tracked:
+    """What the client keeps of one live rid. The shard is cached so the hash runs
+    once per request. A __slots__ class: its attribute reads and writes are cheaper
+    than the list it replaces (and than a msgspec Struct's), which keeps `add` fast."""
+
+    __slots__ = ("seq", "vid", "shard")
+
+    def __init__(self, seq: int, vid: int, shard: int) -> None:
+        self.seq = seq  # the seq the rid's next row carries: ids sent since its (re)start
+        self.vid = vid  # the vid of its last start; a new one restarts seq at 0
+        self.shard = shard
+
+
+def curve_client(sock: zmq.Socket, server_key: bytes | None, keypair: tuple[bytes, bytes] | None) -> None:
+    """Make `sock` a CURVE client of the server whose public key is `server_key`."""
+    if server_key is None:
+        return
+    if keypair is None:
+        raise ValueError("a CURVE client needs its own key pair as well as the server's public key")
+    sock.curve_publickey, sock.curve_secretkey = keypair
+    sock.curve_serverkey = server_key
+
+
+class SchedulerClient:
+    """PUSH side of detokd's input, one socket per shard. Not thread-safe.
+
+    Call `add`/`begin` for every request that produced ids in this step, then
+    `flush()` once: each shard gets one `tokens` message with its rows in the
+    order they were added. `seq` is tracked per rid, so a lost row is detected by
+    detokd. Sends block when a shard's queue holds `sndhwm` messages (detokd is
+    down or behind); pass `send_timeout` (seconds) to get zmq.Again instead.
+    """
+
+    def __init__(
+        self,
+        addresses: list[str] | str,
+        *,
+        context: zmq.Context | None = None,
+        sndhwm: int = 100_000,
+        send_timeout: float | None = None,
+        curve_server_key: bytes | None = None,
+        curve_keypair: tuple[bytes, bytes] | None = None,
+    ) -> None:
+        """`curve_server_key` (detokd's public key) and `curve_keypair` (this client's
+        public, secret; zmq.auth.load_certificate) connect with CURVE (docs/security.md)."""
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not self.addresses:
+            raise ValueError("SchedulerClient needs at least one detokd input address")
+        self._own_context = context is None
+        self._ctx = context if context is not None else zmq.Context()
+        self._socks: list[zmq.Socket] = []
+        for addr in self.addresses:
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, sndhwm)
+            if send_timeout is not None:
+                s.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))
+            curve_client(s, curve_server_key, curve_keypair)
+            s.connect(addr)
+            self._socks.append(s)
+        self._n = len(self._socks)
+        self._pending: list[list[Row]] = [[] for _ in self._socks]
+        self._reqs: dict[str, Tracked] = {}
+
+    @property
+    def n_shards(self) -> int:
+        return self._n
+
+    def shard_of(self, rid: str) -> int:
+        t = self._reqs.get(rid)
+        return t.shard if t is not None else shard_for(rid, self._n)
+
+    def seq_of(self, rid: str) -> int | None:
+        """The seq the next row of `rid` will carry (None: the rid is not tracked)."""
+        t = self._reqs.get(rid)
+        return None if t is None else t.seq
+
+    def __len__(self) -> int:
+        """Requests being tracked (started and not yet finished, aborted or forgotten)."""
+        return len(self._reqs)
+
+    def add(
+        self,
+        rid: str,
+        ids: Sequence[int] = (),
+        *,
+        start: Start | None = None,
+        finish: Finish | None = None,
+        meta: Any = None,
+    ) -> None:
+        """Queue one row of `rid` for this step; `ids` are the new ids only (a delta)."""
+        ids = _ids(ids)
+        t = self._reqs.get(rid)
+        if t is None:
+            t = self._reqs[rid] = Tracked(0, start.vid if start else 0, shard_for(rid, self._n))
+        elif start is not None and start.vid != t.vid:
+            # A new vid restarts the request in detokd, and its seq with it.
+            t.seq, t.vid = 0, start.vid
+        self._pending[t.shard].append(Row(rid, ids, t.seq, start, finish, _raw(meta)))
+        t.seq += len(ids)
+        if finish is not None:
+            # The rid may be reused by a new request (with a new start) after this.
+            del self._reqs[rid]
+
+    def begin(
+        self,
+        rid: str,
+        ids: Sequence[int] = (),
+        *,
+        worker: int = 0,
+        vid: int = 0,
+        prompt_tail: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        no_stop_trim: bool = False,
+        stream: bool = True,
+        finish: Finish | None = None,
+        meta: Any = None,
+    ) -> None:
+        """`add` with a `start` built from keyword arguments: a request's first row."""
+        start = Start(
+            worker=worker,
+            vid=vid,
+            prompt_tail=_ids(prompt_tail),
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+            stop=list(stop),
+            no_stop_trim=no_stop_trim,
+            stream=stream,
+        )
+        self.add(rid, ids, start=start, finish=finish, meta=meta)
+
+    def flush(self) -> None:
+        """Send the queued rows: one `tokens` message per shard that has any."""
+        for shard, msg in self.take():
+            self._send(shard, msg)
+
+    def take(self) -> list[tuple[int, bytes]]:
+        """The queued rows as encoded `tokens` messages, (shard, frame) per shard that
+        has any, without sending them: for an engine that sends from another thread,
+        or a benchmark that replays recorded steps."""
+        out = []
+        for shard, rows in enumerate(self._pending):
+            if rows:
+                self._pending[shard] = []
+                out.append((shard, encode(Tokens(rows))))
+        return out
+
+    def _send(self, shard: int, msg: bytes) -> None:
+        if not self._socks:
+            raise RuntimeError("SchedulerClient is closed")
+        self._socks[shard].send(msg)
+
+    def forget(self, rid: str) -> None:
+        """Stop tracking `rid` without telling detokd (it ended some other way)."""
+        self._reqs.pop(rid, None)
+
+    def abort(self, rids: Iterable[str]) -> None:
+        """Tell detokd to drop these requests now. Their rows still queued in this
+        step are dropped too: nobody wants their text any more."""
+        by_shard: dict[int, list[str]] = {}
+        for rid in rids:
+            by_shard.setdefault(self.shard_of(rid), []).append(rid)
+            self._reqs.pop(rid, None)
+        for shard, group in by_shard.items():
+            gone = set(group)
+            pend = self._pending[shard]
+            if pend:
+                self._pending[shard] = [r for r in pend if r.rid not in gone]
+            self._send(shard, encode(Abort(group)))
+
+    def register(self, worker: int, address: str) -> None:
+        """Point worker `worker` at `address` on every shard (any shard may serve it)."""
+        msg = encode(Register(worker, address))
+        for shard in range(self._n):
+            self._send(shard, msg)
+
+    def control(self, op: str) -> None:
+        """Send a control op ("freeze_gc", "flush") to every shard.
+
+        Queued rows go first, so each shard sees everything in call order. After
+        "flush" detokd holds no request, so this client forgets every rid too.
+        """
+        self.flush()
+        msg = encode(Control(op))
+        for shard in range(self._n):
+            self._send(shard, msg)
+        if op == "flush":
+            self._reqs.clear()
+
+    def embeddings(self, rows: Iterable[EmbeddingRow | Mapping[str, Any]]) -> None:
+        """Forward embedding results to workers through detokd, now (not decoded).
+
+        A row is an EmbeddingRow or a mapping {rid, worker, data, meta} whose data
+        and meta are any MessagePack-able objects.
+        """
+        by_shard: dict[int, list[EmbeddingRow]] = {}
+        for r in rows:
+            if not isinstance(r, EmbeddingRow):
+                r = EmbeddingRow(
+                    r["rid"], r.get("worker", 0), _raw(r.get("data")), _raw(r.get("meta"))
+                )
+            by_shard.setdefault(self.shard_of(r.rid), []).append(r)
+        for shard, group in by_shard.items():
+            self._send(shard, encode(Embeddings(group)))
+
+    def close(self, linger: float = 5.0) -> None:
+        """Send what is queued, then close; waits at most `linger` s for delivery
+        (messages to a detokd that is not up yet wait in the queue until then)."""
+        if not self._socks:
+            return
+        try:
+            self.flush()
+        finally:
+            for s in self._socks:
+                s.close(linger=int(linger * 1000))
+            self._socks = []
+            if self._own_context:
+                self._ctx.term()
+
+    def __enter__(self) -> SchedulerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,368 @@
+#!/usr/bin/env python
+"""detokd in SGLang mode against SGLang's own detokenizer process, on SGLang's own stream.
+
+    fake scheduler (this process) --BatchTokenIDOutput--> detokenizer --BatchStrOutput--> this process
+
+* The stream: B requests of real multilingual text (the corpus of scripts/bench.py,
+  tokenized by the DeepSeek tokenizer), each starting at its own offset with the 5 ids
+  before it as its prompt, one new id per request per step, all finishing (length) at
+  the last step. The BatchTokenIDOutput of every step is built by SGLang's own scheduler
+  code (detokd.sglang.replay.build_stream: Req + _GenerationStreamAccumulator), once per
+  encoding and batch size, then encoded as SGLang's sock_send does (pickle
+  HIGHEST_PROTOCOL, or io_struct.msgpack_encode) - all before any timing. One built stream
+  is sent to both processes.
+* The processes: both started as SGLang's Engine starts its detokenizer
+  (replay.DetokenizerProcess: spawn, run_detokenizer_process(server_args, port_args)):
+  "sglang" = sglang.srt.managers.detokenizer_manager's, "detokd" = detokd.sglang.process's.
+  Each is warmed up with a short stream of the same batch size first.
+* Two modes per pass over the whole stream:
+  latency    - send step k only after step k-1's BatchStrOutput arrived; a step's latency
+               is send of its frame to receipt of its answer (this process's clock).
+  throughput - up to --window steps in flight; tokens/s = B * steps / wall time.
+* ABBA: each round runs sglang, detokd, detokd, sglang (the next round detokd first), each
+  slot a latency pass then a throughput pass, so drift (thermal, page cache, the other
+  process' memory) hits both alike.
+* CPU per token: the detokenizer's utime+stime (/proc/<pid>/stat, all its threads) over a
+  pass, divided by the pass' tokens. Peak RSS: VmHWM (/proc/<pid>/status) after all
+  passes of a batch size (a process serves every batch size in turn, smallest first).
+* Correctness: answers are decoded with SGLang's own decoder after each pass; per rid the
+  accumulated text must equal the other process' and the Hugging Face oracle
+  (Vocab.reference(prompt, output)); every step must get exactly one answer with the
+  step's rids. Mismatches are counted and reported, never hidden.
+
+    PYTHONPATH=$PWD python scripts/sglang_bench.py --json docs/bench/sglang.json --plot docs/bench/sglang.png
+
+The defaults take ~7-9 minutes on 2 cores (~3 of them starting four processes that import SGLang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from detokbench.workload import corpus  # noqa: E402  (the multilingual text only)
+
+from detokd import zoo  # noqa: E402
+from detokd.sglang.process import run_detokenizer_process as detokd_target  # noqa: E402
+from detokd.sglang.replay import DetokenizerProcess, Scripted, accumulate, build_stream, freeze_gc_req, ipc_encoding  # noqa: E402
+from detokd.tokenizer import load  # noqa: E402
+
+TARGETS = {"sglang": None, "detokd": detokd_target}
+PROMPT = 5  # prompt ids per request: SGLang's incremental-detokenization context
+TOKENIZER = "deepseek"
+ANSWER_TIMEOUT = 60.0  # seconds without an answer before the pass counts as hung
+
+
+# --- the stream ------------------------------------------------------------------------
+
+
+def requests(ids: list[int], batch: int, steps: int, tag: str) -> list[Scripted]:
+    """B requests over the corpus ids (a ring), each from its own offset."""
+    ring = ids * (2 + (steps + PROMPT) // len(ids))
+    out = []
+    for i in range(batch):
+        at = PROMPT + (i * 97) % len(ids)  # 97 is prime to the corpus length: distinct offsets
+        out.append(Scripted(rid=f"{tag}{i}", prompt_ids=ring[at - PROMPT : at], output_ids=ring[at : at + steps]))
+    return out
+
+
+def encode(messages: list, encoding: str) -> list[bytes]:
+    """What SGLang's sock_send puts on the wire, done ahead of time."""
+    from sglang.srt.managers.io_struct import msgpack_encode
+
+    with ipc_encoding(encoding):
+        if encoding == "pickle":
+            return [pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in messages]
+        return [msgpack_encode(m) for m in messages]
+
+
+def decode(frames: list[bytes], encoding: str) -> list:
+    """What SGLang's sock_recv makes of them."""
+    from sglang.srt.managers.io_struct import msgpack_decode
+
+    with ipc_encoding(encoding):
+        return [pickle.loads(f) if encoding == "pickle" else msgpack_decode(f) for f in frames]
+
+
+class Stream:
+    """One batch size's prebuilt frames under one encoding, and what they must add up to."""
+
+    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str):
+        self.batch, self.steps, self.encoding = batch, steps, encoding
+        t0 = time.perf_counter()
+        self.reqs = requests(ids, batch, steps, "r")
+        messages = build_stream(self.reqs, encoding=encoding)
+        self.step_rids = [list(m.rids) for m in messages]
+        self.frames = encode(messages, encoding)
+        self.warmup = build_stream(requests(ids, batch, 8, "warm"), encoding=encoding)
+        self.build_seconds = time.perf_counter() - t0
+        self.oracle = {s.rid: vocab.reference(s.prompt_ids, s.output_ids) for s in self.reqs}
+        self.megabytes = sum(map(len, self.frames)) / 1e6
+
+
+# --- one process ------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def status_kb(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def loadavg() -> float:
+    """The machine's 1-minute load: other work on the cores makes the figures noisier."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+class Hung(RuntimeError):
+    pass
+
+
+def run_pass(proc: DetokenizerProcess, stream: Stream, window: int) -> dict:
+    """Send the whole stream with at most `window` steps unanswered; time every step."""
+    import zmq
+
+    push, pull = proc._push, proc._pulls[0]
+    pid = proc.process.pid
+    n = len(stream.frames)
+    sent_at = [0] * n
+    latency_ns = [0] * n
+    got: list[bytes] = []
+    gc.collect()
+    gc.disable()
+    load = loadavg()
+    cpu0 = cpu_seconds(pid)
+    t0 = time.perf_counter_ns()
+    sent = 0
+    try:
+        while len(got) < n:
+            while sent < n and sent - len(got) < window:
+                sent_at[sent] = time.perf_counter_ns()
+                push.send(stream.frames[sent], copy=False)
+                sent += 1
+            if not pull.poll(ANSWER_TIMEOUT * 1000):
+                proc._check_alive()
+                raise Hung(f"no answer to step {len(got)} of {n} within {ANSWER_TIMEOUT}s ({sent} sent)")
+            frame = pull.recv(copy=True)
+            latency_ns[len(got)] = time.perf_counter_ns() - sent_at[len(got)]
+            got.append(frame)
+            while pull.poll(0) and len(got) < n:  # drain what is already there
+                got.append(pull.recv(copy=True))
+                latency_ns[len(got) - 1] = time.perf_counter_ns() - sent_at[len(got) - 1]
+    finally:
+        wall = (time.perf_counter_ns() - t0) / 1e9
+        cpu = cpu_seconds(pid) - cpu0
+        gc.enable()
+    if pull.poll(200):
+        raise AssertionError(f"more answers than steps ({n}): the step accounting would be wrong")
+    tokens = stream.batch * stream.steps
+    return dict(
+        wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, cpu_s=cpu, cpu_us_per_token=cpu / tokens * 1e6,
+        loadavg_1m=load, latency_ms=[x / 1e6 for x in latency_ns], answers=decode(got, stream.encoding),
+    )
+
+
+def check(stream: Stream, answers: list) -> tuple[dict[str, str], dict]:
+    """Per rid text, and the problems: answers not one per step, texts off the oracle."""
+    shape = [list(a.rids) for a in answers] == stream.step_rids and all(
+        type(a).__name__ == "BatchStrOutput" for a in answers
+    )
+    acc = accumulate(answers)
+    texts = {rid: lives[-1].text for rid, lives in acc.items()}
+    unfinished = sum(1 for lives in acc.values() if lives[-1].finished_reason is None)
+    wrong = [rid for rid, want in stream.oracle.items() if texts.get(rid) != want]
+    return texts, dict(one_answer_per_step=shape, rids=len(texts), unfinished=unfinished, off_oracle=len(wrong),
+                       off_oracle_examples=wrong[:3])
+
+
+# --- the run ----------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q / 100 * len(v) + 0.5) - 1))]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
+    results = []
+    for batch in sorted(args.batch):
+        stream = Stream(vocab, ids, batch, args.steps, encoding)
+        log(f"[{encoding} B={batch}] built {len(stream.frames)} steps ({stream.megabytes:.1f} MB) in {stream.build_seconds:.1f}s")
+        for name, proc in procs.items():
+            # --freeze-gc: what SGLang's /freeze_gc endpoint makes its detokenizer do (gc.freeze()).
+            proc.exchange([*stream.warmup, *([freeze_gc_req()] if args.freeze_gc else [])])
+        first_text: dict[str, dict] = {}
+        passes = []
+        for r in range(args.rounds):
+            order = ["sglang", "detokd", "detokd", "sglang"] if r % 2 == 0 else ["detokd", "sglang", "sglang", "detokd"]
+            for slot, name in enumerate(order):
+                for mode, window in (("latency", 1), ("throughput", args.window)):
+                    p = run_pass(procs[name], stream, window)
+                    texts, problems = check(stream, p.pop("answers"))
+                    first_text.setdefault(name, texts)
+                    problems["same_as_first_pass"] = texts == first_text[name]
+                    lat = p.pop("latency_ms")
+                    passes.append(dict(target=name, mode=mode, round=r, slot=slot, lat=lat, **p, **problems))
+                    log(f"[{encoding} B={batch}] r{r} {name:6} {mode:10} {p['tokens_per_s']:>9.0f} tok/s "
+                        f"p50 {pct(lat, 50):6.2f} ms p99 {pct(lat, 99):6.2f} ms cpu {p['cpu_us_per_token']:5.2f} us/tok "
+                        f"off-oracle {problems['off_oracle']} load {p['loadavg_1m']:.1f}")
+        agree = first_text["sglang"] == first_text["detokd"]
+        differing = sum(1 for rid in first_text["sglang"] if first_text["sglang"][rid] != first_text["detokd"].get(rid))
+        for name, proc in procs.items():
+            pid = proc.process.pid
+            hwm, rss = status_kb(pid, "VmHWM"), status_kb(pid, "VmRSS")
+            for mode in ("latency", "throughput"):
+                mine = [p for p in passes if p["target"] == name and p["mode"] == mode]
+                lat = [x for p in mine for x in p["lat"]]
+                results.append(dict(
+                    encoding=encoding, batch=batch, steps=args.steps, target=name, mode=mode, freeze_gc=args.freeze_gc,
+                    window=1 if mode == "latency" else args.window, passes=len(mine),
+                    tokens_per_s_median=statistics.median(p["tokens_per_s"] for p in mine),
+                    tokens_per_s_all=[p["tokens_per_s"] for p in mine],
+                    loadavg_1m_per_pass=[p["loadavg_1m"] for p in mine],
+                    latency_ms_p50=pct(lat, 50), latency_ms_p99=pct(lat, 99), latency_ms_max=max(lat),
+                    cpu_us_per_token=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * 1e6,
+                    vm_hwm_mb=hwm / 1024, vm_rss_mb=rss / 1024,
+                    text_equal_across_targets=agree, rids_differing_across_targets=differing,
+                    off_oracle=sum(p["off_oracle"] for p in mine),
+                    off_oracle_examples=[x for p in mine for x in p["off_oracle_examples"]][:3],
+                    one_answer_per_step=all(p["one_answer_per_step"] for p in mine),
+                    unfinished=sum(p["unfinished"] for p in mine),
+                    same_text_every_pass=all(p["same_as_first_pass"] for p in mine),
+                    build_seconds=stream.build_seconds, stream_mb=stream.megabytes,
+                ))
+        raw += [dict(encoding=encoding, batch=batch, **{k: v for k, v in p.items() if k != "lat"},
+                     latency_ms=[round(x, 3) for x in p["lat"]]) for p in passes]
+        log(f"[{encoding} B={batch}] texts equal across targets: {agree} ({differing} rids differ)")
+    return results
+
+
+def environment() -> dict:
+    import sglang
+
+    from detokd import __version__
+
+    root = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return dict(python=platform.python_version(), machine=platform.machine(), cpus=os.cpu_count(),
+                sglang=sglang.__version__, detokd=__version__, commit=commit, tokenizer=TOKENIZER)
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| encoding | B | target | mode | tokens/s | p50 ms | p99 ms | max ms | CPU us/token | VmHWM MB | text ok |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ok = r["text_equal_across_targets"] and not r["off_oracle"] and r["one_answer_per_step"] and r["same_text_every_pass"]
+        rows.append(f"| {r['encoding']} | {r['batch']} | {r['target']} | {r['mode']}"
+                    f"{'' if r['mode'] == 'latency' else ' (w=' + str(r['window']) + ')'} | {r['tokens_per_s_median']:,.0f} | "
+                    f"{r['latency_ms_p50']:.2f} | {r['latency_ms_p99']:.2f} | {r['latency_ms_max']:.2f} | "
+                    f"{r['cpu_us_per_token']:.2f} | {r['vm_hwm_mb']:.0f} | {'yes' if ok else 'NO'} |")
+    return "\n".join(rows)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["encoding"], r["batch"]) for r in results})
+    labels = [f"{e}\nB={b}" for e, b in cases]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = [("throughput", "tokens_per_s_median", "tokens/s (pipelined)"),
+              ("latency", "latency_ms_p50", "step latency p50 (ms), one step in flight"),
+              ("latency", "latency_ms_p99", "step latency p99 (ms), one step in flight")]
+    width = 0.38
+    for ax, (mode, key, title) in zip(axes, panels):
+        for k, target in enumerate(TARGETS):
+            val = {(r["encoding"], r["batch"]): r[key] for r in results if r["target"] == target and r["mode"] == mode}
+            xs = [i + (k - 0.5) * width for i in range(len(cases))]
+            bars = ax.bar(xs, [val[c] for c in cases], width, label=target)
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.set_xticks(range(len(cases)), labels)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle("detokd vs SGLang's detokenizer process, SGLang's own stream (DeepSeek tokenizer, 1 id/request/step)"
+                 + (", GC frozen" if any(r.get("freeze_gc") for r in results) else ""), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[256, 1024], help="concurrent requests (default 256 1024)")
+    ap.add_argument("--steps", type=int, default=300, help="decode steps per pass = new ids per request (default 300)")
+    ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
+    ap.add_argument("--window", type=int, default=8, help="steps in flight in the throughput mode (default 8)")
+    ap.add_argument("--encodings", nargs="+", choices=["pickle", "msgpack"], default=["pickle", "msgpack"],
+                    help="SGLang IPC encodings (SGLANG_USE_PICKLE_IPC), each with its own pair of processes")
+    ap.add_argument("--freeze-gc", action="store_true", help="after the warm-up, send both processes a FreezeGCReq, as "
+                    "SGLang's /freeze_gc endpoint does (off by default, as in SGLang: its detokenizer then stalls "
+                    "~0.5 s every ~60 steps at B=1024, which freezing removes)")
+    ap.add_argument("--json", metavar="PATH", help="write the environment, arguments, the summary and every pass "
+                    "(with each step's latency) here")
+    ap.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib; or --plot-only later)")
+    ap.add_argument("--plot-only", metavar="JSON", help="only draw --plot from an earlier --json file (any python with matplotlib)")
+    args = ap.parse_args()
+
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text())["results"], args.plot)
+        return 0
+    t_start = time.perf_counter()
+    vocab = load(TOKENIZER)
+    ids = vocab.hf.encode(corpus(), add_special_tokens=False)
+    folder = zoo.build(TOKENIZER)
+    procs = {enc: {name: DetokenizerProcess(folder, encoding=enc, target=fn).start() for name, fn in TARGETS.items()}
+             for enc in args.encodings}
+    results, raw, failure = [], [], None
+    try:
+        for enc in args.encodings:
+            results += bench_encoding(enc, procs[enc], vocab, ids, args, raw)
+    except Exception as e:  # a crash, a hang, an impossible answer: report it with what was measured so far
+        failure = f"{type(e).__name__}: {e}"
+        log(f"FAILED: {failure}")
+    finally:
+        for pair in procs.values():
+            for p in pair.values():
+                p.close()
+    doc = dict(environment=environment(), args={k: v for k, v in vars(args).items() if k != "plot_only"},
+               corpus_ids=len(ids), seconds=time.perf_counter() - t_start, failure=failure, results=results,
+               passes=raw)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    if results:
+        print(table(results))
+    if args.plot and results:
+        try:
+            plot(results, args.plot)
+        except ImportError:
+            log(f"matplotlib missing: draw it later with --plot-only {args.json} --plot {args.plot}")
+    log(f"total {doc['seconds']:.0f}s")
+    return 1 if failure else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The clients around a real `detokd serve`: SchedulerClient in, WorkerClients out.
+
+detokd runs as a process through conftest's `detokd` fixture (DetokdProcess); every
+text is checked against the oracle, Vocab.reference of the real DeepSeek tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+from conftest import oracle, vocab
+from detokd.client import SchedulerClient, WorkerClient, shard_for
+from detokd.launch import derive_address
+from detokd.wire import native as P
+from utils import arun
+
+CORPUS = [
+    "Hello, world! This is a test of streaming detokenization.",
+    "日本語のテキストを正しく表示できますか？ 中文也是。",
+    "한국어 문장과 русский текст, العربية و עברית.",
+    "Emoji: 🙂🚀👩‍💻🇫🇷 and combining marks: é ñ ü.",
+    "def f(x):\n    return x ** 2  # code with   spaces\n\t\ttabs",
+    "   leading spaces, trailing spaces   ",
+    "ÀÉÎÕÜ ßæøå ¿¡ «» — … “quotes” ‘single’",
+]
+
+
+def encode(text: str) -> list[int]:
+    return vocab("deepseek").backend.encode(text, add_special_tokens=False).ids
+
+
+def test_many_requests_over_three_workers_one_registered_late_are_exact(detokd, tmp_path: Path) -> None:
+    """Many requests, three workers (one added by `register`), random steps: every
+    request's text equals the reference decode of the ids sent."""
+    v = vocab("deepseek")
+    # Worker 2 comes by `register`, which detokd takes only when its config allows it.
+    d = detokd(workers=2, register_enabled=True, register_allow=[f"ipc://{tmp_path}/*"])
+    inp, workers = d.input, [*d.workers, f"ipc://{tmp_path}/w2.sock"]
+    rng = random.Random(1234)
+    eos = v.hf.eos_token_id
+    specials = [eos, v.backend.token_to_id("<｜fim▁hole｜>")]
+    reqs = []
+    for i in range(150):
+        ids = encode(" ".join(rng.sample(CORPUS, rng.randint(1, 3))))
+        if rng.random() < 0.2:  # a special token inside the output
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+        prompt = encode(rng.choice(CORPUS))
+        tail = prompt[-rng.randint(0, 8):] if rng.random() < 0.8 else []
+        stop_token = rng.random() < 0.5
+        finish = P.Finish("stop", eos) if stop_token else P.Finish("length")
+        if stop_token:
+            ids.append(eos)
+        skip = rng.random() < 0.7
+        out = ids[:-1] if stop_token else ids  # a matched stop token is not rendered
+        reqs.append(dict(rid=f"e2e-{i}", ids=ids, tail=tail, finish=finish, skip=skip,
+                         worker=i % 3, want=oracle(v, tail, out, skip)))
+
+    async def main() -> dict[str, str]:
+        sched = SchedulerClient(inp)
+        sched.register(2, workers[2])  # same socket as the rows: detokd knows worker 2 in time
+        wcs = [WorkerClient(a) for a in workers]
+        streams = {r["rid"]: wcs[r["worker"]].stream(r["rid"]) for r in reqs}
+        readers = {rid: asyncio.ensure_future(s.text()) for rid, s in streams.items()}
+        pos = {r["rid"]: 0 for r in reqs}
+        live = list(reqs)
+        while live:
+            for r in list(live):
+                k = rng.randint(0, 5)
+                rid, ids = r["rid"], r["ids"]
+                new = ids[pos[rid]:pos[rid] + k]
+                done = pos[rid] + len(new) >= len(ids)
+                fin = r["finish"] if done else None
+                if pos[rid] == 0 and sched.seq_of(rid) is None:
+                    sched.begin(rid, new, worker=r["worker"], prompt_tail=r["tail"],
+                                skip_special_tokens=r["skip"], finish=fin)
+                else:
+                    sched.add(rid, new, finish=fin)
+                pos[rid] += len(new)
+                if done:
+                    live.remove(r)
+            sched.flush()
+            await asyncio.sleep(0.002)  # an engine's step: pacing, not a wait for a result
+        got = dict(zip(readers, await asyncio.gather(*readers.values()), strict=True))
+        for rid, s in streams.items():
+            r = next(q for q in reqs if q["rid"] == rid)
+            assert s.finish == r["finish"] and s.n_ids == len(r["ids"]), rid
+        sched.close()
+        for w in wcs:
+            await w.aclose()
+        return got
+
+    d.wait_ready()
+    got = arun(main(), "uvloop", timeout=40)
+    for r in reqs:
+        assert got[r["rid"]] == r["want"], (r["rid"], r["ids"], r["tail"], r["skip"])
+    assert d.stop() == 0, d.log()[-3000:]
+
+
+def test_with_two_shards_rids_spread_over_the_derived_inputs_and_text_is_exact(detokd) -> None:
+    """`serve --shards 2`: rids spread over derived inputs, text is still exact."""
+    v = vocab("deepseek")
+    d = detokd(args=["--shards", "2"])
+    inputs = [derive_address(d.input, i) for i in range(2)]
+    reqs = {f"s{i}": encode(CORPUS[i % len(CORPUS)]) for i in range(40)}
+    assert {shard_for(rid, 2) for rid in reqs} == {0, 1}
+
+    async def main() -> dict[str, str]:
+        sched = SchedulerClient(inputs)
+        async with WorkerClient(d.workers[0]) as w:
+            streams = {rid: asyncio.ensure_future(w.stream(rid).text()) for rid in reqs}
+            for rid, ids in reqs.items():
+                sched.begin(rid, ids[:3])
+            sched.flush()
+            for rid, ids in reqs.items():
+                sched.add(rid, ids[3:], finish=P.Finish("length"))
+            sched.flush()
+            got = dict(zip(streams, await asyncio.gather(*streams.values()), strict=True))
+        sched.close()
+        return got
+
+    d.wait_ready()
+    got = arun(main(), timeout=40)
+    for rid, ids in reqs.items():
+        assert got[rid] == v.reference([], ids), rid
+    assert d.stop() == 0, d.log()[-3000:]

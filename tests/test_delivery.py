@@ -1,0 +1,137 @@
+"""detokd.delivery.Delivery over real ZMQ sockets, fed by a real core.
+
+Workers are PULL sockets on ipc:// addresses; the core (a real Detokenizer) fills the
+Outbox and its `stalled` is the stall policy that Delivery applies to a lost message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from conftest import fast_codec, vocab
+from detokd.core.detokenizer import Detokenizer
+from detokd.core.outbox import Outbox
+from detokd.delivery import Delivery
+from detokd.metrics import Stats
+from detokd.wire import native as P
+from utils import wait_until
+
+IDS = vocab("deepseek").backend.encode("Grüße, 世界!", add_special_tokens=False).ids
+
+
+class Rig:
+    def __init__(self, folder: Path, hwm: int = 100) -> None:
+        self.ctx = zmq.Context()
+        self.addresses = [f"ipc://{folder}/w{i}.sock" for i in range(2)]
+        self.stats = Stats()
+        self.outbox = Outbox()
+        self.core = Detokenizer(fast_codec("deepseek"), vocab("deepseek").size, self.outbox,
+                                max_states=1000, max_prompt_tail=8, stats=self.stats)
+        self.delivery = Delivery(self.ctx, self.outbox, self.addresses, feedback=None, hwm=hwm, linger_ms=0, stats=self.stats)
+        self.pulls: dict[int, zmq.Socket] = {}
+
+    def bind(self, worker: int) -> zmq.Socket:
+        s = self.pulls[worker] = self.ctx.socket(zmq.PULL)
+        s.bind(self.addresses[worker])
+        return s
+
+    def step(self, rows: list[P.Row]) -> None:
+        self.core.tokens(rows)
+        self.delivery.deliver(P.encode_text, P.encode_stopped, self.core.stalled)
+
+    def messages(self, worker: int, n: int) -> list[list[P.OutRow]]:
+        """The next n messages of a worker, each its list of rows (fails at a deadline)."""
+        s, out = self.pulls[worker], []
+        for _ in range(n):
+            assert s.poll(5000), f"worker {worker} got {len(out)} of {n} messages"
+            out.append(msgspec.msgpack.decode(s.recv(), type=P.Text).rows)
+        return out
+
+    def close(self) -> None:
+        self.delivery.close()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def rig(tmp_path):
+    made = []
+
+    def make(**kw) -> Rig:
+        made.append(Rig(tmp_path, **kw))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def start(rid: str, worker: int) -> P.Row:
+    return P.Row(rid, IDS, 0, P.Start(worker=worker))
+
+
+def test_each_worker_gets_one_message_per_batch_with_its_rows_in_order(rig) -> None:
+    r = rig()
+    r.bind(0), r.bind(1)
+    r.step([start(f"r{i}", i % 2) for i in range(6)])
+    (first,), (second,) = r.messages(0, 1), r.messages(1, 1)
+    assert [x.rid for x in first] == ["r0", "r2", "r4"] and [x.rid for x in second] == ["r1", "r3", "r5"]
+    r.step([start("only0", 0)])  # a worker with no rows in a batch gets no message
+    assert [x.rid for x in r.messages(0, 1)[0]] == ["only0"]
+    assert not r.pulls[1].poll(50)
+    assert [(w.sent, w.dropped) for w in r.delivery.workers.values()] == [(2, 0), (1, 0)]
+
+
+def test_a_full_queue_loses_only_that_workers_message_and_settle_sends_what_it_is_owed(rig) -> None:
+    r = rig(hwm=4)
+    r.bind(1)  # worker 0 is bound by nobody: its queue fills
+    r.step([start("warm", 1)])  # its arrival says worker 1 is connected, not queueing
+    assert r.messages(1, 1)[0][0].rid == "warm"
+    w0 = r.delivery.workers[0]
+    steps = 0
+    while r.delivery.has_room(w0):
+        steps += 1
+        assert steps < 1000, "worker 0's queue never filled"
+        r.step([start(f"a{steps}", 0)])
+    assert w0.dropped == 0
+    steps += 1
+    r.step([start(f"a{steps}", 0), start("b", 1)])  # one batch: worker 0's message is lost, not 1's
+    assert w0.dropped == 1 and r.delivery.workers[1].dropped == 0
+    assert [x.rid for x in r.messages(1, 1)[0]] == ["b"]
+    lost = f"a{steps}"
+    assert lost not in r.core.table and r.stats.errors[P.WORKER_STALLED] == 1
+    r.delivery.settle(P.encode_text, r.core.table.__contains__)  # still no room: still owed
+    assert set(r.delivery.workers[0].owed) == {lost}
+    r.bind(0)
+    queued = r.messages(0, steps - 1)
+    assert [m[0].rid for m in queued] == [f"a{i}" for i in range(1, steps)]
+    wait_until(lambda: r.delivery.has_room(r.delivery.workers[0]), 5, "room in worker 0's queue")
+    r.delivery.settle(P.encode_text, r.core.table.__contains__)
+    (owed,) = r.messages(0, 1)
+    assert [(x.rid, x.error) for x in owed] == [(lost, P.WORKER_STALLED)]
+    r.delivery.settle(P.encode_text, r.core.table.__contains__)  # sent once
+    assert not r.pulls[0].poll(50) and not r.delivery.workers[0].owed
+
+
+@pytest.mark.parametrize("address", ["nonsense://x", "tcp://", "ipc://" + "x" * 200])
+def test_register_refuses_an_address_zmq_refuses_and_keeps_the_worker_as_it_was(rig, address: str) -> None:
+    r = rig()
+    assert r.delivery.register(1, address) is False
+    assert r.delivery.workers[1].address == r.addresses[1]
+    assert r.delivery.register(7, address) is False
+    assert not r.delivery.known(7) and not r.outbox.known(7)
+    assert r.stats.errors["bad_register"] == 2
+
+
+def test_register_adds_a_worker_and_moves_one_that_rebound(rig, tmp_path) -> None:
+    r = rig()
+    moved = f"ipc://{tmp_path}/moved.sock"
+    assert r.delivery.register(2, r.addresses[0]) and r.outbox.known(2)
+    assert r.delivery.register(1, moved)
+    r.addresses[1] = moved
+    r.bind(1)
+    r.step([start("m", 1)])
+    assert [x.rid for x in r.messages(1, 1)[0]] == ["m"]

@@ -1,0 +1,122 @@
+"""detokd.wire.native: PROTOCOL.md v1 frames in and out.
+
+Frames are built as plain dicts through msgspec.msgpack (what a peer in any language
+sends), decoded by the dialect, and compared with the records they must become.
+`NativeDialect.handle` is driven with a real Detokenizer, Outbox and Delivery.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from conftest import fast_codec, vocab
+from detokd.collector import Collector
+from detokd.core.detokenizer import Detokenizer
+from detokd.core.outbox import Outbox
+from detokd.delivery import Delivery
+from detokd.metrics import Stats
+from detokd.wire import native as P
+
+enc = msgspec.msgpack.encode
+dec = msgspec.msgpack.decode
+RAW = lambda obj: msgspec.Raw(enc(obj))  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    "frame, want",
+    [
+        (
+            {"type": "tokens", "rows": [{"rid": "a", "ids": [1, 2], "seq": 3, "start": {"worker": 1, "stop": ["x"]},
+                                         "finish": {"reason": "stop", "matched": 2}, "meta": {"k": 1}}]},
+            P.Tokens([P.Row("a", [1, 2], 3, P.Start(worker=1, stop=["x"]), P.Finish("stop", 2), RAW({"k": 1}))]),
+        ),
+        ({"type": "tokens", "rows": [{"rid": "b"}]}, P.Tokens([P.Row("b")])),
+        (
+            {"type": "embeddings", "rows": [{"rid": "e", "worker": 2, "data": [0.5], "meta": None}]},
+            P.Embeddings([P.EmbeddingRow("e", 2, RAW([0.5]), P.NIL)]),
+        ),
+        ({"type": "abort", "rids": ["a", "b"]}, P.Abort(["a", "b"])),
+        ({"type": "register", "worker": 3, "address": "tcp://h:1"}, P.Register(3, "tcp://h:1")),
+        ({"type": "control", "op": "freeze_gc"}, P.Control("freeze_gc")),
+    ],
+    ids=["tokens", "tokens-defaults", "embeddings", "abort", "register", "control"],
+)
+def test_every_inbound_message_type_decodes_to_its_record(frame: dict, want: P.Inbound) -> None:
+    got = P.decode_inbound(enc(frame))
+    assert got == want
+    assert P.decode_inbound(P.encode(got)) == want  # and what detokd's peers encode decodes back
+
+
+def test_text_and_stopped_encode_to_protocol_maps() -> None:
+    text = dec(P.encode_text([P.OutRow("r", "hé", P.Finish("length"), 4, RAW([1]), None)]))
+    assert text == {"type": "text", "rows": [
+        {"rid": "r", "text": "hé", "finish": {"reason": "length", "matched": None}, "n_ids": 4, "meta": [1], "error": None}]}
+    stopped = dec(P.encode_stopped([P.StoppedRow("r", 1, "###", 7)]))
+    assert stopped == {"type": "stopped", "rows": [{"rid": "r", "vid": 1, "matched": "###", "n_ids": 7}]}
+
+
+def test_unknown_keys_are_ignored_at_every_level() -> None:
+    frame = {"type": "tokens", "v": 2, "rows": [
+        {"rid": "a", "ids": [5], "future": [1, 2], "start": {"worker": 1, "temperature": 0.7}}]}
+    assert P.decode_inbound(enc(frame)) == P.Tokens([P.Row("a", [5], 0, P.Start(worker=1))])
+    assert P.decode_inbound(enc({"type": "abort", "rids": ["x"], "why": "client left"})) == P.Abort(["x"])
+
+
+def test_rows_and_starts_leave_keys_at_their_default_out_when_encoded() -> None:
+    frame = P.encode(P.Tokens([P.Row("a", [7], 0, P.Start(prompt_tail=[1])), P.Row("a", [8], 1), P.Row("b")]))
+    assert dec(frame) == {"type": "tokens", "rows": [
+        {"rid": "a", "ids": [7], "start": {"prompt_tail": [1]}}, {"rid": "a", "ids": [8], "seq": 1}, {"rid": "b"}]}
+
+
+def test_salvage_keeps_the_good_rows_of_a_frame_with_one_bad_row() -> None:
+    frame = enc({"type": "tokens", "rows": [
+        {"rid": "ok1", "ids": [1]}, {"rid": "bad", "ids": "not a list"}, {"ids": [3]}, {"rid": "ok2", "seq": 2}]})
+    with pytest.raises(P.DecodeError):
+        P.decode_inbound(frame)
+    good, bad = P.salvage_rows(frame)
+    assert good == [P.Row("ok1", [1]), P.Row("ok2", [], 2)]
+    assert bad == ["bad"]  # the row with no rid cannot be answered: it is only dropped
+
+
+@pytest.mark.parametrize("frame", [b"\xc1", enc([1, 2]), enc({"type": "abort", "rids": [1]}), enc({"type": "tokens"})])
+def test_salvage_gives_up_on_a_frame_that_is_no_tokens_batch(frame: bytes) -> None:
+    assert P.salvage_rows(frame) is None
+
+
+@pytest.fixture
+def dialect():
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("inproc://native-w0")
+    stats = Stats()
+    outbox = Outbox()
+    v = vocab("deepseek")
+    core = Detokenizer(fast_codec("deepseek"), v.size, outbox, max_states=16, max_prompt_tail=8, stats=stats)
+    delivery = Delivery(ctx, outbox, ["inproc://native-w0"], feedback=None, hwm=100, linger_ms=0, stats=stats)
+    d = P.NativeDialect(core, delivery, Collector(stats), stats)
+    yield d, pull
+    delivery.close()
+    pull.close(0)
+    ctx.term()
+
+
+def test_handle_serves_the_good_rows_of_a_bad_frame_and_fails_the_bad_rows_request(dialect) -> None:
+    d, pull = dialect
+    ids = vocab("deepseek").backend.encode("héllo wörld", add_special_tokens=False).ids
+    assert d.handle(enc({"type": "tokens", "rows": [{"rid": "bad", "ids": [1], "start": {}}]}))  # starts "bad"
+    assert "bad" in d.core.table
+    assert d.handle(enc({"type": "tokens", "rows": [
+        {"rid": "good", "ids": ids, "start": {}, "finish": {"reason": "length"}}, {"rid": "bad", "ids": [1], "seq": "one"}]}))
+    assert d.stats.bad_frames == 1
+    d.delivery.deliver(d.encode_text, d.encode_stopped, d.core.stalled)
+    rows = {r["rid"]: r for r in dec(pull.recv())["rows"]}
+    assert rows["good"]["text"] == vocab("deepseek").reference([], ids) and rows["good"]["finish"]
+    assert rows["bad"]["error"] == P.BAD_ROW and "bad" not in d.core.table  # failed, freed
+
+
+def test_handle_counts_a_frame_with_no_message_and_says_so(dialect) -> None:
+    d, _ = dialect
+    assert d.handle(b"\x93\x01\x02\x03") is False
+    assert d.stats.bad_frames == 1

@@ -1,0 +1,344 @@
+"""Helpers more than one test file uses. Import as `from utils import ...` (tests/ is
+on the path: conftest.py lives there); fixtures live in conftest.py.
+
+The peers of a real `detokd serve` that tests/test_reliability.py and
+tests/test_metrics.py play: `Engine` sends frames built independently of
+detokd.wire.native (plain dicts through msgspec, or raw bytes: some are meant to be
+malformed), `Sink` is a tokenizer worker recording every text row it receives.
+`FakeShards` and `FakeDetokd` stand where detokd would for the client's unit tests.
+Nothing sleeps and hopes: every wait polls a condition against a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Coroutine
+from functools import lru_cache
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from conftest import vocab
+from frames import CORPUS, mixed_ids
+from detokd.client import SchedulerClient
+from detokd.wire import native as P
+
+enc = msgspec.msgpack.encode
+dec = msgspec.msgpack.decode
+RECV_MS = 50  # receive timeout of every polling socket here
+SEND_MS = 10_000  # a send that cannot leave in this long fails the test
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+def deepseek():
+    """The real DeepSeek tokenizer (detokd's default), loaded once per run."""
+    return vocab("deepseek")
+
+
+def expected_text(ids: list[int], skip_special_tokens: bool = True) -> str:
+    """PROTOCOL.md's text of a request with no prompt tail, under the Start defaults:
+    Vocab.reference, the tokenizer's own decode."""
+    return deepseek().reference([], ids, skip_special_tokens)
+
+
+@lru_cache(maxsize=None)
+def corpus_ids() -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(deepseek().backend.encode(t, add_special_tokens=False).ids) for t in CORPUS)
+
+
+def make_ids(rng: random.Random, n: int) -> list[int]:
+    """n output ids of the DeepSeek tokenizer: runs of CORPUS with random ids sprinkled in."""
+    return mixed_ids(rng, n, corpus_ids(), deepseek().size)
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll `pred` until it is truthy; fail with `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Req:
+    """A request the test plays the engine for: its planned output ids, sent in deltas."""
+
+    def __init__(self, rid: str, ids: list[int], worker: int = 0, vid: int = 0) -> None:
+        self.rid, self.ids, self.worker, self.vid = rid, ids, worker, vid
+        self.pos = 0
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= len(self.ids)
+
+    def row(self, k: int, finish: bool = True, **extra: Any) -> dict:
+        chunk = self.ids[self.pos : self.pos + k]
+        row: dict[str, Any] = {"rid": self.rid, "ids": chunk, "seq": self.pos}
+        if self.pos == 0:
+            row["start"] = {"worker": self.worker, "vid": self.vid}
+        self.pos += len(chunk)
+        if finish and self.pos >= len(self.ids):
+            row["finish"] = {"reason": "length"}
+        row.update(extra)
+        return row
+
+    def expected(self) -> str:
+        return expected_text(self.ids)
+
+
+SINKS: list[Sink] = []  # closed by conftest's zctx fixture before its context ends
+
+
+class Sink:
+    """A tokenizer worker: a PULL socket bound at `address` and a thread that receives
+    every `text` message into per-rid row lists (`read=False`: bound, never read)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, *, read: bool = True, rcvhwm: int | None = None) -> None:
+        self.ctx, self.address, self.rcvhwm = ctx, address, rcvhwm
+        self.cond = threading.Condition()
+        self.by_rid: dict[str, list[dict]] = collections.defaultdict(list)
+        self.messages = 0
+        self.kinds: collections.Counter = collections.Counter()
+        self.stopping = False
+        self.sock: zmq.Socket | None = None
+        self.thread: threading.Thread | None = None
+        SINKS.append(self)
+        if read:
+            bound = threading.Event()
+            self.thread = threading.Thread(target=self._run, args=(bound,), daemon=True)
+            self.thread.start()
+            assert bound.wait(10), f"worker could not bind {address}"
+        else:
+            self.sock = self._bind()
+
+    def _bind(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.PULL)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, RECV_MS)
+        if self.rcvhwm is not None:
+            s.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            s.setsockopt(zmq.RCVBUF, 4096)
+        s.bind(self.address)
+        return s
+
+    def _run(self, bound: threading.Event) -> None:
+        s = self._bind()
+        bound.set()
+        try:
+            while not self.stopping:
+                try:
+                    frame = s.recv()
+                except zmq.Again:
+                    continue
+                except zmq.ContextTerminated:
+                    break
+                msg = dec(frame)
+                with self.cond:
+                    self.messages += 1
+                    self.kinds[msg["type"]] += 1
+                    if msg["type"] == "text":
+                        for row in msg["rows"]:
+                            self.by_rid[row["rid"]].append(row)
+                    self.cond.notify_all()
+        finally:
+            s.close(linger=0)
+
+    def close(self) -> None:
+        self.stopping = True
+        if self.thread is not None:
+            self.thread.join(5)
+        if self.sock is not None:
+            self.sock.close(linger=0)
+
+    def rows(self, rid: str) -> list[dict]:
+        with self.cond:
+            return list(self.by_rid.get(rid, ()))
+
+    def text(self, rid: str) -> str:
+        return "".join(r["text"] for r in self.rows(rid) if r["error"] is None)
+
+    def ended(self, rid: str) -> bool:
+        rows = self.rows(rid)
+        return bool(rows) and (rows[-1]["finish"] is not None or rows[-1]["error"] is not None)
+
+    def errors(self, rid: str) -> list[str]:
+        return [r["error"] for r in self.rows(rid) if r["error"] is not None]
+
+    def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                value = pred()
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+                self.cond.wait(min(left, 0.1))
+
+
+class Engine:
+    """The scheduler side: a PUSH socket connected to detokd's input."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_MS)
+        self.sock.connect(address)
+
+    def send(self, msg: dict) -> None:
+        self.raw(enc(msg))
+
+    def rows(self, rows: list[dict]) -> None:
+        self.send({"type": "tokens", "rows": rows})
+
+    def raw(self, frame: bytes) -> None:
+        try:
+            self.sock.send(frame)
+        except zmq.Again:
+            raise AssertionError(f"detokd took no input for {SEND_MS} ms") from None
+
+    def multipart(self, frames: list[bytes]) -> None:
+        try:
+            self.sock.send_multipart(frames)
+        except zmq.Again:
+            raise AssertionError(f"detokd took no input for {SEND_MS} ms") from None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def metrics_port(d) -> int:
+    """The port detokd serves /health and /metrics on (it was told port 0: a free one)."""
+    m = wait_until(lambda: re.search(r"health and metrics on port (\d+)", d.log()), 30, "the metrics port in the log")
+    return int(m.group(1))
+
+
+def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def scrape(port: int) -> dict[tuple, float]:
+    """/metrics as {(sample name, (label, value), ...): value}, through the Prometheus parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = http_get(port, "/metrics")
+    assert status == 200, body
+    out = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            out[(s.name, *sorted(s.labels.items()))] = s.value
+    return out
+
+
+def metric(m: dict, name: str, **labels: str) -> float:
+    return m.get((name, *sorted(labels.items())), 0.0)
+
+
+# --------------------------------------------------------------------------- asyncio
+
+
+def arun(coro: Coroutine[Any, Any, Any], loop: str = "asyncio", timeout: float = 10.0) -> Any:
+    """Run a coroutine to its end on a new asyncio (or uvloop) loop, within `timeout` s."""
+
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, timeout)
+
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(bounded())
+    return asyncio.run(bounded())
+
+
+async def until(pred: Callable[[], bool], timeout: float = 3.0) -> None:
+    """Await until `pred` holds, yielding to the loop; fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+# --------------------------------------------------------------------------- detokd's place
+
+
+class FakeShards:
+    """PULL sockets standing in for detokd shards' input sockets."""
+
+    def __init__(self, n: int, ctx: zmq.Context | None = None) -> None:
+        self.ctx = ctx or zmq.Context.instance()
+        self.addresses = [f"inproc://shard-{uuid.uuid4().hex}" for _ in range(n)]
+        self.socks = []
+        for a in self.addresses:
+            s = self.ctx.socket(zmq.PULL)
+            s.bind(a)
+            self.socks.append(s)
+
+    def client(self, **kw: Any) -> SchedulerClient:
+        return SchedulerClient(self.addresses, context=self.ctx, **kw)
+
+    def recv(self, shard: int, timeout: float = 2.0) -> P.Inbound:
+        s = self.socks[shard]
+        assert s.poll(int(timeout * 1000)), f"shard {shard} got nothing"
+        return P.decode_inbound(s.recv())
+
+    def drain(self) -> list[list[P.Inbound]]:
+        out: list[list[P.Inbound]] = []
+        for s in self.socks:
+            msgs = []
+            while s.poll(5):  # inproc: a sent message is already in the pipe
+                msgs.append(P.decode_inbound(s.recv()))
+            out.append(msgs)
+        return out
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(0)
+
+
+class FakeDetokd:
+    """A PUSH socket standing in for detokd's connection to one worker."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.connect(address)
+
+    def text(self, *rows: P.OutRow) -> None:
+        self.sock.send(P.encode(P.Text(list(rows))))
+
+    def raw(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def out_row(rid: str, text: str = "", n: int = 0, *, finish: str | None = None, error: str | None = None, meta: Any = None) -> P.OutRow:
+    """An output row as detokd would send it."""
+    return P.OutRow(
+        rid, text, P.Finish(finish) if finish else None, n,
+        msgspec.Raw(msgspec.msgpack.encode(meta)) if meta is not None else P.NIL, error,
+    )
