@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from conftest import vocab
+from frames import CORPUS, mixed_ids
 from detokd.client import SchedulerClient
 from detokd.wire import native as P
 
@@ -51,37 +52,14 @@ def expected_text(ids: list[int], skip_special_tokens: bool = True) -> str:
     return deepseek().reference([], ids, skip_special_tokens)
 
 
-CORPUS = (
-    "The quick brown fox jumps over the lazy dog. ",
-    "数据库连接失败，请稍后重试。深度学习模型的推理速度",
-    "こんにちは世界！カタカナとひらがな。",
-    "Ünïcödé façade naïve café — “quotes” ‘and’ … ",
-    "🙂🚀👩‍👩‍👧‍👦 emoji sequences 🇫🇷🇯🇵 ",
-    "def f(x):\n    return x ** 2  # code\n\tindent ",
-    "Привет, мир! Γειά σου Κόσμε. مرحبا بالعالم. שלום עולם ",
-    "  leading spaces and\r\nCRLF\n\n",
-)
-
-
 @lru_cache(maxsize=None)
 def corpus_ids() -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(deepseek().backend.encode(t, add_special_tokens=False).ids) for t in CORPUS)
 
 
 def make_ids(rng: random.Random, n: int) -> list[int]:
-    """n output ids: runs of real multilingual text, with now and then random ids
-    from the whole vocabulary (byte tokens that never complete, special tokens)."""
-    out: list[int] = []
-    pieces = corpus_ids()
-    size = deepseek().size
-    while len(out) < n:
-        if rng.random() < 0.15:
-            out += [rng.randrange(size) for _ in range(rng.randint(1, 3))]
-        else:
-            p = rng.choice(pieces)
-            a = rng.randrange(len(p))
-            out += p[a : a + rng.randint(1, 12)]
-    return out[:n]
+    """n output ids of the DeepSeek tokenizer: runs of CORPUS with random ids sprinkled in."""
+    return mixed_ids(rng, n, corpus_ids(), deepseek().size)
 
 
 # --------------------------------------------------------------------------- peers
