@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 
 from .. import __version__
 from ..config import Config, load
@@ -39,6 +40,22 @@ def config(server_args, port_args) -> Config:
         "metrics_port": int(os.environ["DETOKD_METRICS_PORT"]) if os.environ.get("DETOKD_METRICS_PORT") else None,
     }
     return load(os.environ.get("DETOKD_CONFIG") or None, overrides)
+
+
+def take_reserved_path(address: str) -> None:
+    """SGLang reserves each ipc address as an empty file of its own making
+    (PortArgs: tempfile.NamedTemporaryFile(delete=False)), which its detokenizer's bind
+    replaces. detokd never removes what is not a socket, except that reservation: a
+    regular, empty file owned by this user."""
+    if not address.startswith("ipc://"):
+        return
+    path = address[len("ipc://") :]
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_size == 0 and st.st_uid == os.getuid():
+        os.unlink(path)
 
 
 def dialect_factory(server_args, vocab, use_pickle: bool | None = None):
@@ -76,6 +93,7 @@ def run_detokenizer_process(server_args, port_args) -> None:
     parent = psutil.Process().parent()
     try:
         cfg = config(server_args, port_args)
+        take_reserved_path(cfg.input)
         vocab = load_tokenizer(cfg.tokenizer)
         server = Server(cfg, vocab, dialect=dialect_factory(server_args, vocab))
         log.info("detokd %s serves SGLang's detokenizer (schema %s, %s IPC)", __version__, schema.SCHEMA, server.dialect.ipc.name)

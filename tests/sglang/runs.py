@@ -114,7 +114,7 @@ class Run:
             freeze_gc_req(),
             embedding_batch(["emb-0", "emb-1"], encoding=enc, http_worker_ipcs=ipcs, workers=[0, 1 % proc.http_workers]),
         ]
-        self.received = proc.exchange(self.sent)
+        self.received = proc.exchange(self.sent, timeout=600)
 
     def lifetimes(self) -> dict[str, list[Scripted]]:
         out: dict[str, list[Scripted]] = {}

@@ -20,6 +20,8 @@ from detokd.sglang.replay import DetokenizerDied, DetokenizerProcess, Scripted, 
 from runs import CASES, MULTI, RUNS, expected_text, ids_of
 
 ALL = [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]]
+# The first test starts every process of runs.py and waits until each answers: minutes.
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")

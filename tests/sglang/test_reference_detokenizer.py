@@ -15,6 +15,7 @@ from runs import MULTI, RUNS, expected_text
 # Fields the detokenizer transforms rather than copies (detokenizer_manager.py:508-560).
 TRANSFORMED = {"output_strs", "routed_experts", "indexer_topk", "placeholder_tokens_idx", "placeholder_tokens_val"}
 CASES = [pytest.param(n, e, id=f"{n}-{e}") for n, e, _ in RUN_CASES]
+pytestmark = pytest.mark.timeout(1800)  # its first test may be the one that starts runs.py's processes
 
 
 @pytest.fixture(scope="module")
