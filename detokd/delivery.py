@@ -107,7 +107,7 @@ class Delivery:
         self.feedback: zmq.Socket | None = None
         try:
             for i, address in enumerate(workers):
-                if not self._place(i, address):
+                if not self.place(i, address):
                     raise ValueError(f"cannot connect to worker {i} at {address}")
             if feedback:
                 self.feedback = self._connect(feedback, curve.feedback if curve else None)
@@ -126,14 +126,16 @@ class Delivery:
             log.warning("register of worker %d at %r refused: %s", index, address, why)
             return False
         new = index not in self.workers
-        if not self._place(index, address):
+        if not self.place(index, address):
             return False
         if new:
             self.added += 1
         return True
 
-    def _place(self, index: int, address: str) -> bool:
-        """Add worker `index`, or move it to a new address (it rebound elsewhere).
+    def place(self, index: int, address: str) -> bool:
+        """Add worker `index`, or move it to a new address (it rebound elsewhere): for
+        destinations detokd trusts (the config's workers, the ones a dialect derives from
+        its engine's own messages); a peer's `register` goes through `register`.
 
         Connects at once (ZMQ connects need no listener yet), so an address ZMQ refuses
         (malformed, an unknown transport, a path too long, no sockets left) is refused

@@ -15,7 +15,7 @@ import zmq
 from conftest import fast_codec, vocab
 from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox
-from detokd.delivery import Delivery
+from detokd.delivery import Delivery, RegisterPolicy
 from detokd.metrics import Stats
 from detokd.wire import native as P
 from utils import wait_until
@@ -31,7 +31,11 @@ class Rig:
         self.outbox = Outbox()
         self.core = Detokenizer(fast_codec("deepseek"), vocab("deepseek").size, self.outbox,
                                 max_states=1000, max_prompt_tail=8, stats=self.stats)
-        self.delivery = Delivery(self.ctx, self.outbox, self.addresses, feedback=None, hwm=hwm, linger_ms=0, stats=self.stats)
+        # Register on and open (tests/test_hardening.py holds the policy itself).
+        open_register = RegisterPolicy(enabled=True, allow=("*",), replace=True)
+        self.delivery = Delivery(
+            self.ctx, self.outbox, self.addresses, feedback=None, hwm=hwm, linger_ms=0, stats=self.stats, policy=open_register
+        )
         self.pulls: dict[int, zmq.Socket] = {}
 
     def bind(self, worker: int) -> zmq.Socket:

@@ -195,8 +195,10 @@ class SglangDialect:
             self.stats.error(BAD_ROW)
             log.warning("a row names no http worker ipc: it cannot be answered and is skipped")
             return None
+        # SGLang's scheduler names the HTTP worker of each row, as its own detokenizer
+        # trusts it to: a destination of the engine's, not a peer's `register`.
         w = len(self.delivery.workers)
-        if not self.delivery.register(w, ipc):
+        if not self.delivery.place(w, ipc):
             return None
         self.worker_of[ipc] = w
         return w
