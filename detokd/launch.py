@@ -14,10 +14,10 @@ import logging
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler
+
+from .http import Endpoint, Reply
 
 __all__ = ["derive_address", "run_shards", "die_with_parent", "Shard", "StatusServer"]
 
@@ -209,49 +209,32 @@ class StatusServer:
     """
 
     def __init__(self, shards: list[Shard], max_failures: int, host: str, port: int) -> None:
-        from .metrics import QuietHTTPServer  # request errors: rate-limited, one line each
 
-        class Handler(BaseHTTPRequestHandler):
-            timeout = 10
+        def states() -> list[dict]:
+            now = time.monotonic()
+            return [s.status(now, max_failures) for s in list(shards)]
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                now = time.monotonic()
-                states = [s.status(now, max_failures) for s in list(shards)]
-                path = self.path.split("?")[0]
-                if path == "/health":
-                    bad = [st for st in states if st["crash_looping"]]
-                    body = "".join(
-                        f"shard {st['shard']} crash-looping: {st['consecutive_failures']} exits in a row, "
-                        f"last exit {st['last_exit']}\n"
-                        for st in bad
-                    ) or "ok\n"
-                    self._reply(503 if bad else 200, body.encode(), "text/plain")
-                elif path == "/status":
-                    self._reply(200, json.dumps({"shards": states}).encode() + b"\n", "application/json")
-                else:
-                    self._reply(404, b"not found\n", "text/plain")
+        def health() -> Reply:
+            bad = [st for st in states() if st["crash_looping"]]
+            body = "".join(
+                f"shard {st['shard']} crash-looping: {st['consecutive_failures']} exits in a row, "
+                f"last exit {st['last_exit']}\n"
+                for st in bad
+            ) or "ok\n"
+            return 503 if bad else 200, body.encode(), "text/plain"
 
-            def _reply(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        def status() -> Reply:
+            return 200, json.dumps({"shards": states()}).encode() + b"\n", "application/json"
 
-            def log_message(self, *args) -> None:
-                pass
-
-        self.httpd = QuietHTTPServer((host, port), Handler)
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="detokd-supervisor", daemon=True)
+        self.endpoint = Endpoint(host, port, {"/health": health, "/status": status}, "detokd-supervisor")
+        self.port = self.endpoint.port
 
     def start(self) -> None:
-        self.thread.start()
+        self.endpoint.start()
         log.info("supervisor health and status on port %d", self.port)
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.endpoint.close()
 
 
 def _stop(

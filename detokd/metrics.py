@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import bisect
 import logging
-import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from . import logs
-from .logs import RateLimitFilter
+from .http import Endpoint, Reply
 
 log = logging.getLogger("detokd.metrics")
-# What clients do (hang up mid-request, by the hundred) chooses what this logs: limited
-# here too, so it stays bounded even without logs.setup (detokd as a library).
-log.addFilter(RateLimitFilter())
 
 # Step latency buckets in seconds: a healthy step is tens of microseconds.
 BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -130,67 +124,30 @@ class _Collector:
         yield CounterMetricFamily("detokd_log_records_dropped", "log records lost to a full queue to stderr (stderr not read)", value=logs.dropped())
 
 
-class QuietHTTPServer(ThreadingHTTPServer):
-    """A threaded HTTP server whose request errors go to the rate-limited logger.
-
-    socketserver prints each one's traceback straight to stderr: a scraper that
-    resets its connections would write kilobytes per scrape, past every limit.
-    """
-
-    daemon_threads = True
-    request_queue_size = 128  # socketserver's 5 makes a burst of scrapes wait out SYN retries
-
-    def handle_error(self, request, client_address) -> None:
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):  # the client hung up: not our bug
-            log.info("http client %s: %s", client_address[0], type(exc).__name__)
-        else:
-            log.warning("http request from %s failed", client_address[0], exc_info=True)
-
-
 class MetricsServer:
-    """/health and /metrics on a thread of their own."""
+    """/health and /metrics, on a thread of their own (detokd.http)."""
 
     def __init__(self, stats: Stats, host: str, port: int, health_timeout: float) -> None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(stats))
-        timeout = health_timeout
 
-        class Handler(BaseHTTPRequestHandler):
-            timeout = 10  # a client that connects and never sends a request lets go of its thread
+        def health() -> Reply:
+            if not stats.ready:
+                return 503, b"starting\n", "text/plain"
+            idle = time.monotonic() - stats.last_turn
+            if idle > health_timeout:
+                return 503, f"loop stuck for {idle:.1f}s\n".encode(), "text/plain"
+            return 200, b"ok\n", "text/plain"
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                if self.path.split("?")[0] == "/health":
-                    if not stats.ready:
-                        self._reply(503, b"starting\n", "text/plain")
-                        return
-                    idle = time.monotonic() - stats.last_turn
-                    ok = idle <= timeout
-                    body = (b"ok\n" if ok else f"loop stuck for {idle:.1f}s\n".encode())
-                    self._reply(200 if ok else 503, body, "text/plain")
-                elif self.path.split("?")[0] == "/metrics":
-                    self._reply(200, generate_latest(registry), "text/plain; version=0.0.4")
-                else:
-                    self._reply(404, b"not found\n", "text/plain")
+        def metrics() -> Reply:
+            return 200, generate_latest(registry), "text/plain; version=0.0.4"
 
-            def _reply(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:  # scrapes are not worth a log line
-                pass
-
-        self.httpd = QuietHTTPServer((host, port), Handler)
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="detokd-metrics", daemon=True)
+        self.endpoint = Endpoint(host, port, {"/health": health, "/metrics": metrics}, "detokd-metrics")
+        self.port = self.endpoint.port
 
     def start(self) -> None:
-        self.thread.start()
+        self.endpoint.start()
         log.info("health and metrics on port %d", self.port)
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.endpoint.close()

@@ -207,7 +207,7 @@ def test_300_reset_scrapes_write_a_bounded_number_of_stderr_bytes(detokd) -> Non
     # Up to the loop's last words: after them, exit-time noise of native libraries.
     grown = log[size0 : log.index(b"INFO detokd.server: stopping:")]
     lines = grown.decode(errors="replace").splitlines()
-    resets = [line for line in lines if "detokd.metrics: http client 127.0.0.1:" in line]
+    resets = [line for line in lines if "detokd.http: http client 127.0.0.1:" in line]
     print(f"300 resets: {len(grown)} bytes, {len(lines)} lines on stderr over {spells - 1} rate windows")
     assert b"Traceback" not in grown
     # At most 10 lines per template per window, each short.
