@@ -195,6 +195,10 @@ class Delivery:
         w.sent += 1
         return True
 
+    def _send_frames(self, index: int, frames: bytes | list[bytes]) -> bool:
+        """Queue what a dialect encoded for one worker's rows: a frame, or several."""
+        return all([self.send(index, frame) for frame in (frames if type(frames) is list else (frames,))])
+
     def deliver(
         self,
         encode_text: Callable[[list[OutRow]], bytes | list[bytes]],
@@ -206,8 +210,7 @@ class Delivery:
         to a full queue is the stall policy: `lost(worker, rows)` fails their requests
         and returns the error rows the worker is owed when it has room again."""
         for index, rows in self.outbox.take():
-            frames = encode_text(rows)
-            if not all([self.send(index, frame) for frame in (frames if type(frames) is list else (frames,))]):
+            if not self._send_frames(index, encode_text(rows)):
                 log.warning("worker %d's queue is full: %d rows lost, their requests failed", index, len(rows))
                 self._owe(self.workers[index], lost(index, rows))
         stopped = self.outbox.take_stopped()
@@ -222,14 +225,14 @@ class Delivery:
         for row in rows:
             w.owed.put(row.rid, row)
 
-    def settle(self, encode_text: Callable[[list[OutRow]], bytes], restarted: Callable[[str], bool]) -> None:
+    def settle(self, encode_text: Callable[[list[OutRow]], bytes | list[bytes]], restarted: Callable[[str], bool]) -> None:
         """Send owed error rows to each worker whose queue has room; `restarted(rid)`
         says a rid began a new request since, whose error this is not."""
         for w in self.workers.values():
             if not w.owed or not self.has_room(w):
                 continue
             rows = [row for rid, row in w.owed.items() if not restarted(rid)]
-            if rows and not self.send(w.index, encode_text(rows)):
+            if rows and not self._send_frames(w.index, encode_text(rows)):
                 continue
             w.owed.clear()
 
