@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Callable
 
+from .core.bounded import BoundedMap
+
 __all__ = ["setup", "dropped", "escape", "RateLimitFilter", "EscapingFormatter", "FORMAT"]
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -78,6 +80,17 @@ def _indent(text: str) -> str:
     return "\n".join("  " + escape(line) for line in text.split("\n"))
 
 
+class _Window:
+    """One message template's current period."""
+
+    __slots__ = ("start", "passed", "suppressed")
+
+    def __init__(self, start: float) -> None:
+        self.start = start  # when the period began
+        self.passed = 0  # records let through in it
+        self.suppressed = 0  # records dropped in it
+
+
 class RateLimitFilter(logging.Filter):
     """Per message template, at most `burst` records per `period` seconds, and none
     longer than `max_len` characters. The first record let through after a
@@ -94,7 +107,7 @@ class RateLimitFilter(logging.Filter):
         self.period = period
         self.max_len = max_len
         self.clock = clock
-        self.windows: dict[str, list] = {}  # template -> [window start, let through, suppressed]
+        self.windows: BoundedMap[str, _Window] = BoundedMap(1000)  # template -> its window (templates are few)
         self.lock = threading.Lock()  # the loop and the HTTP threads log at once
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -105,17 +118,16 @@ class RateLimitFilter(logging.Filter):
             now = self.clock()
             w = self.windows.get(key)
             if w is None:
-                if len(self.windows) >= 1000:  # templates are few; never let this grow
-                    self.windows.clear()
-                w = self.windows[key] = [now, 0, 0]
+                w = _Window(now)
+                self.windows.put(key, w)
             suppressed = 0
-            if now - w[0] >= self.period:
-                suppressed = w[2]
-                w[0], w[1], w[2] = now, 0, 0
-            if w[1] >= self.burst:
-                w[2] += 1
+            if now - w.start >= self.period:
+                suppressed = w.suppressed
+                w.start, w.passed, w.suppressed = now, 0, 0
+            if w.passed >= self.burst:
+                w.suppressed += 1
                 return False
-            w[1] += 1
+            w.passed += 1
         msg = record.getMessage()
         if len(msg) > self.max_len:
             msg = f"{msg[: self.max_len]}... ({len(msg)} characters)"
