@@ -469,7 +469,7 @@ def self_check(vocab: Vocab, codec: Codec, trials: int = 200, seed: int = 0) -> 
             got.append(d.step(out[i:j]))
             i = j
         got.append(d.finish())
-        want = vocab.decode(tail + out, skip)[len(vocab.decode(tail, skip)) :]
+        want = vocab.reference(tail, out, skip)
         if "".join(got) != want:
             return f"ids {tail}|{out} skip={skip}: {''.join(got)!r} != {want!r}"
     return None
