@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -53,7 +54,7 @@ def loader(mismatch: bool) -> dict:
             "logs": logs.records}
 
 
-def launch(model_dir: str) -> dict:
+def launch(model_dir: str, orphan: bool = False) -> dict:
     from array import array
 
     import zmq
@@ -76,6 +77,12 @@ def launch(model_dir: str) -> dict:
     procs, names = Engine._launch_detokenizer_subprocesses(
         server_args=server_args, port_args=port_args, run_detokenizer_process_func=Engine.run_detokenizer_process_func
     )
+    if orphan:
+        # SGLang dies abruptly once its detokenizer answered: no teardown of its children.
+        out = talk_and_kill(procs, names, port_args, model_dir, logs, kill=False)
+        out["pid"] = procs[0].pid
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)
     try:
         return talk_and_kill(procs, names, port_args, model_dir, logs)
     finally:
@@ -83,7 +90,7 @@ def launch(model_dir: str) -> dict:
             p.kill()
 
 
-def talk_and_kill(procs, names, port_args, model_dir: str, logs: Captured) -> dict:
+def talk_and_kill(procs, names, port_args, model_dir: str, logs: Captured, kill: bool = True) -> dict:
     from array import array
 
     import psutil
@@ -124,6 +131,8 @@ def talk_and_kill(procs, names, port_args, model_dir: str, logs: Captured) -> di
     # Set by SGLang's run_detokenizer_process before it serves, so known once it answered.
     title = " ".join(psutil.Process(procs[0].pid).cmdline())
     out["sglangs_own"] = "sglang::detokenizer" in title and "(detokd)" not in title  # detokd's says so
+    if not kill:
+        return out
 
     # SGLang's watchdog, as _launch_subprocesses sets it up; it SIGQUITs this process.
     seen = threading.Event()
@@ -140,5 +149,5 @@ def talk_and_kill(procs, names, port_args, model_dir: str, logs: Captured) -> di
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    result = loader(sys.argv[2:] == ["mismatch"]) if mode == "loader" else launch(sys.argv[2])
+    result = loader(sys.argv[2:] == ["mismatch"]) if mode == "loader" else launch(sys.argv[2], orphan=mode == "orphan")
     print("RESULT " + json.dumps(result), flush=True)

@@ -8,11 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from conftest import alive
 from detokd import zoo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,3 +131,16 @@ def test_with_the_plugin_the_detokenizer_sglang_launches_is_detokds_once_it_exis
         assert result["sglangs_own"] is True
         assert any("detokd.sglang.process" in w for w in warnings_of(result))
     assert_answers_and_dies_seen(result)
+
+
+def test_detokds_process_dies_with_sglang(plugin_path, model_dir):
+    """SGLang killed without a word (os._exit, no teardown of its children): the
+    detokenizer it started goes too (prctl PDEATHSIG, as SGLang's own), never an orphan
+    holding SGLang's addresses."""
+    result = run_child(plugin_path, "orphan", model_dir, detokd_sglang="1")
+    assert result["sglangs_own"] is False and result["output_strs"] == result["expected"]
+    pid = result["pid"]
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid), f"detokd's detokenizer (pid {pid}) outlived SGLang"
