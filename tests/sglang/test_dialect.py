@@ -1,0 +1,77 @@
+"""The SGLang dialect in-process, over real sockets: what SGLang's own detokenizer never
+faces because it blocks on a full send queue, and detokd does not."""
+
+from __future__ import annotations
+
+import zmq
+
+from conftest import fast_codec, vocab
+from detokd.collector import Collector
+from detokd.core.detokenizer import Detokenizer
+from detokd.core.outbox import Outbox
+from detokd.delivery import Delivery
+from detokd.metrics import Stats
+from detokd.sglang import schema
+from detokd.sglang.replay import Scripted, accumulate, build_stream, ipc_encoding
+from detokd.wire.sglang import SglangDialect
+
+
+def test_a_tokenizer_manager_that_stops_reading_gets_aborts_not_silence(tmp_path):
+    """The TokenizerManager stops reading; detokd's queue to it fills and a batch is lost.
+    The requests of that batch are failed: once the TokenizerManager reads again, the
+    next row of each that reaches it is an abort naming worker_stalled, after a prefix
+    of the right text; every request whose rows all arrived streams exactly the
+    oracle's text. (A request whose finishing row was in a lost batch hears nothing
+    more: docs/sglang.md, "A TokenizerManager that stops reading".)"""
+    name = "deepseek"
+    v = vocab(name)
+    out = v.hf.encode("Streaming text to a reader that has stopped reading, for a while. " * 3, add_special_tokens=False)
+    reqs = [Scripted(rid=f"r{k}", prompt_ids=[1, 2, 3], output_ids=out) for k in range(4)]
+    with ipc_encoding("msgpack"):
+        from sglang.srt.managers import io_struct
+
+        frames = [io_struct.msgpack_encode(m) for m in build_stream(reqs, encoding="msgpack", tokenizer=v.hf)]
+    address = f"ipc://{tmp_path}/tokenizer.sock"
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.PULL)
+    reader.setsockopt(zmq.RCVHWM, 1)
+    reader.bind(address)
+    stats, outbox = Stats(), Outbox()
+    delivery = Delivery(ctx, outbox, [address], feedback=None, hwm=1, linger_ms=0, stats=stats)
+    core = Detokenizer(fast_codec(name), v.size, outbox, max_states=64, max_prompt_tail=8, stats=stats)
+    dialect = SglangDialect(core, delivery, Collector(stats), stats, ipc=schema.MsgpackCodec(), vocab_size=v.size)
+    try:
+        sent = 0
+        while not stats.errors.get("worker_stalled"):  # nobody reads: the queue fills
+            assert sent < len(frames) - 2, "the queue never filled"
+            dialect.handle(frames[sent])
+            delivery.deliver(dialect.encode_text, dialect.encode_stopped, core.stalled)
+            sent += 1
+        got = []
+        with ipc_encoding("msgpack"):
+            while reader.poll(200):  # what made it into the queue before it filled
+                got.append(io_struct.msgpack_decode(reader.recv()))
+            for frame in frames[sent:]:  # the reader is back (ZMQ may take a few sends to see it)
+                dialect.handle(frame)
+                delivery.deliver(dialect.encode_text, dialect.encode_stopped, core.stalled)
+                while reader.poll(50):
+                    got.append(io_struct.msgpack_decode(reader.recv()))
+            while reader.poll(1000):
+                got.append(io_struct.msgpack_decode(reader.recv()))
+    finally:
+        delivery.close()
+        reader.close(0)
+        ctx.term()
+    acc = accumulate(got)
+    assert set(acc) == {r.rid for r in reqs}
+    want = v.reference([1, 2, 3], out)
+    aborted = 0
+    for rid, lives in acc.items():
+        first = lives[0]
+        if first.finished_reason["type"] == "abort":
+            assert "worker_stalled" in first.finished_reason["message"]
+            assert want.startswith(first.text)  # what arrived was right, up to the loss
+            aborted += 1
+        else:
+            assert first.text == want and first.finished_reason["type"] == "length"
+    assert aborted > 0
