@@ -14,6 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from . import zoo
+from .core.detokenizer import Limits
 
 # A ZMQ endpoint detokd can bind or connect.
 Address = Annotated[str, Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
@@ -94,15 +95,16 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Bigger inbound messages are never read: ZMQ drops the sender's connection.
     max_frame_bytes: Cap = 64 * 1024 * 1024
     # A tokens frame with more rows is dropped whole (a counted bad frame).
-    max_rows: Cap = 65536
+    # (The numbers are the core's own defaults, detokd.core.detokenizer.Limits.)
+    max_rows: Cap = Limits.rows
     # Per row: ids, rid characters, meta bytes; per start: prompt_tail ids as sent,
     # stop strings and their total characters. Beyond, the request gets "too_large".
-    max_row_ids: Cap = 65536
-    max_rid_len: Cap = 1024
-    max_meta_bytes: Cap = 1024 * 1024
-    max_wire_prompt_tail: Cap = 65536
-    max_stop_strings: Cap = 256
-    max_stop_chars: Cap = 65536
+    max_row_ids: Cap = Limits.row_ids
+    max_rid_len: Cap = Limits.rid_len
+    max_meta_bytes: Cap = Limits.meta_bytes
+    max_wire_prompt_tail: Cap = Limits.wire_prompt_tail
+    max_stop_strings: Cap = Limits.stop_strings
+    max_stop_chars: Cap = Limits.stop_chars
     # Above this resident size new requests are refused ("overloaded"); off when unset.
     max_rss_mb: Annotated[int, Meta(ge=1)] | None = None
 
