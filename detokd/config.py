@@ -97,6 +97,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A tokens frame with more rows is dropped whole (a counted bad frame).
     # (The numbers are the core's own defaults, detokd.core.detokenizer.Limits.)
     max_rows: Cap = Limits.rows
+    # Ids in one frame: a row past them gets "too_large". It bounds the text one frame
+    # asks for (an id is a byte or more on the wire, its text up to a long token's).
+    max_frame_ids: Cap = Limits.frame_ids
     # Per row: ids, rid characters, meta bytes; per start: prompt_tail ids as sent,
     # stop strings and their total characters. Beyond, the request gets "too_large".
     max_row_ids: Cap = Limits.row_ids

@@ -18,21 +18,22 @@ from conftest import cut, fast_codec, first_stop, oracle, vocab
 from detokd.wire import native as p
 from detokd.metrics import Stats
 from detokd.wire.native import Finish, OutRow, Row, Start
-from detokd.core.detokenizer import Detokenizer
+from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
 
 
 class Service:
     """A Detokenizer with two workers; `step` returns what each worker got from one batch."""
 
-    def __init__(self, name: str = "deepseek", max_states: int = 64) -> None:
+    def __init__(self, name: str = "deepseek", max_states: int = 64, limits: Limits = Limits()) -> None:
         self.vocab = vocab(name)
         self.outbox = Outbox()
         self.outbox.open(0)
         self.outbox.open(1)
         self.stats = Stats()
         self.det = Detokenizer(
-            fast_codec(name), self.vocab.size, self.outbox, max_states=max_states, max_prompt_tail=8, stats=self.stats
+            fast_codec(name), self.vocab.size, self.outbox, max_states=max_states, max_prompt_tail=8, stats=self.stats,
+            limits=limits,
         )
 
     def step(self, *rows: Row) -> tuple[list[OutRow], list[OutRow]]:
@@ -411,6 +412,22 @@ def test_eviction_tells_the_evicted_requests_worker_at_once() -> None:
     assert not s.live(old.rid) and s.live(mid.rid) and s.live(new.rid)
     w0, w1 = s.step(old.row(s.encode("d")))  # its engine has not heard yet
     assert w0 == [] and [(r.rid, r.error) for r in w1] == [(old.rid, "evicted")]
+
+
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=8), st.integers(0, 12))
+@settings(max_examples=60)
+def test_rows_past_the_frames_id_budget_get_too_large_in_order(sizes, budget) -> None:
+    s = Service(limits=Limits(frame_ids=budget))
+    reqs = [Req() for _ in sizes]
+    ids = [s.encode("héllo wörld, 🙂 ok")[:n] for n in sizes]
+    w0, _ = s.step(*(q.row(i) for q, i in zip(reqs, ids)))
+    within = 0
+    for q, i, out in zip(reqs, ids, w0, strict=True):
+        within += len(i)
+        if within <= budget:
+            assert out.error is None and out.text == oracle(s.vocab, [], i, True)
+        else:
+            assert out.error == "too_large" and not s.live(q.rid)
 
 
 def test_a_start_with_a_new_vid_restarts_the_request(svc) -> None:

@@ -320,6 +320,33 @@ def test_rows_beyond_the_caps_get_too_large_and_rows_at_the_caps_are_served(deto
     assert metric(m, "detokd_errors_total", kind="too_large") == 7  # 4 starts, the long rid, live twice
 
 
+def test_rows_past_a_frames_id_budget_get_too_large_and_the_rows_before_are_served(detokd, zctx):
+    # An id is a byte or more on the wire but its text up to a long token's (deepseek:
+    # 128 bytes), so a frame's ids, not only its bytes, bound what it makes detokd write.
+    d = detokd(workers=1, args=["--metrics-port", "0"], max_frame_ids=20)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    rng = random.Random(11)
+    ids = {rid: make_ids(rng, 8) for rid in ("a", "b", "c", "d")}
+    eng.rows([{"rid": "d", "ids": ids["d"][:4], "start": {}}])
+    eng.rows([
+        {"rid": "a", "ids": ids["a"], "start": {}, "finish": {"reason": "length"}},
+        {"rid": "b", "ids": ids["b"], "start": {}, "finish": {"reason": "length"}},  # 16 ids: within
+        {"rid": "c", "ids": ids["c"], "start": {}},  # 24: past the budget
+        {"rid": "d", "ids": ids["d"][4:], "seq": 4},  # a live request past it is failed too
+    ])
+    w.wait(lambda: w.rows("c") and len(w.rows("d")) == 2, 20, "every row answered")
+    assert w.text("a") == oracle(v, [], ids["a"], True) and w.text("b") == oracle(v, [], ids["b"], True)
+    assert not w.errors("a") and not w.errors("b")
+    assert w.errors("c") == w.errors("d") == ["too_large"]
+    eng.rows([{"rid": "d", "ids": [5], "seq": 8}])  # its state is gone
+    w.wait(lambda: len(w.rows("d")) == 3, 20, "d's next row")
+    assert w.errors("d") == ["too_large", "too_large"]
+    assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="too_large") == 3
+
+
 # --------------------------------------------------------------------------- 5. rid collision
 
 

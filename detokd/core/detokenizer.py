@@ -27,15 +27,31 @@ log = logging.getLogger("detokd.core")
 @dataclass(frozen=True)
 class Limits:
     """What one row may make detokd hold (Config's max_* keys). Rows beyond them get
-    `too_large`; a frame of more than `rows` rows is dropped whole, a bad frame."""
+    `too_large`; a frame of more than `rows` rows is dropped whole, a bad frame.
+
+    `frame_ids` bounds one frame's output: an id costs one to five bytes on the wire
+    but its text up to a vocabulary's longest token (deepseek: 128 bytes), so without
+    it a frame within max_frame_bytes could ask for gigabytes of text. Rows past it
+    get `too_large`."""
 
     rows: int = 65536
+    frame_ids: int = 262144
     row_ids: int = 65536
     rid_len: int = 1024
     meta_bytes: int = 1024 * 1024
     wire_prompt_tail: int = 65536
     stop_strings: int = 256
     stop_chars: int = 65536
+
+
+def _over_budget(rows: list[Row], budget: int) -> int | None:
+    """The index of the first row whose ids take the frame past `budget`, or None."""
+    total = 0
+    for k, row in enumerate(rows):
+        total += len(row.ids)
+        if total > budget:
+            return k
+    return None
 
 
 class Detokenizer:
@@ -60,14 +76,25 @@ class Detokenizer:
         self.limits = limits
         self.overloaded = False  # set by the loop's RSS guard: new requests are refused
 
-    def tokens(self, rows: list[Row]) -> None:
+    def tokens(self, rows: list[Row], most_ids: int | None = None) -> None:
         """One engine step. The common row (a live, plain streaming request's next ids)
-        is handled inline; everything else goes through `_row`."""
+        is handled inline; everything else goes through `_row`.
+
+        `most_ids` is a bound on the ids the rows hold, where the caller has one for
+        free (a frame's size in bytes: no id costs less than a byte); the frame's id
+        budget is counted only when it could be exceeded."""
         limits = self.limits
         if len(rows) > limits.rows:
             self.stats.bad_frames += 1
             log.warning("tokens frame of %d rows dropped: max_rows is %d", len(rows), limits.rows)
             return
+        if most_ids is None or most_ids > limits.frame_ids:
+            cut = _over_budget(rows, limits.frame_ids)
+            if cut is not None:
+                self.tokens(rows[:cut], 0)
+                for row in rows[cut:]:
+                    self._too_large(row, self.table.get(row.rid), self._oversize(row) or "ids per frame")
+                return
         get = self.table.states.get
         size = self.size
         max_ids = limits.row_ids

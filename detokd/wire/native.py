@@ -180,7 +180,7 @@ class NativeDialect:
             msg = Tokens(rows)
         kind = type(msg)
         if kind is Tokens:
-            self.core.tokens(msg.rows)
+            self.core.tokens(msg.rows, len(frame))
         elif kind is Embeddings:
             self.embeddings(msg.rows)
         elif kind is Abort:

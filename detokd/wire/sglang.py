@@ -104,7 +104,7 @@ class SglangDialect:
             return False
         kind = schema.kind(msg)
         if kind == "BatchTokenIDOutput":
-            self.tokens(msg)
+            self.tokens(msg, len(frame))
         elif kind == "BatchEmbeddingOutput":
             self.embeddings(msg, frame)
         elif kind == "FreezeGCReq":
@@ -118,7 +118,7 @@ class SglangDialect:
             return False
         return True
 
-    def tokens(self, batch: Any) -> None:
+    def tokens(self, batch: Any, frame_bytes: int | None = None) -> None:
         """One scheduler step: each request's new ids become one core row."""
         self.batch, self.blank = batch, None
         if schema.has_beam_search(batch) and not self.beam_warned:
@@ -163,7 +163,7 @@ class SglangDialect:
                     no_stop_trim=batch.no_stop_trim[i],
                 )
                 rows.append(Row(rid, ids[context:], 0, start, finish, meta[i]))
-        self.core.tokens(rows)
+        self.core.tokens(rows, frame_bytes)
 
     def _finish(self, reason: dict | None, ids: list[int], no_stop_trim: bool) -> tuple[Finish | None, bool]:
         """The core's Finish for SGLang's finish reason, and whether to drop the row's
