@@ -60,8 +60,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metrics_host: str = "127.0.0.1"
     # /health turns 503 once the loop has not turned for this long.
     health_timeout: Annotated[float, Meta(gt=0)] = 5.0
-    # Messages queued per worker before that worker counts as stalled.
-    send_hwm: Annotated[int, Meta(ge=1)] = 10000
+    # A worker's queue: ZMQ's, of send_hwm messages, and behind it a backlog of at most
+    # send_queue_bytes; a message that finds both full is lost and its requests fail
+    # ("worker_stalled"). ZMQ counts messages only, so the bytes are bounded here.
+    send_hwm: Annotated[int, Meta(ge=1)] = 16
+    send_queue_bytes: Annotated[int, Meta(ge=0)] = 64 * 1024 * 1024
     # How long shutdown waits for queued messages to leave, in milliseconds.
     linger_ms: Annotated[int, Meta(ge=0)] = 2000
     # "auto": the fastest exact codec for the tokenizer; "window": always the generic one.

@@ -1,12 +1,17 @@
 """Delivery: every outbound socket, and what happens when a peer stops reading.
 
-Each worker gets its own PUSH socket with a bounded send queue, and so does the
-scheduler's feedback address. Sends never block: a worker that stops reading fills
-its own queue and only its requests fail (`worker_stalled`), while every other worker
-is served as before (SGLang #29366 fanned out one message per request and stalled
-everyone behind one slow peer). The whole stall policy is `deliver`: a lost message's
-requests are failed by the core, and the worker is owed their error rows, sent by
-`settle` once its queue has room again.
+Each worker gets its own PUSH socket and its own queue, bounded in bytes, and so does
+the scheduler's feedback address (in messages: its rows are small). Sends never block:
+a worker that stops reading fills its own queue and only its requests fail
+(`worker_stalled`), while every other worker is served as before (SGLang #29366
+fanned out one message per request and stalled everyone behind one slow peer). The
+whole stall policy is `deliver`: a lost message's requests are failed by the core,
+and the worker is owed their error rows, sent by `settle` once its queue has room.
+
+A worker's queue is ZMQ's (`send_hwm` messages, kept short) and, behind it, a
+backlog here (`send_queue_bytes`). ZMQ counts messages only and shows no depth, so
+bytes are counted where they can be: in the backlog, which the loop drains into
+ZMQ whenever the socket can take more (`flush`, woken by the socket's POLLOUT).
 
 Frames are encoded by the wire dialect; delivery only moves bytes.
 """
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +45,8 @@ def owed_cost(rid: str, row: OutRow) -> int:
 
 def _owed() -> BoundedMap[str, OutRow]:
     return BoundedMap(MAX_OWED, MAX_OWED_BYTES, owed_cost)
+
+
 REGISTER_REFUSED = "register_refused"  # detokd_errors kind of a register the policy refused
 
 
@@ -76,8 +85,10 @@ class Worker:
     index: int
     address: str
     socket: zmq.Socket | None = None
-    sent: int = 0  # messages
+    sent: int = 0  # messages queued (in ZMQ's queue or the backlog)
     dropped: int = 0  # messages that found the queue full
+    backlog: deque[bytes] = field(default_factory=deque)  # frames waiting for room in ZMQ's queue, in order
+    backlog_bytes: int = 0
     owed: BoundedMap[str, OutRow] = field(default_factory=_owed)  # rid -> error row a full queue kept from this worker
 
 
@@ -92,6 +103,7 @@ class Delivery:
         hwm: int,
         linger_ms: int,
         stats: Stats,
+        queue_bytes: int = 64 << 20,
         policy: RegisterPolicy = RegisterPolicy(),
         curve: Curve | None = None,
     ) -> None:
@@ -101,7 +113,10 @@ class Delivery:
         self.added = 0  # workers added by `register` at run time
         self.outbox = outbox
         self.hwm = hwm
+        self.queue_bytes = queue_bytes  # each worker's backlog at most
         self.linger_ms = linger_ms
+        self.poller: zmq.Poller | None = None  # the loop's: a backlogged worker's POLLOUT wakes it
+        self.backlogged: dict[int, Worker] = {}
         self.stats = stats
         self.workers: dict[int, Worker] = {}
         self.feedback: zmq.Socket | None = None
@@ -156,10 +171,13 @@ class Delivery:
             self.workers[index] = Worker(index, address, sock)
             self.outbox.open(index)
         else:
+            self._unwatch(w)
             if w.socket is not None:
                 w.socket.close(linger=0)
             w.socket = sock
             w.address = address
+            if w.backlog:  # the frames are the worker's: they follow it to its new address
+                self._watch(w)
         log.info("worker %d at %r%s", index, address, " (CURVE)" if key is not None else "")
         return True
 
@@ -182,18 +200,63 @@ class Delivery:
     # --- sending ------------------------------------------------------------------------
 
     def send(self, index: int, frame: bytes) -> bool:
-        """Queue one frame for a worker; False when there is no such worker or its
-        queue is full (the frame is lost and counted)."""
+        """Queue one frame for a worker: into ZMQ's queue, or behind it into the
+        backlog while ZMQ's is full. False when there is no such worker or the backlog
+        has no room for the frame (it is lost and counted)."""
         w = self.workers.get(index)
         if w is None or w.socket is None:
             return False
-        try:
-            w.socket.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
-        except zmq.Again:
+        if w.backlog:
+            self._drain(w)
+        if not w.backlog:
+            try:
+                w.socket.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+                w.sent += 1
+                return True
+            except zmq.Again:
+                pass
+        if w.backlog_bytes + len(frame) > self.queue_bytes:
             w.dropped += 1
             return False
+        w.backlog.append(frame)
+        w.backlog_bytes += len(frame)
         w.sent += 1
+        if len(w.backlog) == 1:
+            self._watch(w)
         return True
+
+    def flush(self) -> None:
+        """Move backlogged frames into ZMQ's queues while they take them, in order."""
+        for w in list(self.backlogged.values()):
+            self._drain(w)
+
+    def _drain(self, w: Worker) -> None:
+        backlog, sock = w.backlog, w.socket
+        asked = False
+        while backlog:
+            frame = backlog[0]
+            try:
+                sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+            except zmq.Again:
+                # A non-blocking send reads ZMQ's "the I/O thread took them" notices at
+                # most once a millisecond; asking for EVENTS reads them now.
+                if asked or not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                    return
+                asked = True
+                continue
+            asked = False
+            backlog.popleft()
+            w.backlog_bytes -= len(frame)
+        self._unwatch(w)
+
+    def _watch(self, w: Worker) -> None:
+        self.backlogged[w.index] = w
+        if self.poller is not None:
+            self.poller.register(w.socket, zmq.POLLOUT)
+
+    def _unwatch(self, w: Worker) -> None:
+        if self.backlogged.pop(w.index, None) is not None and self.poller is not None:
+            self.poller.unregister(w.socket)
 
     def _send_frames(self, index: int, frames: bytes | list[bytes]) -> bool:
         """Queue what a dialect encoded for one worker's rows: a frame, or several."""
@@ -238,20 +301,34 @@ class Delivery:
 
     @staticmethod
     def has_room(w: Worker) -> bool:
-        """Whether the worker's send queue has room: ZMQ exposes no depth, only this."""
-        return w.socket is not None and bool(w.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+        """Whether a frame would go straight into the worker's ZMQ queue: no backlog,
+        and ZMQ's queue below its mark (ZMQ exposes no depth, only this)."""
+        return w.socket is not None and not w.backlog and bool(w.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
 
     def publish(self) -> None:
         """Per-worker figures for /metrics."""
         self.stats.workers = {
-            w.index: WorkerFigures(w.sent, w.dropped, self.has_room(w), len(w.owed)) for w in self.workers.values()
+            w.index: WorkerFigures(w.sent, w.dropped, self.has_room(w), len(w.owed), len(w.backlog), w.backlog_bytes)
+            for w in self.workers.values()
         }
 
     def close(self) -> None:
+        """Give backlogged frames up to linger_ms to enter ZMQ's queues, which then get
+        what is left of it to leave; what cannot is logged."""
+        deadline = time.monotonic() + self.linger_ms / 1000
+        while self.backlogged and (left := deadline - time.monotonic()) > 0:
+            poller = zmq.Poller()
+            for w in self.backlogged.values():
+                poller.register(w.socket, zmq.POLLOUT)
+            if poller.poll(int(left * 1000) + 1):
+                self.flush()
+        for w in self.backlogged.values():
+            log.warning("worker %d: %d queued messages (%d bytes) not sent at shutdown", w.index, len(w.backlog), w.backlog_bytes)
+        linger = max(0, int((deadline - time.monotonic()) * 1000))
         for w in self.workers.values():
             if w.socket is not None:
-                w.socket.close(linger=self.linger_ms)
+                w.socket.close(linger=linger)
                 w.socket = None
         if self.feedback is not None:
-            self.feedback.close(linger=self.linger_ms)
+            self.feedback.close(linger=linger)
             self.feedback = None

@@ -30,6 +30,8 @@ class WorkerFigures(NamedTuple):
     dropped: int  # messages lost to a full queue
     writable: bool  # the queue has room now
     owed: int  # error rows waiting for it to have room
+    backlog: int  # messages waiting behind ZMQ's queue
+    backlog_bytes: int
 
 
 class Stats:
@@ -97,15 +99,18 @@ class _Collector:
         dropped = CounterMetricFamily("detokd_worker_dropped", "messages lost to a full worker queue", labels=["worker"])
         writable = GaugeMetricFamily("detokd_worker_writable", "1 while the worker's send queue has room", labels=["worker"])
         owed = GaugeMetricFamily("detokd_worker_owed_rows", "error rows waiting for the worker's queue to have room", labels=["worker"])
+        backlog = GaugeMetricFamily("detokd_worker_backlog_messages", "messages waiting behind the worker's ZMQ queue", labels=["worker"])
+        backlog_bytes = GaugeMetricFamily(
+            "detokd_worker_backlog_bytes", "bytes waiting behind the worker's ZMQ queue (at most send_queue_bytes)", labels=["worker"]
+        )
         for w, f in sorted(s.workers.items()):
             sent.add_metric([str(w)], f.sent)
             dropped.add_metric([str(w)], f.dropped)
             writable.add_metric([str(w)], 1 if f.writable else 0)
             owed.add_metric([str(w)], f.owed)
-        yield sent
-        yield dropped
-        yield writable
-        yield owed
+            backlog.add_metric([str(w)], f.backlog)
+            backlog_bytes.add_metric([str(w)], f.backlog_bytes)
+        yield from (sent, dropped, writable, owed, backlog, backlog_bytes)
         entries = GaugeMetricFamily("detokd_memory_entries", "entries held by each bounded memory", labels=["memory"])
         size = GaugeMetricFamily("detokd_memory_bytes", "estimated bytes held by each bounded memory", labels=["memory"])
         for name, (n, nbytes) in sorted(s.memory.items()):

@@ -105,7 +105,8 @@ class Server:
             try:
                 self.delivery = Delivery(
                     self.ctx, self.outbox, list(cfg.workers),
-                    feedback=cfg.feedback, hwm=cfg.send_hwm, linger_ms=cfg.linger_ms, stats=self.stats,
+                    feedback=cfg.feedback, hwm=cfg.send_hwm, queue_bytes=cfg.send_queue_bytes,
+                    linger_ms=cfg.linger_ms, stats=self.stats,
                     policy=RegisterPolicy(cfg.register_enabled, tuple(cfg.register_allow), cfg.register_replace, cfg.register_max),
                     curve=curve,
                 )
@@ -170,6 +171,8 @@ class Server:
         readiness.notify("READY=1")
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
+        delivery = self.delivery
+        delivery.poller = poller  # a worker's backlog registers its socket's POLLOUT here
         recv = self.input.recv
         monotonic = time.monotonic
         try:
@@ -178,6 +181,8 @@ class Server:
                 if not poller.poll(POLL_MS):
                     self._publish()
                     continue
+                if delivery.backlogged:
+                    delivery.flush()
                 for _ in range(MAX_FRAMES_PER_TURN):
                     try:
                         frame = recv(zmq.NOBLOCK)

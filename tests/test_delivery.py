@@ -24,7 +24,7 @@ IDS = vocab("deepseek").backend.encode("Grüße, 世界!", add_special_tokens=Fa
 
 
 class Rig:
-    def __init__(self, folder: Path, hwm: int = 100) -> None:
+    def __init__(self, folder: Path, hwm: int = 100, queue_bytes: int = 1 << 20) -> None:
         self.ctx = zmq.Context()
         self.addresses = [f"ipc://{folder}/w{i}.sock" for i in range(2)]
         self.stats = Stats()
@@ -34,7 +34,8 @@ class Rig:
         # Register on and open (tests/test_hardening.py holds the policy itself).
         open_register = RegisterPolicy(enabled=True, allow=("*",), replace=True)
         self.delivery = Delivery(
-            self.ctx, self.outbox, self.addresses, feedback=None, hwm=hwm, linger_ms=0, stats=self.stats, policy=open_register
+            self.ctx, self.outbox, self.addresses, feedback=None, hwm=hwm, queue_bytes=queue_bytes, linger_ms=0,
+            stats=self.stats, policy=open_register,
         )
         self.pulls: dict[int, zmq.Socket] = {}
 
@@ -44,6 +45,7 @@ class Rig:
         return s
 
     def step(self, rows: list[P.Row]) -> None:
+        self.delivery.flush()  # as the loop does at each turn
         self.core.tokens(rows)
         self.delivery.deliver(P.encode_text, P.encode_stopped, self.core.stalled)
 
@@ -51,7 +53,8 @@ class Rig:
         """The next n messages of a worker, each its list of rows (fails at a deadline)."""
         s, out = self.pulls[worker], []
         for _ in range(n):
-            assert s.poll(5000), f"worker {worker} got {len(out)} of {n} messages"
+            # As the loop would, move backlogged frames on while waiting.
+            wait_until(lambda: s.poll(10) or self.delivery.flush(), 5, f"worker {worker}'s message {len(out) + 1} of {n}")
             out.append(msgspec.msgpack.decode(s.recv(), type=P.Text).rows)
         return out
 
@@ -90,34 +93,37 @@ def test_each_worker_gets_one_message_per_batch_with_its_rows_in_order(rig) -> N
 
 
 def test_a_full_queue_loses_only_that_workers_message_and_settle_sends_what_it_is_owed(rig) -> None:
-    r = rig(hwm=4)
+    # A worker's queue is ZMQ's (hwm messages) and behind it a backlog bounded in bytes.
+    r = rig(hwm=4, queue_bytes=1000)
     r.bind(1)  # worker 0 is bound by nobody: its queue fills
     r.step([start("warm", 1)])  # its arrival says worker 1 is connected, not queueing
     assert r.messages(1, 1)[0][0].rid == "warm"
     w0 = r.delivery.workers[0]
     steps = 0
-    while r.delivery.has_room(w0):
+    while w0.dropped == 0:
         steps += 1
         assert steps < 1000, "worker 0's queue never filled"
-        r.step([start(f"a{steps}", 0)])
-    assert w0.dropped == 0
-    steps += 1
-    r.step([start(f"a{steps}", 0), start("b", 1)])  # one batch: worker 0's message is lost, not 1's
-    assert w0.dropped == 1 and r.delivery.workers[1].dropped == 0
-    assert [x.rid for x in r.messages(1, 1)[0]] == ["b"]
+        before = w0.backlog_bytes
+        r.step([start(f"a{steps}", 0), start(f"b{steps}", 1)])  # worker 0's message is lost, not 1's
+        assert w0.backlog_bytes <= 1000
+        assert r.messages(1, 1)[0][0].rid == f"b{steps}"
     lost = f"a{steps}"
+    assert w0.backlog_bytes == before > 1000 - 200 and not r.delivery.has_room(w0)  # full: a frame here is ~75 bytes
+    assert r.delivery.workers[1].dropped == 0 and not r.delivery.workers[1].backlog
     assert lost not in r.core.table and r.stats.errors[P.WORKER_STALLED] == 1
+    r.delivery.flush()
     r.delivery.settle(P.encode_text, r.core.table.__contains__)  # still no room: still owed
-    assert set(r.delivery.workers[0].owed) == {lost}
+    assert set(w0.owed) == {lost}
     r.bind(0)
+    wait_until(lambda: (r.delivery.flush(), not w0.backlog)[1], 5, "worker 0's backlog to drain")
     queued = r.messages(0, steps - 1)
-    assert [m[0].rid for m in queued] == [f"a{i}" for i in range(1, steps)]
-    wait_until(lambda: r.delivery.has_room(r.delivery.workers[0]), 5, "room in worker 0's queue")
+    assert [m[0].rid for m in queued] == [f"a{i}" for i in range(1, steps)]  # in order, ZMQ's then the backlog's
+    wait_until(lambda: r.delivery.has_room(w0), 5, "room in worker 0's queue")
     r.delivery.settle(P.encode_text, r.core.table.__contains__)
     (owed,) = r.messages(0, 1)
     assert [(x.rid, x.error) for x in owed] == [(lost, P.WORKER_STALLED)]
     r.delivery.settle(P.encode_text, r.core.table.__contains__)  # sent once
-    assert not r.pulls[0].poll(50) and not r.delivery.workers[0].owed
+    assert not r.pulls[0].poll(50) and not w0.owed and w0.backlog_bytes == 0
 
 
 @pytest.mark.parametrize("address", ["nonsense://x", "tcp://", "ipc://" + "x" * 200])

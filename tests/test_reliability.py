@@ -300,15 +300,17 @@ def test_after_a_restart_rows_of_forgotten_rids_get_unknown_rid_everywhere(detok
 
 
 def test_a_stalled_or_gone_worker_never_blocks_the_others(detokd, tmp_path, zctx):
-    """Worker 1 is bound but never reads (its queue fills: send_hwm 500, a 1-message
-    receive queue, rows made large by their meta to fill the kernel's buffer too);
+    """Worker 1 is bound but never reads (its queue fills: ZMQ's 16 messages, a 64 KiB
+    backlog, a 1-message receive queue, rows made large by their meta to fill the
+    kernel's buffer too);
     worker 3 was never there at all. Their requests fail with "worker_stalled",
     counted in /metrics, while workers 0 and 2 get every text exactly, before and
     after the stall. Then both come back (bind their address) and receive again."""
     rng = random.Random(6)
-    # 500 messages: far more than a reading worker ever has queued (a burst while
-    # ZMQ's I/O thread waits for a core), cheap to fill for a stuck one.
-    d = detokd(workers=4, args=["--metrics-port", "0"], send_hwm=500, linger_ms=200)
+    # 64 KiB: hundreds of the healthy workers' messages, far more than a reading worker
+    # ever has queued (a burst while ZMQ's I/O thread waits for a core), cheap to fill
+    # for a stuck one.
+    d = detokd(workers=4, args=["--metrics-port", "0"], send_queue_bytes=64 * 1024, linger_ms=200)
     good = {0: Sink(zctx, d.workers[0]), 2: Sink(zctx, d.workers[2])}
     stuck = Sink(zctx, d.workers[1], read=False, rcvhwm=1)
     d.wait_ready()
@@ -322,7 +324,7 @@ def test_a_stalled_or_gone_worker_never_blocks_the_others(detokd, tmp_path, zctx
     while not all(r.done for r in healthy):
         rows = [r.row(rng.randint(1, 4)) for r in healthy if not r.done]
         if not starved[0].done and not ghost.done:
-            rows += [r.row(2, finish=False, meta=blob) for r in starved] + [ghost.row(2, finish=False)]
+            rows += [r.row(2, finish=False, meta=blob) for r in starved] + [ghost.row(2, finish=False, meta=blob[:1024])]
         eng.rows(rows)
         steps += 1
         if stalled_at is None and steps % 25 == 0:
@@ -342,6 +344,8 @@ def test_a_stalled_or_gone_worker_never_blocks_the_others(detokd, tmp_path, zctx
     # Each failed request counts once, and each of its later rows once more (answered "worker_stalled").
     assert metric(m, "detokd_errors_total", kind="worker_stalled") >= len(starved) + 1
     assert metric(m, "detokd_worker_writable", worker="1") == 0
+    for w, message in (("1", 3 * (len(blob) + 512)), ("3", 1024 + 512)):  # each backlog is full: one more would not fit
+        assert 64 * 1024 - message < metric(m, "detokd_worker_backlog_bytes", worker=w) <= 64 * 1024, w
     assert metric(m, "detokd_live_requests") == 0  # the failed requests' states are freed
     assert metric(m, "detokd_worker_messages_total", worker="0") >= steps // 2
 

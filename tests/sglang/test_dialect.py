@@ -3,6 +3,8 @@ faces because it blocks on a full send queue, and detokd does not."""
 
 from __future__ import annotations
 
+import time
+
 import zmq
 
 from conftest import fast_codec, vocab
@@ -25,7 +27,8 @@ def test_a_tokenizer_manager_that_stops_reading_gets_aborts_not_silence(tmp_path
     more: docs/sglang.md, "A TokenizerManager that stops reading".)"""
     name = "deepseek"
     v = vocab(name)
-    out = v.hf.encode("Streaming text to a reader that has stopped reading, for a while. " * 3, add_special_tokens=False)
+    # Long enough that the kernel's socket buffers fill too (one step's answer is small).
+    out = v.hf.encode("Streaming text to a reader that has stopped reading, for a while. " * 60, add_special_tokens=False)
     reqs = [Scripted(rid=f"r{k}", prompt_ids=[1, 2, 3], output_ids=out) for k in range(4)]
     with ipc_encoding("msgpack"):
         from sglang.srt.managers import io_struct
@@ -37,27 +40,39 @@ def test_a_tokenizer_manager_that_stops_reading_gets_aborts_not_silence(tmp_path
     reader.setsockopt(zmq.RCVHWM, 1)
     reader.bind(address)
     stats, outbox = Stats(), Outbox()
-    delivery = Delivery(ctx, outbox, [address], feedback=None, hwm=1, linger_ms=0, stats=stats)
+    # One message in ZMQ's queue, two batches' worth behind it in the backlog.
+    delivery = Delivery(ctx, outbox, [address], feedback=None, hwm=1, queue_bytes=2 * max(map(len, frames)), linger_ms=0, stats=stats)
     core = Detokenizer(fast_codec(name), v.size, outbox, max_states=64, max_prompt_tail=8, stats=stats)
     dialect = SglangDialect(core, delivery, Collector(stats), stats, ipc=schema.MsgpackCodec(), vocab_size=v.size)
+    got = []
+
+    def step(frame: bytes) -> None:  # one turn of detokd's loop
+        delivery.flush()
+        dialect.handle(frame)
+        delivery.deliver(dialect.encode_text, dialect.encode_stopped, core.stalled)
+
+    def read(wait_ms: int) -> None:  # what reaches the reader, the backlog moving on meanwhile
+        deadline = time.monotonic() + 10
+        while True:
+            delivery.flush()
+            if reader.poll(wait_ms):
+                got.append(io_struct.msgpack_decode(reader.recv()))
+            elif not delivery.backlogged:
+                return
+            assert time.monotonic() < deadline, "the backlog never drained"
+
     try:
         sent = 0
         while not stats.errors.get("worker_stalled"):  # nobody reads: the queue fills
             assert sent < len(frames) - 2, "the queue never filled"
-            dialect.handle(frames[sent])
-            delivery.deliver(dialect.encode_text, dialect.encode_stopped, core.stalled)
+            step(frames[sent])
             sent += 1
-        got = []
         with ipc_encoding("msgpack"):
-            while reader.poll(200):  # what made it into the queue before it filled
-                got.append(io_struct.msgpack_decode(reader.recv()))
-            for frame in frames[sent:]:  # the reader is back (ZMQ may take a few sends to see it)
-                dialect.handle(frame)
-                delivery.deliver(dialect.encode_text, dialect.encode_stopped, core.stalled)
-                while reader.poll(50):
-                    got.append(io_struct.msgpack_decode(reader.recv()))
-            while reader.poll(1000):
-                got.append(io_struct.msgpack_decode(reader.recv()))
+            read(200)  # what made it into the queue before it filled
+            for frame in frames[sent:]:  # the reader is back
+                step(frame)
+                read(2)
+            read(1000)
     finally:
         delivery.close()
         reader.close(0)
