@@ -347,6 +347,33 @@ def test_rows_past_a_frames_id_budget_get_too_large_and_the_rows_before_are_serv
     assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="too_large") == 3
 
 
+def test_a_dead_workers_queue_is_bounded_in_bytes_not_in_messages(detokd, zctx):
+    # Worker 0 never binds: every answer for it stays in detokd, 100 MiB of them. Its
+    # queue is 4 messages in ZMQ and an 8 MiB backlog; beyond, answers are lost and
+    # their requests fail, while worker 1 is served exactly.
+    d = detokd(workers=2, args=["--metrics-port", "0"], send_hwm=4, send_queue_bytes=8 << 20)
+    w1 = Sink(zctx, d.workers[1])
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    ids = make_ids(random.Random(12), 30)
+    eng.rows([{"rid": "warm", "ids": ids, "start": {"worker": 1}, "finish": {"reason": "length"}}])
+    w1.wait(lambda: w1.ended("warm"), 20, "the warm-up request")
+    base = _rss_mb(d.pid)
+    meta = b"\0" * (512 << 10)
+    for i in range(200):
+        eng.rows([{"rid": f"d{i}", "ids": [100], "start": {"worker": 0}, "meta": meta}])
+    eng.rows([{"rid": "ok", "ids": ids, "start": {"worker": 1}, "finish": {"reason": "length"}}])
+    w1.wait(lambda: w1.ended("ok"), 20, "worker 1's request behind them")
+    assert w1.text("ok") == oracle(vocab("deepseek"), [], ids, True)
+    m = scrape(port)
+    held = metric(m, "detokd_worker_backlog_bytes", worker="0")
+    assert (8 << 20) - len(meta) - 1024 < held <= 8 << 20  # full, and no more
+    assert metric(m, "detokd_worker_dropped_total", worker="0") >= 200 - 4 - 16
+    assert metric(m, "detokd_errors_total", kind="worker_stalled") == metric(m, "detokd_worker_dropped_total", worker="0")
+    assert _rss_mb(d.pid) - base < 48  # ~12 MiB held; the old queue of 10,000 messages held all 100 MiB
+
+
 # --------------------------------------------------------------------------- 5. rid collision
 
 
