@@ -35,6 +35,7 @@ from .sockets import Curve
 
 log = logging.getLogger("detokd.delivery")
 
+FEEDBACK_HWM = 1000  # stopped messages queued for the scheduler (per row a rid, the stop string, two counts)
 MAX_OWED = 65536  # error rows kept per worker for when it has room again
 MAX_OWED_BYTES = 16 << 20  # and their bytes: rids are the peer's strings, of any length
 
@@ -125,7 +126,7 @@ class Delivery:
                 if not self.place(i, address):
                     raise ValueError(f"cannot connect to worker {i} at {address}")
             if feedback:
-                self.feedback = self._connect(feedback, curve.feedback if curve else None)
+                self.feedback = self._connect(feedback, curve.feedback if curve else None, FEEDBACK_HWM)
         except (ValueError, zmq.ZMQError):
             self.close()
             raise
@@ -184,12 +185,12 @@ class Delivery:
     def known(self, index: int) -> bool:
         return index in self.workers
 
-    def _connect(self, address: str, server_key: bytes | None = None) -> zmq.Socket:
+    def _connect(self, address: str, server_key: bytes | None = None, hwm: int | None = None) -> zmq.Socket:
         s = self.ctx.socket(zmq.PUSH)
         try:
             if server_key is not None:
                 self.curve.connect_to(s, server_key)
-            s.setsockopt(zmq.SNDHWM, self.hwm)
+            s.setsockopt(zmq.SNDHWM, hwm or self.hwm)
             s.setsockopt(zmq.LINGER, self.linger_ms)
             s.connect(address)
         except zmq.ZMQError:
