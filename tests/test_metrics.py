@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import http.client
 import random
+import re
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from utils import Engine, Req, Sink, http_get, make_ids, metric, metrics_port, scrape, wait_until
 
@@ -189,3 +193,13 @@ def test_metrics_is_prometheus_text_with_every_counter_exact(detokd, zctx):
     assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))
     assert 0 < metric(m, "detokd_step_seconds_sum") < count  # seconds: well under a second a step
     assert d.stop() == 0
+
+
+def test_every_metric_family_is_documented_in_deploy_md(detokd, zctx):
+    d = detokd(workers=1, args=["--metrics-port", "0"])
+    d.wait_ready()
+    families = {f.name for f in text_string_to_metric_families(http_get(metrics_port(d), "/metrics")[1].decode())}
+    doc = (Path(__file__).parent.parent / "docs" / "deploy.md").read_text()
+    documented = set(re.findall(r"^\| `(detokd_[a-z_]+)` \|", doc, re.M))
+    # prometheus_client names a counter without its _total; docs give the scraped name.
+    assert {n + "_total" if n + "_total" in documented else n for n in families if n.startswith("detokd_")} == documented
