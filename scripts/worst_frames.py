@@ -1,0 +1,649 @@
+#!/usr/bin/env python
+"""What one worst-case inbound frame at detokd's DEFAULT caps costs a real `detokd serve`.
+
+Issue #13: /health must tell a stuck loop from a busy one, and SIGTERM must end detokd
+within shutdown_grace_s, "the caps bound the longest frame". This measures how long
+that longest frame is. Each scenario builds one PROTOCOL v1 `tokens` frame just under
+max_frame_bytes (64 MiB) with detokd.wire.native's Structs and sends it to a fresh
+detokd (default config and caps, deepseek tokenizer, one worker) after a warm-up of a
+few honest requests (their text checked against Vocab.reference):
+
+* mass_start        max_rows (65,536) rows, each a new request (start, one id), rids
+                    padded to ~1 KB so the frame is full
+* mass_start_evict  the same frame with max_states = 1024: 64,512 evictions
+* longest_token     rows of max_row_ids ids of the id whose text is longest (128 spaces,
+                    deepseek 69933), one request each: ~5 bytes in, 128 bytes out per id
+* malformed         65,536 rows whose ids end in a string: the frame fails as a whole
+                    and every row is salvaged one by one (bad_row each)
+* stop_holdback     one request: a start with max_stop_strings (256) stop strings of
+                    max_stop_chars (65,536) characters in all, 255 spaces and a mark
+                    each, then rows of 69933: every step holds 255 spaces back and
+                    every character goes through the stop automaton
+* stop_distinct     starts with a distinct max-size stop list each (one automaton of
+                    ~65,536 states apiece, never shared): only --distinct-starts of them
+                    (a full frame holds ~1,000, tens of GB); the figures of a full frame
+                    are extrapolated from the per-start cost
+
+For each: (a) seconds from the send until the worker got the frame's answer, and until
+the answer to a probe request sent right after it (its text checked against the
+oracle); (b) GET /health every 50 ms from a thread (10 s timeout): the worst latency and
+every non-200 answer; (c) detokd's VmHWM / VmRSS before and after; (d) on another fresh
+detokd, SIGTERM ~100 ms after the same frame was sent: seconds until it exited, and its
+exit status (3: the shutdown grace ran out).
+
+    PYTHONPATH=$PWD /work/venv-main/bin/python scripts/worst_frames.py            # ~10 min
+    PYTHONPATH=$PWD python scripts/worst_frames.py --quick --json /tmp/worst.json  # seconds
+    PYTHONPATH=$PWD python scripts/worst_frames.py --only malformed,mass_start
+
+--quick builds frames of 128 KiB (512 rows, 1,024 ids a row) at the same caps and skips
+stop_distinct unless --distinct-starts is given (each detokd takes ~3 s of CPU to start):
+a smoke run, not figures. Exit status 0 when every scenario completed with its probe exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import json
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+
+from detokd.config import Config  # noqa: E402
+from detokd.process import DetokdProcess, ipc_config  # noqa: E402
+from detokd.tokenizer import Vocab, load  # noqa: E402
+from detokd.wire.native import NIL, Finish, Row, Start, Tokens, encode  # noqa: E402
+
+CAPS = Config()  # the defaults every scenario runs at
+SEND_MS = 60_000  # detokd takes no input for a minute: give up
+ANSWER_WAIT_S = 1800  # the slowest frame's probe; beyond, the scenario failed
+EXIT_WAIT_S = 120  # after SIGTERM; beyond, detokd is killed and the run says so
+ANSWER_AFTER_EXIT_S = 5  # for the last of the answer to come in once detokd exited
+HEALTH_EVERY_S = 0.05
+HEALTH_TIMEOUT_S = 10.0
+SIGTERM_AFTER_S = 0.1
+WARM_TEXTS = (
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "Ünïcödé, 日本語のテキスト, emoji 🎉🚀 and Ελληνικά.",
+    "def f(x):\n    return [i * i for i in range(x)]  # code",
+)
+PROBE_TEXT = "The probe after the frame: naïve café, 中文, 🎉 — done."
+
+
+@dataclass(frozen=True)
+class Scale:
+    frame_bytes: int  # each frame is built just under this
+    rows: int
+    row_ids: int
+    evict_states: int  # max_states of mass_start_evict
+    distinct_starts: int  # 0: no stop_distinct
+
+
+FULL = Scale(CAPS.max_frame_bytes - 4096, CAPS.max_rows, CAPS.max_row_ids, 1024, 48)
+QUICK = Scale(128 * 1024, 512, 1024, 64, 0)
+
+
+# --------------------------------------------------------------------------- frames
+
+
+@dataclass
+class Frame:
+    data: bytes
+    rows: int
+    ids: int
+    note: str
+    per_start_bytes: int = 0  # stop_distinct: what one more start adds to a frame
+    token: int | None = None  # the one id the rows repeat, where they do
+
+
+def tokens(rows: list[Row]) -> bytes:
+    return encode(Tokens(rows))
+
+
+def fit(budget: int, fixed: int, per_row: int, cap: int) -> int:
+    """Rows of `per_row` bytes that fit beside `fixed` bytes (envelope, first row)."""
+    return max(1, min(cap, (budget - fixed - 8) // per_row))
+
+
+def padded_rid(prefix: str, i: int, width: int) -> str:
+    head = f"{prefix}{i:06d}-"
+    return head + "x" * (width - len(head))
+
+
+def mass_start(scale: Scale, vocab: Vocab) -> Frame:
+    """max_rows new requests, one id each; rids as long as the frame allows."""
+    token = vocab.backend.encode("Hello", add_special_tokens=False).ids[0]
+    per_row = (scale.frame_bytes - 16) // scale.rows
+
+    def size(width: int) -> int:
+        return len(encode(Row(padded_rid("m-", 0, width), [token], start=Start())))
+
+    width = min(CAPS.max_rid_len, per_row - (size(300) - 300))
+    while size(width) > per_row:  # a shorter rid may take a shorter header: settle it
+        width -= 1
+    rows = [Row(padded_rid("m-", i, width), [token], start=Start()) for i in range(scale.rows)]
+    return Frame(tokens(rows), len(rows), len(rows), f"{len(rows)} starts, rids of {width} chars, id {token}")
+
+
+def longest_token(scale: Scale, vocab: Vocab) -> Frame:
+    """Rows of row_ids copies of the longest-text id, one new request each."""
+    tid = longest_id(vocab)
+    ids = [tid] * scale.row_ids
+    n = fit(scale.frame_bytes, 16, len(encode(Row("L-000000", ids, start=Start()))), scale.rows)
+    rows = [Row(f"L-{i:06d}", ids, start=Start()) for i in range(n)]
+    out = len(vocab.decode([tid], True).encode())
+    return Frame(tokens(rows), n, n * len(ids), f"{n} rows x {len(ids)} x id {tid} ({out} bytes of text each)", token=tid)
+
+
+@functools.cache
+def longest_id(vocab: Vocab) -> int:
+    """The id whose decode is longest in UTF-8 bytes; the lowest id among equals."""
+    return max(range(vocab.size), key=lambda i: (len(vocab.decode([i], True).encode()), -i))
+
+
+def malformed(scale: Scale, vocab: Vocab) -> Frame:
+    """max_rows rows whose ids end in a string: msgspec reads every id of every row
+    before it fails, once for the frame and once per row in the salvage."""
+    k = (scale.frame_bytes - 16) // scale.rows - len(msgspec.msgpack.encode({"rid": "bad-000000", "ids": ["x"]})) - 3
+    msg = {"type": "tokens", "rows": [{"rid": f"bad-{i:06d}", "ids": [1] * k + ["x"]} for i in range(scale.rows)]}
+    return Frame(msgspec.msgpack.encode(msg), scale.rows, scale.rows * k, f"{scale.rows} rows of {k} ids and a string")
+
+
+def holdback_stops() -> list[str]:
+    """max_stop_strings strings of max_stop_chars characters in all: 255 spaces and a
+    mark each, so a text of spaces always holds its last 255 characters back."""
+    n = CAPS.max_stop_strings
+    each = CAPS.max_stop_chars // n
+    return [" " * (each - 1) + chr(0x4E00 + i) for i in range(n)]
+
+
+def stop_holdback(scale: Scale, vocab: Vocab) -> Frame:
+    """One request: its start carries holdback_stops(), every row the longest-text id."""
+    tid = longest_id(vocab)
+    ids = [tid] * scale.row_ids
+    first = Row("S-0", ids, start=Start(stop=holdback_stops()))
+    fixed = 16 + len(encode(first))
+    n = 1 + fit(scale.frame_bytes, fixed, len(encode(Row("S-0", ids, seq=2**32))), scale.rows - 1)
+    rows = [first] + [Row("S-0", ids, seq=k * len(ids)) for k in range(1, n)]
+    return Frame(tokens(rows), n, n * len(ids), f"1 start, 256 stops / 65536 chars, {n} rows x {len(ids)} x id {tid}")
+
+
+def distinct_stops(rng: random.Random) -> list[str]:
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    each = CAPS.max_stop_chars // CAPS.max_stop_strings
+    return ["".join(rng.choices(letters, k=each)) for _ in range(CAPS.max_stop_strings)]
+
+
+def stop_distinct(scale: Scale, vocab: Vocab) -> Frame:
+    """distinct_starts new requests, each with its own stop list: its own automaton."""
+    rng = random.Random(13)
+    token = vocab.backend.encode("Hello", add_special_tokens=False).ids[0]
+    rows = [Row(f"D-{i:06d}", [token], start=Start(stop=distinct_stops(rng))) for i in range(scale.distinct_starts)]
+    per_start = len(encode(rows[0]))
+    return Frame(
+        tokens(rows), len(rows), len(rows), f"{len(rows)} starts of a distinct max stop list each (partial frame)", per_start
+    )
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    build: object  # (Scale, Vocab) -> Frame
+    settings: dict = field(default_factory=dict)  # config keys beyond the defaults
+
+
+def scenarios(scale: Scale) -> list[Scenario]:
+    return [
+        Scenario("mass_start", mass_start),
+        Scenario("mass_start_evict", mass_start, {"max_states": scale.evict_states}),
+        Scenario("longest_token", longest_token),
+        Scenario("malformed", malformed),
+        Scenario("stop_holdback", stop_holdback),
+    ] + ([Scenario("stop_distinct", stop_distinct)] if scale.distinct_starts else [])
+
+
+# --------------------------------------------------------------------------- peers
+
+
+class OutRowLite(msgspec.Struct):
+    """An output row with its text left as raw MessagePack: a 1.7 GB answer is counted,
+    never decoded (this process's GIL is the /health poller's too)."""
+
+    rid: str
+    text: msgspec.Raw
+    finish: msgspec.Raw = NIL
+    n_ids: int = 0
+    meta: msgspec.Raw = NIL
+    error: str | None = None
+
+
+class TextLite(msgspec.Struct):
+    type: str
+    rows: list[OutRowLite] = []
+
+
+_text_lite = msgspec.msgpack.Decoder(TextLite)
+
+
+def str_bytes(raw: msgspec.Raw) -> int:
+    """UTF-8 bytes of a MessagePack str, from its header."""
+    b = memoryview(raw)
+    h = b[0]
+    return len(b) - (1 if h < 0xD9 else {0xD9: 2, 0xDA: 3, 0xDB: 5}[h])
+
+
+@dataclass
+class Message:
+    at: float  # time.monotonic() when it arrived
+    nbytes: int
+    rows: int
+    text_bytes: int
+    errors: collections.Counter
+    probe: bool
+
+
+class Sink:
+    """The tokenizer worker: a PULL socket bound at the worker address and a thread that
+    logs every message; rows of warm-up and probe rids are kept, decoded."""
+
+    KEEP = ("warm-", "probe-")
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.cond = threading.Condition()
+        self.log: list[Message] = []
+        self.kept: dict[str, list[tuple[str, object, str | None]]] = collections.defaultdict(list)
+        self.stopping = False
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 100)
+        self.sock.bind(address)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping:
+            try:
+                frame = self.sock.recv(copy=False)
+            except zmq.Again:
+                continue
+            m, kept = self._read(time.monotonic(), frame.buffer)
+            del frame
+            with self.cond:
+                for rid, row in kept:
+                    self.kept[rid].append(row)
+                self.log.append(m)
+                self.cond.notify_all()
+        self.sock.close(linger=0)
+
+    def _read(self, at: float, buf: memoryview) -> tuple[Message, list]:
+        msg = _text_lite.decode(buf)
+        m = Message(at, len(buf), len(msg.rows), 0, collections.Counter(), False)
+        kept = []
+        for row in msg.rows:
+            m.text_bytes += str_bytes(row.text)
+            if row.error is not None:
+                m.errors[row.error] += 1
+            if row.rid.startswith(self.KEEP):
+                m.probe |= row.rid.startswith("probe-")
+                text = msgspec.msgpack.decode(row.text, type=str)
+                kept.append((row.rid, (text, msgspec.msgpack.decode(row.finish), row.error)))
+        return m, kept
+
+    def ended(self, rid: str) -> bool:
+        with self.cond:
+            rows = self.kept.get(rid)
+            return bool(rows) and (rows[-1][1] is not None or rows[-1][2] is not None)
+
+    def text(self, rid: str) -> str:
+        with self.cond:
+            return "".join(t for t, _, error in self.kept.get(rid, ()) if error is None)
+
+    def wait(self, pred, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not pred():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {what} within {timeout:.0f} s")
+                self.cond.wait(min(left, 0.5))
+
+    def since(self, t0: float) -> list[Message]:
+        with self.cond:
+            return [m for m in self.log if m.at >= t0]
+
+    def close(self) -> None:
+        self.stopping = True
+        self.thread.join(5)
+
+
+class Target:
+    """One fresh `detokd serve` with its worker (a Sink) and an engine (a PUSH socket)."""
+
+    def __init__(self, ctx: zmq.Context, root: str, name: str, settings: dict) -> None:
+        self.folder = tempfile.mkdtemp(prefix=f"{name[:12]}-", dir=root)
+        self.settings = settings
+        cfg = ipc_config(self.folder, tokenizer="deepseek", metrics_port=0, log_level="info", **settings)
+        self.sink = Sink(ctx, cfg.workers[0])
+        self.proc = DetokdProcess(cfg, folder=self.folder).spawn()
+        self.engine = ctx.socket(zmq.PUSH)
+        self.engine.setsockopt(zmq.LINGER, 0)
+        self.engine.setsockopt(zmq.SNDTIMEO, SEND_MS)
+        self.engine.connect(cfg.input)
+        self.port: int | None = None
+
+    def ready(self) -> Target:
+        self.proc.wait_ready()
+        self.port = int(re.search(r"health and metrics on port (\d+)", self.proc.log()).group(1))
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, frame: bytes) -> None:
+        self.engine.send(frame, copy=len(frame) < 65536)
+
+    def close(self) -> None:
+        if self.proc.returncode is None:
+            try:
+                self.proc.stop(EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        self.proc.kill()
+        self.engine.close(linger=0)
+        self.sink.close()
+
+
+def request_rows(rid: str, ids: list[int], steps: int) -> list[Row]:
+    """One request's ids in `steps` rows: a start on the first, a finish on the last."""
+    cuts = [len(ids) * k // steps for k in range(steps + 1)]
+    return [
+        Row(rid, ids[a:b], seq=a, start=Start() if k == 0 else None, finish=Finish("length") if k == steps - 1 else None)
+        for k, (a, b) in enumerate(zip(cuts, cuts[1:]))
+    ]
+
+
+def warm_up(t: Target, vocab: Vocab) -> None:
+    """A few honest requests in three steps; their text must be the oracle's."""
+    reqs = {f"warm-{k}": vocab.backend.encode(s, add_special_tokens=False).ids for k, s in enumerate(WARM_TEXTS)}
+    plans = [request_rows(rid, ids, 3) for rid, ids in reqs.items()]
+    for step in range(3):
+        t.send(tokens([plan[step] for plan in plans]))
+    t.sink.wait(lambda: all(t.sink.ended(rid) for rid in reqs), 60, "warm-up answers")
+    wrong = [rid for rid, ids in reqs.items() if t.sink.text(rid) != vocab.reference([], ids)]
+    if wrong:
+        raise AssertionError(f"warm-up text differs from the oracle for {wrong}")
+
+
+# --------------------------------------------------------------------------- measures
+
+
+def memory(pid: int) -> dict:
+    """VmHWM (the peak) and VmRSS of a process, in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmHWM", "VmRSS")}
+    return {"hwm_mb": round(kb["VmHWM"] / 1024, 1), "rss_mb": round(kb["VmRSS"] / 1024, 1)}
+
+
+class HealthPoller(threading.Thread):
+    """GET /health every 50 ms until stopped: each answer's latency and status."""
+
+    def __init__(self, port: int, t0: float) -> None:
+        super().__init__(daemon=True)
+        self.url = f"http://127.0.0.1:{port}/health"
+        self.t0 = t0
+        self.done = threading.Event()
+        self.polls = 0
+        self.worst_s = 0.0
+        self.bad: list[dict] = []  # non-200 answers and failures (status None)
+
+    def run(self) -> None:
+        while True:
+            start = time.monotonic()
+            status, body = self._get()
+            latency = time.monotonic() - start
+            self.polls += 1
+            self.worst_s = max(self.worst_s, latency)
+            if status != 200:
+                self.bad.append({"at_s": round(start - self.t0, 3), "status": status, "body": body, "latency_s": round(latency, 3)})
+            if self.done.wait(max(0.0, start + HEALTH_EVERY_S - time.monotonic())):
+                return
+
+    def _get(self) -> tuple[int | None, str]:
+        try:
+            with urllib.request.urlopen(self.url, timeout=HEALTH_TIMEOUT_S) as r:
+                return r.status, r.read().decode().strip()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode().strip()
+        except OSError as e:  # a timeout, a refused connection
+            return None, f"{type(e).__name__}: {e}"
+
+    def stop(self) -> dict:
+        self.done.set()
+        self.join(HEALTH_TIMEOUT_S + 5)
+        statuses = collections.Counter(str(b["status"]) for b in self.bad)
+        return {
+            "polls": self.polls,
+            "worst_latency_s": round(self.worst_s, 3),
+            "non_200": len(self.bad),
+            "statuses": dict(statuses),
+            "first_non_200_at_s": self.bad[0]["at_s"] if self.bad else None,
+            "last_non_200_at_s": self.bad[-1]["at_s"] if self.bad else None,
+            "samples": self.bad[:3] + self.bad[-2:] if len(self.bad) > 5 else self.bad,
+        }
+
+
+def probe_for(vocab: Vocab, name: str) -> tuple[str, list[int], bytes]:
+    rid = f"probe-{name}"
+    ids = vocab.backend.encode(PROBE_TEXT, add_special_tokens=False).ids
+    return rid, ids, tokens([Row(rid, ids, start=Start(), finish=Finish("length"))])
+
+
+def handle(t: Target, frame: Frame, vocab: Vocab, name: str) -> dict:
+    """(a), (b), (c): the frame, then a probe; time to both answers, /health, memory."""
+    rid, ids, probe = probe_for(vocab, name)
+    before = memory(t.pid)
+    t0 = time.monotonic()
+    poller = HealthPoller(t.port, t0)
+    poller.start()
+    t.send(frame.data)
+    sent_s = time.monotonic() - t0
+    t.send(probe)
+    try:
+        t.sink.wait(lambda: t.sink.ended(rid), ANSWER_WAIT_S, "answer to the probe")
+    finally:
+        health = poller.stop()
+    after = memory(t.pid)
+    msgs = t.sink.since(t0)
+    answer = [m for m in msgs if not m.probe]
+    probe_at = next(m.at for m in msgs if m.probe)
+    text = t.sink.text(rid)
+    return {
+        "send_s": round(sent_s, 3),
+        "answer_s": round(answer[-1].at - t0, 3) if answer else None,
+        "probe_s": round(probe_at - t0, 3),
+        "answer": {
+            "messages": len(answer),
+            "rows": sum(m.rows for m in answer),
+            "bytes": sum(m.nbytes for m in answer),
+            "text_bytes": sum(m.text_bytes for m in answer),
+            "errors": dict(sum((m.errors for m in answer), collections.Counter())),
+        },
+        "probe": {"rid": rid, "ids": ids, "text": text, "exact": text == vocab.reference([], ids)},
+        "health": health,
+        "memory": {"before": before, "after": after},
+    }
+
+
+def sigterm(t: Target, frame: Frame) -> dict:
+    """(d): SIGTERM ~100 ms after the frame was sent; seconds until detokd exited."""
+    t0 = time.monotonic()
+    t.send(frame.data)
+    time.sleep(max(0.0, t0 + SIGTERM_AFTER_S - time.monotonic()))
+    signalled = time.monotonic()
+    t.proc.proc.send_signal(signal.SIGTERM)
+    try:
+        code = t.proc.proc.wait(EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        t.proc.kill()
+        code = None
+    exit_s = time.monotonic() - signalled
+    try:  # what detokd queued before it exited may still be on its way in
+        t.sink.wait(lambda: t.sink.since(t0), ANSWER_AFTER_EXIT_S, "answer")
+    except TimeoutError:
+        pass
+    return {
+        "signal_after_send_s": round(signalled - t0, 3),
+        "exit_s": round(exit_s, 3),
+        "returncode": code,  # 0: clean; 3: shutdown_grace_s ran out; None: killed after EXIT_WAIT_S
+        "grace_s": t.proc.config.shutdown_grace_s,
+        "grace_ran_out": "not stopped within shutdown_grace_s" in t.proc.log(),
+        "answer_delivered": bool(t.sink.since(t0)),  # the frame's answer reached the worker
+    }
+
+
+def extrapolate(frame: Frame, res: dict, scale: Scale) -> dict:
+    """stop_distinct: a full frame's figures from the per-start cost of this one."""
+    starts = fit(scale.frame_bytes, 16, frame.per_start_bytes, scale.rows)
+    per_s = res["answer_s"] / frame.rows
+    per_mb = (res["memory"]["after"]["rss_mb"] - res["memory"]["before"]["rss_mb"]) / frame.rows
+    return {
+        "starts_in_a_full_frame": starts,
+        "seconds_per_start": round(per_s, 4),
+        "rss_mb_per_start": round(per_mb, 2),
+        "full_frame_s": round(starts * per_s, 1),
+        "full_frame_rss_mb": round(starts * per_mb),
+    }
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_scenario(sc: Scenario, pair: tuple[Target, Target], vocab: Vocab, scale: Scale) -> dict:
+    measured, stopped = pair
+    out: dict = {"name": sc.name, "settings": sc.settings, "completed": False}
+    try:
+        frame = sc.build(scale, vocab)
+        out["frame"] = {"bytes": len(frame.data), "rows": frame.rows, "ids": frame.ids, "token": frame.token, "note": frame.note}
+        if len(frame.data) > CAPS.max_frame_bytes:  # ZMQ would drop it unread
+            raise ValueError(f"frame of {len(frame.data)} bytes is over max_frame_bytes")
+        for t in pair:
+            t.ready()
+            warm_up(t, vocab)
+        out.update(handle(measured, frame, vocab, sc.name))
+        measured.close()
+        out["exit_after_normal_stop"] = measured.proc.returncode
+        out["sigterm"] = sigterm(stopped, frame)
+        if frame.per_start_bytes:
+            out["extrapolated"] = extrapolate(frame, out, scale)
+        out["completed"] = out["probe"]["exact"]
+    except Exception as exc:  # a failed scenario is a figure too; the others still run
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for t in pair:
+            t.close()
+    return out
+
+
+def mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def table(results: list[dict]) -> str:
+    head = (
+        f"{'scenario':<17} {'frame MB':>8} {'rows':>6} {'answer s':>8} {'probe s':>8} {'out MB':>8} "
+        f"{'health worst s':>14} {'non-200':>7} {'HWM MB before>after':>20} {'SIGTERM exit s (rc)':>20}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if "health" not in r:
+            lines.append(f"{r['name']:<17} FAILED: {r.get('error')}")
+            continue
+        m, s = r["memory"], r.get("sigterm", {})
+        lines.append(
+            f"{r['name']:<17} {mb(r['frame']['bytes']):>8} {r['frame']['rows']:>6} {r['answer_s'] or 0:>8.2f} "
+            f"{r['probe_s']:>8.2f} {mb(r['answer']['bytes']):>8} {r['health']['worst_latency_s']:>14.3f} "
+            f"{r['health']['non_200']:>7} {m['before']['hwm_mb']:>9.0f} > {m['after']['hwm_mb']:<8.0f} "
+            f"{s.get('exit_s', float('nan')):>14.2f} ({s.get('returncode')})"
+        )
+        if "extrapolated" in r:
+            e = r["extrapolated"]
+            lines.append(
+                f"{'':<17} a full frame ({e['starts_in_a_full_frame']} starts): ~{e['full_frame_s']} s, "
+                f"~{e['full_frame_rss_mb']} MB more RSS"
+            )
+    return "\n".join(lines)
+
+
+def meta(args: argparse.Namespace) -> dict:
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    caps = {k: getattr(CAPS, k) for k in msgspec.structs.asdict(CAPS) if k.startswith("max_")}
+    caps.update(shutdown_grace_s=CAPS.shutdown_grace_s, health_timeout=CAPS.health_timeout, linger_ms=CAPS.linger_ms)
+    return {
+        "command": " ".join(["python scripts/worst_frames.py", *sys.argv[1:]]),
+        "quick": args.quick,
+        "commit": commit,
+        "caps": caps,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=str(REPO / "docs" / "bench" / "worst.json"), help="where to write the results")
+    ap.add_argument("--quick", action="store_true", help="small frames: a smoke run of a few seconds")
+    ap.add_argument("--only", default="", help="comma-separated scenario names")
+    ap.add_argument("--distinct-starts", type=int, help="starts in stop_distinct's frame")
+    args = ap.parse_args(argv)
+    scale = QUICK if args.quick else FULL
+    if args.distinct_starts:
+        scale = dataclasses.replace(scale, distinct_starts=args.distinct_starts)
+    chosen = [s for s in scenarios(scale) if not args.only or s.name in args.only.split(",")]
+    started = time.monotonic()
+    ctx = zmq.Context()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="worst-") as root:
+        # Every detokd is started up front (a start takes seconds of CPU, mostly loading
+        # the tokenizer); each waits idle until its scenario, so none is starting while
+        # another is measured.
+        pairs = [(Target(ctx, root, sc.name, sc.settings), Target(ctx, root, sc.name, sc.settings)) for sc in chosen]
+        vocab = load("deepseek")
+        for sc, pair in zip(chosen, pairs):
+            print(f"{sc.name} ...", flush=True)
+            results.append(run_scenario(sc, pair, vocab, scale))
+    ctx.destroy(linger=0)
+    report = {**meta(args), "wall_s": round(time.monotonic() - started, 1), "scenarios": results}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    print(table(results))
+    print(f"written to {args.json}")
+    return 0 if all(r["completed"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""scripts/worst_frames.py end to end, small (--quick): every worst-frame scenario runs
+against real detokd processes at the default caps. The full run and its figures:
+docs/bench/worst.json (issue #13)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import vocab
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "worst_frames.py"
+SCENARIOS = {"mass_start", "mass_start_evict", "longest_token", "malformed", "stop_holdback"}  # --quick's
+
+
+def test_after_each_worst_frame_the_probe_is_exact_health_stays_ok_and_sigterm_ends_detokd_within_its_grace(tmp_path):
+    out = tmp_path / "worst.json"
+    run = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    v = vocab("deepseek")  # loads while the script's detokds start
+    log, _ = run.communicate(timeout=300)
+    assert run.returncode == 0, log[-4000:]
+    report = json.loads(out.read_text())
+    assert report["quick"] and {s["name"] for s in report["scenarios"]} == SCENARIOS
+    for s in report["scenarios"]:
+        name = s["name"]
+        assert s["completed"], (name, s.get("error"))
+        assert s["frame"]["bytes"] <= report["caps"]["max_frame_bytes"], name
+        probe = s["probe"]
+        assert probe["text"] == v.reference([], probe["ids"]), name
+        assert s["answer_s"] is not None and s["answer"]["rows"] >= s["frame"]["rows"], name
+        health = s["health"]
+        assert health["polls"] >= 1 and health["non_200"] == 0, (name, health)
+        term = s["sigterm"]
+        assert term["returncode"] == 0 and term["exit_s"] < term["grace_s"] and not term["grace_ran_out"], (name, term)
+    by_name = {s["name"]: s for s in report["scenarios"]}
+    # What each frame must have made detokd answer, row by row.
+    assert by_name["malformed"]["answer"]["errors"] == {"bad_row": by_name["malformed"]["frame"]["rows"]}
+    evict = by_name["mass_start_evict"]
+    assert evict["answer"]["errors"] == {"evicted": evict["frame"]["rows"] - evict["settings"]["max_states"]}
+    longest = by_name["longest_token"]
+    tid = longest["frame"]["token"]
+    text_bytes = [len(v.decode([i], True).encode()) for i in range(v.size)]
+    assert text_bytes[tid] == max(text_bytes)
+    assert longest["answer"]["text_bytes"] == longest["frame"]["ids"] * text_bytes[tid]
