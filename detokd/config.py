@@ -100,9 +100,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A tokens frame with more rows is dropped whole (a counted bad frame).
     # (The numbers are the core's own defaults, detokd.core.detokenizer.Limits.)
     max_rows: Cap = Limits.rows
-    # Ids in one frame: a row past them gets "too_large". It bounds the text one frame
-    # asks for (an id is a byte or more on the wire, its text up to a long token's).
+    # One frame's work: its ids (an id is a byte or more on the wire, its text up to a
+    # long token's), and the stop-string characters of the automata its starts build
+    # (a stop list seen before costs nothing). A row past either gets "too_large".
     max_frame_ids: Cap = Limits.frame_ids
+    max_frame_stop_chars: Cap = Limits.frame_stop_chars
     # Per row: ids, rid characters, meta bytes; per start: prompt_tail ids as sent,
     # stop strings and their total characters. Beyond, the request gets "too_large".
     max_row_ids: Cap = Limits.row_ids

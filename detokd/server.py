@@ -119,7 +119,7 @@ class Server:
             self.codec, self.vocab.size, self.outbox,
             max_states=cfg.max_states, max_prompt_tail=cfg.max_prompt_tail, stats=self.stats,
             limits=Limits(
-                rows=cfg.max_rows, frame_ids=cfg.max_frame_ids, row_ids=cfg.max_row_ids, rid_len=cfg.max_rid_len, meta_bytes=cfg.max_meta_bytes,
+                rows=cfg.max_rows, frame_ids=cfg.max_frame_ids, frame_stop_chars=cfg.max_frame_stop_chars, row_ids=cfg.max_row_ids, rid_len=cfg.max_rid_len, meta_bytes=cfg.max_meta_bytes,
                 wire_prompt_tail=cfg.max_wire_prompt_tail, stop_strings=cfg.max_stop_strings, stop_chars=cfg.max_stop_chars,
             ),
         )

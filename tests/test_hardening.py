@@ -347,6 +347,33 @@ def test_rows_past_a_frames_id_budget_get_too_large_and_the_rows_before_are_serv
     assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="too_large") == 3
 
 
+def test_starts_past_a_frames_stop_building_budget_get_too_large_and_seen_lists_cost_nothing(detokd, zctx):
+    # Building an automaton costs ~1.4 us a stop character: a frame of distinct stop
+    # lists could hold the loop for minutes. A list seen before is cached.
+    d = detokd(workers=1, args=["--metrics-port", "0"], max_frame_stop_chars=12)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    ids = v.backend.encode("one two three four", add_special_tokens=False).ids
+    seen, fresh = ["three", "four"], ["xyzzy", "plugh"]  # 9 and 10 characters
+    eng.rows([{"rid": "warm", "ids": ids, "start": {"stop": seen}, "finish": {"reason": "length"}}])
+    w.wait(lambda: w.ended("warm"), 20, "the first use of a stop list")
+    eng.rows([
+        {"rid": "new", "ids": ids, "start": {"stop": fresh}, "finish": {"reason": "length"}},  # 10 of 12: built
+        {"rid": "over", "ids": ids, "start": {"stop": ["zorkmid"]}, "finish": {"reason": "length"}},  # 17: past
+        *({"rid": f"again{i}", "ids": ids, "start": {"stop": seen}, "finish": {"reason": "length"}} for i in range(3)),
+    ])
+    w.wait(lambda: all(w.ended(r) for r in ("new", "over", "again0", "again1", "again2")), 20, "every row answered")
+    assert w.errors("over") == ["too_large"]
+    assert w.text("new") == oracle(v, [], ids, True)
+    for rid in ("warm", "again0", "again1", "again2"):  # cut before "three", served
+        assert w.text(rid) == oracle(v, [], ids, True)[: oracle(v, [], ids, True).index("three")] and not w.errors(rid)
+    eng.rows([{"rid": "next", "ids": ids, "start": {"stop": ["zorkmid"]}, "finish": {"reason": "length"}}])
+    w.wait(lambda: w.ended("next"), 20, "a start in the next frame")  # the budget is the frame's
+    assert w.text("next") == oracle(v, [], ids, True) and not w.errors("next")
+
+
 def test_a_dead_workers_queue_is_bounded_in_bytes_not_in_messages(detokd, zctx):
     # Worker 0 never binds: every answer for it stays in detokd, 100 MiB of them. Its
     # queue is 4 messages in ZMQ and an 8 MiB backlog; beyond, answers are lost and

@@ -18,7 +18,7 @@ from .decoder import Codec
 from .outbox import Outbox
 from .records import OutRow, Row, error_row
 from .request import Request
-from .stops import StopScanner
+from .stops import StopScanner, build_cost
 from .table import RequestTable, Tombstones
 
 log = logging.getLogger("detokd.core")
@@ -29,19 +29,23 @@ class Limits:
     """What one row may make detokd hold (Config's max_* keys). Rows beyond them get
     `too_large`; a frame of more than `rows` rows is dropped whole, a bad frame.
 
-    `frame_ids` bounds one frame's output: an id costs one to five bytes on the wire
-    but its text up to a vocabulary's longest token (deepseek: 128 bytes), so without
-    it a frame within max_frame_bytes could ask for gigabytes of text. Rows past it
-    get `too_large`."""
+    Two budgets bound one frame's work, not only its bytes; rows past them get
+    `too_large`. `frame_ids`: an id costs one to five bytes on the wire but its text
+    up to a vocabulary's longest token (128 characters in every packaged one), and
+    each character may pass a stop automaton (~0.2 us), so 64 MiB of ids could ask
+    for 1.7 GB of text and minutes of scanning. `frame_stop_chars`: the stop strings
+    of automata a frame builds (a list seen before is cached and costs nothing),
+    ~1.4 us a character."""
 
     rows: int = 65536
-    frame_ids: int = 262144
+    frame_ids: int = 65536
+    frame_stop_chars: int = 65536
     row_ids: int = 65536
     rid_len: int = 1024
     meta_bytes: int = 1024 * 1024
     wire_prompt_tail: int = 65536
     stop_strings: int = 256
-    stop_chars: int = 65536
+    stop_chars: int = 4096
 
 
 def _over_budget(rows: list[Row], budget: int) -> int | None:
@@ -75,6 +79,7 @@ class Detokenizer:
         self.stats = stats
         self.limits = limits
         self.overloaded = False  # set by the loop's RSS guard: new requests are refused
+        self.stop_chars_left = limits.frame_stop_chars  # this frame's budget for building stop automata
 
     def tokens(self, rows: list[Row], most_ids: int | None = None) -> None:
         """One engine step. The common row (a live, plain streaming request's next ids)
@@ -88,6 +93,7 @@ class Detokenizer:
             self.stats.bad_frames += 1
             log.warning("tokens frame of %d rows dropped: max_rows is %d", len(rows), limits.rows)
             return
+        self.stop_chars_left = limits.frame_stop_chars
         if most_ids is None or most_ids > limits.frame_ids:
             cut = _over_budget(rows, limits.frame_ids)
             if cut is not None:
@@ -209,7 +215,14 @@ class Detokenizer:
             self._error(rid, start.worker, r.BAD_IDS, row.meta, 0)
             return None
         decoder = self.codec.new(tail, start.skip_special_tokens)
-        stops = StopScanner(start.stop, start.no_stop_trim) if any(start.stop) else None
+        stops = None
+        if any(start.stop):
+            built = build_cost(start.stop)
+            if built > self.stop_chars_left:
+                self._too_large(row, None, "stop characters per frame")
+                return None
+            self.stop_chars_left -= built
+            stops = StopScanner(start.stop, start.no_stop_trim)
         st = Request(start.worker, self.outbox.to(start.worker), start, decoder, stops)
         for old_rid, old in self.table.put(rid, st):
             self.stats.evictions += 1
