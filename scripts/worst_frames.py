@@ -13,16 +13,17 @@ few honest requests (their text checked against Vocab.reference):
 * mass_start_evict  the same frame with max_states = 1024: 64,512 evictions
 * longest_token     rows of max_row_ids ids of the id whose text is longest (128 spaces,
                     deepseek 69933), one request each: ~5 bytes in, 128 bytes out per id
+                    (max_frame_ids lets the first rows through, the rest get too_large)
 * malformed         65,536 rows whose ids end in a string: the frame fails as a whole
                     and every row is salvaged one by one (bad_row each)
-* stop_holdback     one request: a start with max_stop_strings (256) stop strings of
-                    max_stop_chars (65,536) characters in all, 255 spaces and a mark
-                    each, then rows of 69933: every step holds 255 spaces back and
-                    every character goes through the stop automaton
-* stop_distinct     starts with a distinct max-size stop list each (one automaton of
-                    ~65,536 states apiece, never shared): only --distinct-starts of them
-                    (a full frame holds ~1,000, tens of GB); the figures of a full frame
-                    are extrapolated from the per-start cost
+* stop_holdback     one request: a start with max_stop_strings stop strings of
+                    max_stop_chars characters in all, spaces and a mark each, then rows
+                    of 69933: every step holds the spaces back and every character goes
+                    through the stop automaton
+* stop_distinct     a frame of starts with a distinct max-size stop list each (one
+                    automaton apiece, never shared; max_frame_stop_chars lets the first
+                    be built, the rest get too_large); with --distinct-starts N only N
+                    of them, and a full frame's figures extrapolated from their cost
 
 For each: (a) seconds from the send until the worker got the frame's answer, and until
 the answer to a probe request sent right after it (its text checked against the
@@ -98,10 +99,10 @@ class Scale:
     rows: int
     row_ids: int
     evict_states: int  # max_states of mass_start_evict
-    distinct_starts: int  # 0: no stop_distinct
+    distinct_starts: int  # 0: no stop_distinct; -1: a full frame of them
 
 
-FULL = Scale(CAPS.max_frame_bytes - 4096, CAPS.max_rows, CAPS.max_row_ids, 1024, 48)
+FULL = Scale(CAPS.max_frame_bytes - 4096, CAPS.max_rows, CAPS.max_row_ids, 1024, -1)  # -1: a full frame
 QUICK = Scale(128 * 1024, 512, 1024, 64, 0)
 
 
@@ -197,14 +198,18 @@ def distinct_stops(rng: random.Random) -> list[str]:
 
 
 def stop_distinct(scale: Scale, vocab: Vocab) -> Frame:
-    """distinct_starts new requests, each with its own stop list: its own automaton."""
+    """New requests, each with its own stop list: its own automaton. As many as fill
+    the frame, or distinct_starts of them (then a full frame is extrapolated)."""
     rng = random.Random(13)
     token = vocab.backend.encode("Hello", add_special_tokens=False).ids[0]
-    rows = [Row(f"D-{i:06d}", [token], start=Start(stop=distinct_stops(rng))) for i in range(scale.distinct_starts)]
-    per_start = len(encode(rows[0]))
-    return Frame(
-        tokens(rows), len(rows), len(rows), f"{len(rows)} starts of a distinct max stop list each (partial frame)", per_start
-    )
+    first = Row("D-000000", [token], start=Start(stop=distinct_stops(rng)))
+    per_start = len(encode(first))
+    full = fit(scale.frame_bytes, 16, per_start, scale.rows)
+    n = full if scale.distinct_starts < 0 else min(full, scale.distinct_starts)
+    rows = [first] + [Row(f"D-{i:06d}", [token], start=Start(stop=distinct_stops(rng))) for i in range(1, n)]
+    partial = n < full
+    note = f"{n} starts of a distinct max stop list each" + (" (partial frame)" if partial else "")
+    return Frame(tokens(rows), n, n, note, per_start if partial else 0)
 
 
 @dataclass(frozen=True)
@@ -621,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distinct-starts", type=int, help="starts in stop_distinct's frame")
     args = ap.parse_args(argv)
     scale = QUICK if args.quick else FULL
-    if args.distinct_starts:
+    if args.distinct_starts is not None:
         scale = dataclasses.replace(scale, distinct_starts=args.distinct_starts)
     chosen = [s for s in scenarios(scale) if not args.only or s.name in args.only.split(",")]
     started = time.monotonic()

@@ -48,4 +48,7 @@ def test_after_each_worst_frame_the_probe_is_exact_health_stays_ok_and_sigterm_e
     tid = longest["frame"]["token"]
     text_bytes = [len(v.decode([i], True).encode()) for i in range(v.size)]
     assert text_bytes[tid] == max(text_bytes)
-    assert longest["answer"]["text_bytes"] == longest["frame"]["ids"] * text_bytes[tid]
+    rows, per_row = longest["frame"]["rows"], longest["frame"]["ids"] // longest["frame"]["rows"]
+    served = min(rows, report["caps"]["max_frame_ids"] // per_row)  # rows past the frame's id budget: too_large
+    assert longest["answer"]["text_bytes"] == served * per_row * text_bytes[tid]
+    assert longest["answer"]["errors"] == ({"too_large": rows - served} if served < rows else {})
