@@ -257,8 +257,9 @@ class Detokenizer:
         return None
 
     def _too_large(self, row: Row, st: Request | None, why: str) -> None:
-        """Fail the row's request. Its meta is not echoed (it may be what is too large);
-        a rid beyond the cap gets no row at all: it would be echoed to every worker."""
+        """Fail the row's request. Its meta is echoed unless it is what is too large (a
+        dialect may place the row by it: SGLang's batch position); a rid beyond the
+        cap gets no row at all: it would be echoed to every worker."""
         rid = row.rid
         log.warning("row of rid %r beyond the cap on %s: too_large", rid[:64], why)
         if st is not None:
@@ -271,7 +272,8 @@ class Detokenizer:
             worker = row.start.worker
         if worker is not None:
             self.dead.add(rid, worker, r.TOO_LARGE)
-        self._error(rid, worker, r.TOO_LARGE, r.NIL, st.n_ids if st is not None else 0)
+        meta = r.NIL if why == "meta" else row.meta
+        self._error(rid, worker, r.TOO_LARGE, meta, st.n_ids if st is not None else 0)
         if st is not None and worker != st.worker:
             self._error(rid, st.worker, r.TOO_LARGE, r.NIL, st.n_ids)
 

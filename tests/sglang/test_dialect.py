@@ -9,7 +9,7 @@ import zmq
 
 from conftest import fast_codec, vocab
 from detokd.collector import Collector
-from detokd.core.detokenizer import Detokenizer
+from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery
 from detokd.metrics import Stats
@@ -90,3 +90,46 @@ def test_a_tokenizer_manager_that_stops_reading_gets_aborts_not_silence(tmp_path
         else:
             assert first.text == want and first.finished_reason["type"] == "length"
     assert aborted > 0
+
+
+def test_requests_past_a_batchs_id_budget_are_aborted_in_that_batchs_answer(tmp_path):
+    """Rows past max_frame_ids get too_large; in SGLang's answer that is an abort at the
+    row's own position of the same batch, so no request is left without a word (the
+    error row keeps its batch position, its meta). The requests within the budget stream
+    exactly."""
+    name = "deepseek"
+    v = vocab(name)
+    out = v.hf.encode("Four requests, of which the budget lets two through each step.", add_special_tokens=False)
+    reqs = [Scripted(rid=f"r{k}", prompt_ids=[1, 2, 3], output_ids=out) for k in range(4)]
+    with ipc_encoding("msgpack"):
+        from sglang.srt.managers import io_struct
+
+        frames = [io_struct.msgpack_encode(m) for m in build_stream(reqs, encoding="msgpack", tokenizer=v.hf)]
+    address = f"ipc://{tmp_path}/tokenizer.sock"
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.PULL)
+    reader.bind(address)
+    stats, outbox = Stats(), Outbox()
+    delivery = Delivery(ctx, outbox, [address], feedback=None, hwm=1000, linger_ms=0, stats=stats)
+    core = Detokenizer(fast_codec(name), v.size, outbox, max_states=64, max_prompt_tail=8, stats=stats, limits=Limits(frame_ids=2))
+    dialect = SglangDialect(core, delivery, Collector(stats), stats, ipc=schema.MsgpackCodec(), vocab_size=v.size)
+    got = []
+    try:
+        with ipc_encoding("msgpack"):
+            for frame in frames:  # one id per request and step: r0 and r1 are within the budget
+                dialect.handle(frame)
+                delivery.deliver(dialect.encode_text, dialect.encode_stopped, core.stalled)
+                assert reader.poll(5000), "every batch is answered"
+                got.append(io_struct.msgpack_decode(reader.recv()))
+    finally:
+        delivery.close()
+        reader.close(0)
+        ctx.term()
+    first = got[0]
+    assert [r["message"] if r else None for r in first.finished_reasons[2:]] == ["detokd: too_large"] * 2
+    acc = accumulate(got)
+    want = v.reference([1, 2, 3], out)
+    for rid in ("r0", "r1"):
+        assert acc[rid][0].text == want and acc[rid][0].finished_reason["type"] == "length"
+    for rid in ("r2", "r3"):
+        assert acc[rid][0].finished_reason["type"] == "abort" and acc[rid][0].text == ""
