@@ -32,13 +32,12 @@ every non-200 answer; (c) detokd's VmHWM / VmRSS before and after; (d) on anothe
 detokd, SIGTERM ~100 ms after the same frame was sent: seconds until it exited, and its
 exit status (3: the shutdown grace ran out).
 
-    PYTHONPATH=$PWD /work/venv-main/bin/python scripts/worst_frames.py            # ~10 min
-    PYTHONPATH=$PWD python scripts/worst_frames.py --quick --json /tmp/worst.json  # seconds
-    PYTHONPATH=$PWD python scripts/worst_frames.py --only malformed,mass_start
+    python scripts/worst_frames.py                               # ~70 s, docs/bench/worst.json
+    python scripts/worst_frames.py --quick --json /tmp/worst.json  # seconds
+    python scripts/worst_frames.py --only malformed,mass_start
 
---quick builds frames of 128 KiB (512 rows, 1,024 ids a row) at the same caps and skips
-stop_distinct unless --distinct-starts is given (each detokd takes ~3 s of CPU to start):
-a smoke run, not figures. Exit status 0 when every scenario completed with its probe exact.
+--quick builds frames of 128 KiB (512 rows, 1,024 ids a row) at the same caps: a smoke
+run, not figures. Exit status 0 when every scenario completed with its probe exact.
 """
 
 from __future__ import annotations
@@ -103,7 +102,7 @@ class Scale:
 
 
 FULL = Scale(CAPS.max_frame_bytes - 4096, CAPS.max_rows, CAPS.max_row_ids, 1024, -1)  # -1: a full frame
-QUICK = Scale(128 * 1024, 512, 1024, 64, 0)
+QUICK = Scale(128 * 1024, 512, 1024, 64, -1)
 
 
 # --------------------------------------------------------------------------- frames

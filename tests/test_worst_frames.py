@@ -14,7 +14,7 @@ from conftest import vocab
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "worst_frames.py"
-SCENARIOS = {"mass_start", "mass_start_evict", "longest_token", "malformed", "stop_holdback"}  # --quick's
+SCENARIOS = {"mass_start", "mass_start_evict", "longest_token", "malformed", "stop_holdback", "stop_distinct"}
 
 
 def test_after_each_worst_frame_the_probe_is_exact_health_stays_ok_and_sigterm_ends_detokd_within_its_grace(tmp_path):
@@ -52,3 +52,7 @@ def test_after_each_worst_frame_the_probe_is_exact_health_stays_ok_and_sigterm_e
     served = min(rows, report["caps"]["max_frame_ids"] // per_row)  # rows past the frame's id budget: too_large
     assert longest["answer"]["text_bytes"] == served * per_row * text_bytes[tid]
     assert longest["answer"]["errors"] == ({"too_large": rows - served} if served < rows else {})
+    # Each start's stop list is a distinct max_stop_chars: the frame's build budget takes so many.
+    distinct, caps = by_name["stop_distinct"], report["caps"]
+    built = caps["max_frame_stop_chars"] // caps["max_stop_chars"]
+    assert distinct["answer"]["errors"] == {"too_large": distinct["frame"]["rows"] - built}
