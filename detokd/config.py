@@ -113,6 +113,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_wire_prompt_tail: Cap = Limits.wire_prompt_tail
     max_stop_strings: Cap = Limits.stop_strings
     max_stop_chars: Cap = Limits.stop_chars
+    # Bytes of stop automata alive at once (cached, or held by live requests): a start
+    # with a new stop list beyond it gets "overloaded" (unused cached ones go first).
+    max_stop_bytes: Cap = Limits.stop_bytes
     # Above this resident size new requests are refused ("overloaded"); off when unset.
     max_rss_mb: Annotated[int, Meta(ge=1)] | None = None
 

@@ -119,8 +119,10 @@ class Server:
             self.codec, self.vocab.size, self.outbox,
             max_states=cfg.max_states, max_prompt_tail=cfg.max_prompt_tail, stats=self.stats,
             limits=Limits(
-                rows=cfg.max_rows, frame_ids=cfg.max_frame_ids, frame_stop_chars=cfg.max_frame_stop_chars, row_ids=cfg.max_row_ids, rid_len=cfg.max_rid_len, meta_bytes=cfg.max_meta_bytes,
-                wire_prompt_tail=cfg.max_wire_prompt_tail, stop_strings=cfg.max_stop_strings, stop_chars=cfg.max_stop_chars,
+                rows=cfg.max_rows, frame_ids=cfg.max_frame_ids, frame_stop_chars=cfg.max_frame_stop_chars,
+                row_ids=cfg.max_row_ids, rid_len=cfg.max_rid_len, meta_bytes=cfg.max_meta_bytes,
+                wire_prompt_tail=cfg.max_wire_prompt_tail, stop_strings=cfg.max_stop_strings,
+                stop_chars=cfg.max_stop_chars, stop_bytes=cfg.max_stop_bytes,
             ),
         )
         self.collector = Collector(self.stats)
@@ -252,6 +254,7 @@ class Server:
         self.stats.memory = {
             "tombstones": (len(core.dead), core.dead.nbytes),
             "stop_automata": (len(stops.cache), stops.cache.nbytes),
+            "stop_automata_alive": tuple(stops.alive),
         }
         self.delivery.publish()
 

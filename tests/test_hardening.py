@@ -374,6 +374,29 @@ def test_starts_past_a_frames_stop_building_budget_get_too_large_and_seen_lists_
     assert w.text("next") == oracle(v, [], ids, True) and not w.errors("next")
 
 
+def test_stop_automata_alive_are_bounded_in_bytes_and_a_new_list_past_them_is_overloaded(detokd, zctx):
+    # Each request may bring a stop list of its own, and holds its automaton while it
+    # lives: across frames, max_states of them would be gigabytes.
+    d = detokd(workers=1, args=["--metrics-port", "0"], max_stop_bytes=5000)  # one 10-character list (~3.4 KB)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    ids = v.backend.encode("one two three four", add_special_tokens=False).ids
+    eng.rows([{"rid": "a", "ids": ids[:2], "start": {"stop": ["abcdefghij"]}}])  # lives on
+    eng.rows([{"rid": "b", "ids": ids, "start": {"stop": ["klmnopqrst"]}, "finish": {"reason": "length"}}])
+    w.wait(lambda: w.rows("a") and w.ended("b"), 20, "a's first row and b's answer")
+    assert w.errors("b") == ["overloaded"] and not w.errors("a")
+    m = scrape(port)
+    assert 0 < metric(m, "detokd_memory_bytes", memory="stop_automata_alive") <= 5000
+    eng.rows([{"rid": "a", "ids": ids[2:], "seq": 2, "finish": {"reason": "length"}}])  # a ends: its automaton only cached
+    eng.rows([{"rid": "c", "ids": ids, "start": {"stop": ["klmnopqrst"]}, "finish": {"reason": "length"}}])
+    w.wait(lambda: w.ended("a") and w.ended("c"), 20, "a's end and c's answer")
+    assert w.text("a") == w.text("c") == oracle(v, [], ids, True) and not w.errors("c")  # a's cached automaton made room
+    assert metric(scrape(port), "detokd_errors_total", kind="overloaded") == 1
+
+
 def test_a_dead_workers_queue_is_bounded_in_bytes_not_in_messages(detokd, zctx):
     # Worker 0 never binds: every answer for it stays in detokd, 100 MiB of them. Its
     # queue is 4 messages in ZMQ and an 8 MiB backlog; beyond, answers are lost and

@@ -18,7 +18,7 @@ from .decoder import Codec
 from .outbox import Outbox
 from .records import OutRow, Row, error_row
 from .request import Request
-from .stops import StopScanner, build_cost
+from .stops import StopScanner, build_cost, make_room
 from .table import RequestTable, Tombstones
 
 log = logging.getLogger("detokd.core")
@@ -40,6 +40,7 @@ class Limits:
     rows: int = 65536
     frame_ids: int = 65536
     frame_stop_chars: int = 65536
+    stop_bytes: int = 256 << 20  # stop automata alive at once, cached or a live request's
     row_ids: int = 65536
     rid_len: int = 1024
     meta_bytes: int = 1024 * 1024
@@ -220,6 +221,10 @@ class Detokenizer:
             built = build_cost(start.stop)
             if built > self.stop_chars_left:
                 self._too_large(row, None, "stop characters per frame")
+                return None
+            if built and not make_room(built, self.limits.stop_bytes):
+                log.warning("stop automata fill max_stop_bytes = %d: a new stop list is refused (overloaded)", self.limits.stop_bytes)
+                self._refuse_new(row, start)
                 return None
             self.stop_chars_left -= built
             stops = StopScanner(start.stop, start.no_stop_trim)

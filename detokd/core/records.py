@@ -79,7 +79,7 @@ WORKER_STALLED = "worker_stalled"  # an earlier message for this rid could not b
 INTERNAL = "internal"  # an unexpected failure while decoding this rid; the rest go on
 TOO_LARGE = "too_large"  # the row or its start is beyond a configured cap (max_row_ids, ...)
 RID_COLLISION = "rid_collision"  # a start for a live rid named another worker: both are told
-OVERLOADED = "overloaded"  # detokd's memory is above max_rss_mb: new requests are refused
+OVERLOADED = "overloaded"  # detokd's memory is above max_rss_mb, or a new stop list's above max_stop_bytes: refused
 
 ERRORS = (
     UNKNOWN_RID, EVICTED, SEQUENCE_GAP, BAD_IDS, BAD_ROW, BAD_START, WORKER_STALLED, INTERNAL,

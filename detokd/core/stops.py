@@ -19,6 +19,7 @@ never the length of what is held (a long stop's prefix fed id by id was quadrati
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Iterable
 
 from .bounded import BoundedMap
@@ -27,7 +28,7 @@ from .bounded import BoundedMap
 class StopAutomaton:
     """The trie of the stop strings with failure links; shared by requests alike."""
 
-    __slots__ = ("goto", "fail", "depth", "match", "spells", "longest", "nbytes")
+    __slots__ = ("goto", "fail", "depth", "match", "spells", "longest", "nbytes", "__weakref__")
 
     def __init__(self, stops: Iterable[str]) -> None:
         goto: list[dict[str, int]] = [{}]
@@ -68,6 +69,7 @@ class StopAutomaton:
         # Its memory, estimated: a state is a small dict and a slot in five lists (and
         # ints past the small-int cache); the stop strings themselves; the wide chars.
         self.nbytes = STATE_BYTES * len(goto) + WIDE_CHAR_BYTES * wide + sum(sys.getsizeof(s) for s in set(spells))
+        _alive(self)
 
     def spell(self, state: int) -> str:
         """The text a state stands for: the longest tail of the text scanned that is a
@@ -95,9 +97,36 @@ CACHE_BYTES = 64 << 20
 cache: BoundedMap[tuple[str, ...], StopAutomaton] = BoundedMap(CACHE_ENTRIES, CACHE_BYTES, lambda key, a: a.nbytes)
 
 
+# Every automaton alive, cached or held by a live request (a request keeps its own
+# after the cache let it go): their count and estimated bytes. An automaton is freed
+# the moment its last holder lets go (no cycles), and its finalizer counts it out.
+alive = [0, 0]
+
+
+def _alive(a: StopAutomaton) -> None:
+    alive[0] += 1
+    alive[1] += a.nbytes
+    weakref.finalize(a, _gone, a.nbytes)
+
+
+def _gone(nbytes: int) -> None:
+    alive[0] -= 1
+    alive[1] -= nbytes
+
+
 def build_cost(stops: list[str]) -> int:
     """What `automaton(stops)` would build, in characters: 0 when it is cached."""
     return 0 if tuple(stops) in cache else sum(map(len, stops))
+
+
+def make_room(chars: int, budget: int) -> bool:
+    """Whether an automaton of `chars` characters fits beside those alive within
+    `budget` bytes, after letting cached ones go, oldest first (one a live request
+    holds stays alive, uncached). False when it does not fit even then."""
+    need = STATE_BYTES * (chars + 1)
+    while alive[1] + need > budget and len(cache):
+        cache.pop(cache.oldest()[0])  # no reference kept here: a free one goes at once
+    return alive[1] + need <= budget
 
 
 def automaton(stops: list[str]) -> StopAutomaton:
