@@ -17,7 +17,7 @@ survive, stay exact, and keep its memory?
   vocabulary, seq off, registers (refused: register is off by default), aborts of
   random rids, multipart messages...) and OverCaps (a rid over max_rid_len, rows over
   max_row_ids, max_wire_prompt_tail, max_stop_strings, max_stop_chars, max_meta_bytes,
-  frames over max_rows), plus sessions of "s-" requests that run a few steps and then
+  a row past its frame's max_frame_ids, frames over max_rows), plus sessions of "s-" requests that run a few steps and then
   end in a seq gap, an abort or a finish. Frames over max_frame_bytes go from a
   short-lived PUSH socket each (ZMQ drops that connection) and wait for the disconnect.
 * detokd's RSS (/proc/<pid>/status VmRSS) is read after the warm-up (the first
@@ -74,7 +74,7 @@ WAIT_S = 120  # for fences and the last honest rows
 # Frames per kind, relative. Hostile's own generators keep their weights (53 in all).
 OTHER_WEIGHTS = {
     "honest": 25, "session": 8, "huge_rid": 3, "many_stops": 2, "long_stops": 2,
-    "over_prompt_tail": 1, "over_row_ids": 1, "huge_meta": 0.5, "over_rows": 0.1, "oversized": 0.1,
+    "over_prompt_tail": 1, "over_row_ids": 1, "over_frame_ids": 0.5, "huge_meta": 0.5, "over_rows": 0.1, "oversized": 0.1,
 }
 
 
@@ -346,7 +346,7 @@ def run(args: argparse.Namespace) -> dict:
         peer.connect(cfg.input)
         honest = Honest(rng, client, pieces, vocab.size, args.workers)
         hostile = Hostile(rng, vocab.size)
-        over = OverCaps(rng, cfg)
+        over = OverCaps(rng, cfg, quiet_id=min(vocab.special))
         sessions = Sessions(rng, pieces, vocab.size, args.workers)
         gens, weights = build_kinds(hostile, over, sessions)
         names = list(weights)
@@ -455,7 +455,9 @@ def run(args: argparse.Namespace) -> dict:
             problems.append(f"detokd_bad_frames_total {metrics.get('detokd_bad_frames_total')} != {bad} bad frames sent")
         errors = metrics.get("detokd_errors_total", {})
         # Every over-cap row (all but over_rows, a bad frame) is one too_large; every register one refusal.
-        capped = sum(kinds[k] for k in ("huge_rid", "over_row_ids", "over_prompt_tail", "many_stops", "long_stops", "huge_meta"))
+        capped = sum(
+            kinds[k] for k in ("huge_rid", "over_row_ids", "over_frame_ids", "over_prompt_tail", "many_stops", "long_stops", "huge_meta")
+        )
         if errors.get("too_large", 0) != capped:
             problems.append(f"too_large errors {errors.get('too_large', 0)} != {capped} over-cap rows sent")
         if errors.get("register_refused", 0) != kinds["odd_register"]:
@@ -479,8 +481,7 @@ def run(args: argparse.Namespace) -> dict:
         "frames": args.frames,
         "seed": args.seed,
         "workers": args.workers,
-        "caps": {k: getattr(cfg, k) for k in ("max_frame_bytes", "max_rows", "max_row_ids", "max_rid_len", "max_meta_bytes",
-                                                "max_wire_prompt_tail", "max_stop_strings", "max_stop_chars", "max_states")},
+        "caps": {k: v for k, v in msgspec.structs.asdict(cfg).items() if k.startswith("max_")},
         "wall_s": round(wall, 1),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "frames_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),

@@ -227,11 +227,14 @@ class OverCaps:
     max_rows a frame is bad; over every other cap the row gets `too_large`, or, for
     a rid over max_rid_len, no row at all. `oversized` frames (over max_frame_bytes)
     are never read by detokd: send them from a socket of their own, whose
-    connection ZMQ drops. Rids start with "x-", like Hostile's."""
+    connection ZMQ drops. Rids start with "x-", like Hostile's. `quiet_id` is an id
+    whose text is "" (a special token, skipped): a row within a frame's budget beside
+    one past it then ends without text."""
 
-    def __init__(self, rng: random.Random, caps) -> None:
+    def __init__(self, rng: random.Random, caps, quiet_id: int = 0) -> None:
         self.rng = rng
         self.caps = caps
+        self.quiet_id = quiet_id
         self.n = 0
         self.counts: collections.Counter = collections.Counter()
         self._oversized = b"\x00" * (caps.max_frame_bytes + 1)  # built once: 64 MiB by default
@@ -262,6 +265,12 @@ class OverCaps:
     def huge_meta(self):
         meta = "m" * (self.caps.max_meta_bytes + 1)
         return enc({"type": "tokens", "rows": [{"rid": self.rid(), "ids": [100], "start": {}, "meta": meta}]}), False
+
+    def over_frame_ids(self):
+        """Two rows of just over half max_frame_ids ids each: the second is past the budget."""
+        ids = [self.quiet_id] * (self.caps.max_frame_ids // 2 + 1)
+        rows = [{"rid": self.rid(), "ids": ids, "start": {}, "finish": {"reason": "length"}} for _ in range(2)]
+        return enc({"type": "tokens", "rows": rows}), False
 
     def over_rows(self):
         return enc({"type": "tokens", "rows": [{"rid": self.rid(), "ids": [100]}] * (self.caps.max_rows + 1)}), True

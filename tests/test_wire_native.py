@@ -75,14 +75,15 @@ def test_salvage_keeps_the_good_rows_of_a_frame_with_one_bad_row() -> None:
         {"rid": "ok1", "ids": [1]}, {"rid": "bad", "ids": "not a list"}, {"ids": [3]}, {"rid": "ok2", "seq": 2}]})
     with pytest.raises(P.DecodeError):
         P.decode_inbound(frame)
-    good, bad = P.salvage_rows(frame)
+    good, bad = P.salvage_rows(frame, max_rows=4)
     assert good == [P.Row("ok1", [1]), P.Row("ok2", [], 2)]
     assert bad == ["bad"]  # the row with no rid cannot be answered: it is only dropped
+    assert P.salvage_rows(frame, max_rows=3) is None  # more rows than max_rows: dropped whole, like a good frame
 
 
 @pytest.mark.parametrize("frame", [b"\xc1", enc([1, 2]), enc({"type": "abort", "rids": [1]}), enc({"type": "tokens"})])
 def test_salvage_gives_up_on_a_frame_that_is_no_tokens_batch(frame: bytes) -> None:
-    assert P.salvage_rows(frame) is None
+    assert P.salvage_rows(frame, max_rows=65536) is None
 
 
 @pytest.fixture
@@ -114,6 +115,15 @@ def test_handle_serves_the_good_rows_of_a_bad_frame_and_fails_the_bad_rows_reque
     rows = {r["rid"]: r for r in dec(pull.recv())["rows"]}
     assert rows["good"]["text"] == vocab("deepseek").reference([], ids) and rows["good"]["finish"]
     assert rows["bad"]["error"] == P.BAD_ROW and "bad" not in d.core.table  # failed, freed
+
+
+def test_a_bad_rows_rid_beyond_max_rid_len_gets_no_row_it_would_be_echoed_to_every_worker(dialect) -> None:
+    d, pull = dialect
+    long = "r" * (d.core.limits.rid_len + 1)
+    assert d.handle(enc({"type": "tokens", "rows": [{"rid": long, "ids": "no"}, {"rid": "short", "ids": "no"}]}))
+    d.delivery.deliver(d.encode_text, d.encode_stopped, d.core.stalled)
+    assert [(r["rid"], r["error"]) for r in dec(pull.recv())["rows"]] == [("short", P.BAD_ROW)]
+    assert d.stats.errors == {P.TOO_LARGE: 1, P.BAD_ROW: 1}
 
 
 def test_handle_counts_a_frame_with_no_message_and_says_so(dialect) -> None:

@@ -325,8 +325,12 @@ class Detokenizer:
             self.outbox.add(worker, row)
 
     def bad_rows(self, rids: list[str]) -> None:
-        """Rows that failed the schema: their request, if live, is failed too."""
+        """Rows that failed the schema: their request, if live, is failed too. A rid
+        beyond max_rid_len gets no row, as in `_too_large`."""
         for rid in rids:
+            if len(rid) > self.limits.rid_len:
+                self.stats.error(r.TOO_LARGE)
+                continue
             st = self.table.pop(rid)
             if st is not None:
                 self.dead.add(rid, st.worker, r.BAD_ROW)

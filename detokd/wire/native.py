@@ -105,18 +105,19 @@ encode = _encoder.encode
 DecodeError = msgspec.DecodeError  # ValidationError is a subclass
 
 
-def salvage_rows(frame: bytes) -> tuple[list[Row], list[str]] | None:
+def salvage_rows(frame: bytes, max_rows: int) -> tuple[list[Row], list[str]] | None:
     """Per-row decode of a `tokens` frame that failed as a whole.
 
     One malformed row must not sink the rows of every other request in the batch:
     returns the rows that decode, and the rids of those that do not but still name
-    one (they get a `bad_row` error). None when the frame is not a tokens batch.
+    one (they get a `bad_row` error). None when the frame is not a tokens batch, or
+    has more than `max_rows` rows (dropped whole, as a frame that decodes would be).
     """
     try:
         loose = _loose_tokens.decode(frame)
     except DecodeError:
         return None
-    if loose.type != "tokens":
+    if loose.type != "tokens" or len(loose.rows) > max_rows:
         return None
     good: list[Row] = []
     bad: list[str] = []
@@ -170,7 +171,7 @@ class NativeDialect:
             self.stats.bad_frames += 1
             log.warning("bad frame (%d bytes): %s", len(frame), exc)
             try:
-                salvaged = salvage_rows(frame)
+                salvaged = salvage_rows(frame, self.core.limits.rows)
             except Exception:
                 salvaged = None
             if salvaged is None:
