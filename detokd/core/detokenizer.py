@@ -223,7 +223,8 @@ class Detokenizer:
                 self._too_large(row, None, "stop characters per frame")
                 return None
             if built and not make_room(built, self.limits.stop_bytes):
-                log.warning("stop automata fill max_stop_bytes = %d: a new stop list is refused (overloaded)", self.limits.stop_bytes)
+                log.warning("stop automata fill max_stop_bytes = %d: a new stop list is refused (overloaded)",
+                            self.limits.stop_bytes)
                 self._refuse_new(row, start)
                 return None
             self.stop_chars_left -= built
