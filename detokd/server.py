@@ -254,7 +254,7 @@ class Server:
         self.stats.memory = {
             "tombstones": (len(core.dead), core.dead.nbytes),
             "stop_automata": (len(stops.cache), stops.cache.nbytes),
-            "stop_automata_alive": tuple(stops.alive),
+            "stop_automata_alive": (stops.alive.count, stops.alive.nbytes),
         }
         self.delivery.publish()
 

@@ -256,28 +256,28 @@ def test_an_automaton_bigger_than_the_cache_is_built_but_not_kept(monkeypatch) -
 
 
 def test_an_automaton_is_counted_alive_while_a_request_holds_it_after_the_cache_let_it_go() -> None:
-    n0, b0 = stops_module.alive
+    alive = stops_module.alive
+    n0, b0 = alive.count, alive.nbytes
     sc = StopScanner(["alive-" + "z" * 500], False)
-    n1, b1 = stops_module.alive
-    assert (n1, b1) == (n0 + 1, b0 + sc.ac.nbytes)
+    assert (alive.count, alive.nbytes) == (n0 + 1, b0 + sc.ac.nbytes)
     stops_module.cache.pop(("alive-" + "z" * 500,))
-    assert tuple(stops_module.alive) == (n1, b1)  # the request still holds it
+    assert (alive.count, alive.nbytes) == (n0 + 1, b0 + sc.ac.nbytes)  # the request still holds it
     del sc
-    assert tuple(stops_module.alive) == (n0, b0)  # freed with its last holder, counted out
+    assert (alive.count, alive.nbytes) == (n0, b0)  # freed with its last holder, counted out
 
 
 def test_make_room_lets_cached_automata_go_oldest_first_but_not_what_requests_hold() -> None:
     stops_module.cache.clear()
-    n0, b0 = stops_module.alive  # automata other tests' objects still hold
+    b0 = stops_module.alive.nbytes  # automata other tests' objects still hold
     held = StopScanner(["held-" + "h" * 300], False)
     old, new = automaton(["old-" + "o" * 300]), automaton(["new-" + "n" * 300])
     size = old.nbytes
     del old, new  # now only the cache holds them
-    budget = stops_module.alive[1] + stops_module.STATE_BYTES * 301 - size + 1  # one of the two must go
+    budget = stops_module.alive.nbytes + stops_module.STATE_BYTES * 301 - size + 1  # one of the two must go
     assert stops_module.make_room(300, budget)
     assert ("old-" + "o" * 300,) not in stops_module.cache and ("new-" + "n" * 300,) in stops_module.cache
     assert not stops_module.make_room(300, b0 + held.ac.nbytes)  # only what a request holds is left: no room
-    assert ("held-" + "h" * 300,) not in stops_module.cache and stops_module.alive[1] == b0 + held.ac.nbytes
+    assert ("held-" + "h" * 300,) not in stops_module.cache and stops_module.alive.nbytes == b0 + held.ac.nbytes
 
 
 @pytest.mark.parametrize("kind", ["one long", "cjk", "many short", "overlapping"])

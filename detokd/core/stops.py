@@ -97,21 +97,27 @@ CACHE_BYTES = 64 << 20
 cache: BoundedMap[tuple[str, ...], StopAutomaton] = BoundedMap(CACHE_ENTRIES, CACHE_BYTES, lambda key, a: a.nbytes)
 
 
-# Every automaton alive, cached or held by a live request (a request keeps its own
-# after the cache let it go): their count and estimated bytes. An automaton is freed
-# the moment its last holder lets go (no cycles), and its finalizer counts it out.
-alive = [0, 0]
+class Alive:
+    """Every automaton alive, cached or held by a live request (a request keeps its own
+    after the cache let it go): their count and estimated bytes. An automaton is freed
+    the moment its last holder lets go (it has no cycles); its finalizer counts it out."""
+
+    count = 0
+    nbytes = 0
+
+
+alive = Alive()
 
 
 def _alive(a: StopAutomaton) -> None:
-    alive[0] += 1
-    alive[1] += a.nbytes
+    alive.count += 1
+    alive.nbytes += a.nbytes
     weakref.finalize(a, _gone, a.nbytes)
 
 
 def _gone(nbytes: int) -> None:
-    alive[0] -= 1
-    alive[1] -= nbytes
+    alive.count -= 1
+    alive.nbytes -= nbytes
 
 
 def build_cost(stops: list[str]) -> int:
@@ -124,9 +130,9 @@ def make_room(chars: int, budget: int) -> bool:
     `budget` bytes, after letting cached ones go, oldest first (one a live request
     holds stays alive, uncached). False when it does not fit even then."""
     need = STATE_BYTES * (chars + 1)
-    while alive[1] + need > budget and len(cache):
+    while alive.nbytes + need > budget and len(cache):
         cache.pop(cache.oldest()[0])  # no reference kept here: a free one goes at once
-    return alive[1] + need <= budget
+    return alive.nbytes + need <= budget
 
 
 def automaton(stops: list[str]) -> StopAutomaton:
