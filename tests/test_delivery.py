@@ -52,11 +52,20 @@ class Rig:
     def messages(self, worker: int, n: int) -> list[list[P.OutRow]]:
         """The next n messages of a worker, each its list of rows (fails at a deadline)."""
         s, out = self.pulls[worker], []
+
+        def arrived() -> bool:
+            self.delivery.flush()  # as the loop would: backlogged frames move on meanwhile
+            return bool(s.poll(10))
+
         for _ in range(n):
-            # As the loop would, move backlogged frames on while waiting.
-            wait_until(lambda: s.poll(10) or self.delivery.flush(), 5, f"worker {worker}'s message {len(out) + 1} of {n}")
+            wait_until(arrived, 5, f"worker {worker}'s message {len(out) + 1} of {n}")
             out.append(msgspec.msgpack.decode(s.recv(), type=P.Text).rows)
         return out
+
+    def drained(self, worker: int) -> bool:
+        """The loop's flush, once; whether the worker's backlog is empty now."""
+        self.delivery.flush()
+        return not self.delivery.workers[worker].backlog
 
     def close(self) -> None:
         self.delivery.close()
@@ -115,7 +124,7 @@ def test_a_full_queue_loses_only_that_workers_message_and_settle_sends_what_it_i
     r.delivery.settle(P.encode_text, r.core.table.__contains__)  # still no room: still owed
     assert set(w0.owed) == {lost}
     r.bind(0)
-    wait_until(lambda: (r.delivery.flush(), not w0.backlog)[1], 5, "worker 0's backlog to drain")
+    wait_until(lambda: r.drained(0), 5, "worker 0's backlog to drain")
     queued = r.messages(0, steps - 1)
     assert [m[0].rid for m in queued] == [f"a{i}" for i in range(1, steps)]  # in order, ZMQ's then the backlog's
     wait_until(lambda: r.delivery.has_room(w0), 5, "room in worker 0's queue")
