@@ -172,8 +172,9 @@ def malformed(scale: Scale, vocab: Vocab) -> Frame:
 
 
 def holdback_stops() -> list[str]:
-    """max_stop_strings strings of max_stop_chars characters in all: 255 spaces and a
-    mark each, so a text of spaces always holds its last 255 characters back."""
+    """max_stop_strings strings of max_stop_chars characters in all, each spaces and a
+    mark (at the defaults 15 and one), so a text of spaces always holds its last
+    spaces back."""
     n = CAPS.max_stop_strings
     each = CAPS.max_stop_chars // n
     return [" " * (each - 1) + chr(0x4E00 + i) for i in range(n)]
