@@ -102,9 +102,9 @@ class Delivery:
         *,
         feedback: str | None,
         hwm: int,
+        queue_bytes: int,
         linger_ms: int,
         stats: Stats,
-        queue_bytes: int = 64 << 20,
         policy: RegisterPolicy = RegisterPolicy(),
         curve: Curve | None = None,
     ) -> None:

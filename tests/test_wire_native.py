@@ -95,7 +95,7 @@ def dialect():
     outbox = Outbox()
     v = vocab("deepseek")
     core = Detokenizer(fast_codec("deepseek"), v.size, outbox, max_states=16, max_prompt_tail=8, stats=stats)
-    delivery = Delivery(ctx, outbox, ["inproc://native-w0"], feedback=None, hwm=100, linger_ms=0, stats=stats)
+    delivery = Delivery(ctx, outbox, ["inproc://native-w0"], feedback=None, hwm=100, queue_bytes=1 << 20, linger_ms=0, stats=stats)
     d = P.NativeDialect(core, delivery, Collector(stats), stats)
     yield d, pull
     delivery.close()

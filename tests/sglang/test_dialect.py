@@ -101,8 +101,8 @@ def test_a_tokenizer_manager_that_stops_reading_gets_aborts_not_silence(rig):
     more: docs/sglang.md, "A TokenizerManager that stops reading".)"""
     # Long enough that the kernel's socket buffers fill too (one step's answer is small).
     text = "Streaming text to a reader that has stopped reading, for a while. " * 60
-    r = rig(text, rcvhwm=1, hwm=1)
-    r.delivery.queue_bytes = 2 * max(map(len, r.frames))  # one message in ZMQ's queue, two batches' worth behind it
+    r = rig(text, rcvhwm=1, hwm=1, queue_bytes=0)
+    r.delivery.queue_bytes = 2 * max(map(len, r.frames))  # one message in ZMQ's queue, two batches' worth behind it (the frames decide)
     sent = 0
     while not r.stats.errors.get("worker_stalled"):  # nobody reads: the queue fills
         assert sent < len(r.frames) - 2, "the queue never filled"
@@ -132,7 +132,8 @@ def test_requests_past_a_batchs_id_budget_are_aborted_in_that_batchs_answer(rig)
     row's own position of the same batch, so no request is left without a word (the
     error row keeps its batch position, its meta). The requests within the budget stream
     exactly."""
-    r = rig("Four requests, of which the budget lets two through each step.", hwm=1000, limits=Limits(frame_ids=2))
+    text = "Four requests, of which the budget lets two through each step."
+    r = rig(text, hwm=1000, queue_bytes=1 << 20, limits=Limits(frame_ids=2))
     for frame in r.frames:  # one id per request and step: r0 and r1 are within the budget
         r.step(frame)
         r.read(50)
