@@ -102,7 +102,8 @@ def test_a_tokenizer_manager_that_stops_reading_gets_aborts_not_silence(rig):
     # Long enough that the kernel's socket buffers fill too (one step's answer is small).
     text = "Streaming text to a reader that has stopped reading, for a while. " * 60
     r = rig(text, rcvhwm=1, hwm=1, queue_bytes=0)
-    r.delivery.queue_bytes = 2 * max(map(len, r.frames))  # one message in ZMQ's queue, two batches' worth behind it (the frames decide)
+    # One message in ZMQ's queue, two batches' worth behind it (the frames decide how much).
+    r.delivery.queue_bytes = 2 * max(map(len, r.frames))
     sent = 0
     while not r.stats.errors.get("worker_stalled"):  # nobody reads: the queue fills
         assert sent < len(r.frames) - 2, "the queue never filled"
