@@ -17,7 +17,7 @@ from . import records as r
 from .decoder import Codec
 from .outbox import Outbox
 from .records import OutRow, Row, error_row
-from .request import Request
+from .request import SENT_TAIL, Request
 from .stops import StopScanner, build_cost, make_room
 from .table import RequestTable, Tombstones
 
@@ -141,6 +141,8 @@ class Detokenizer:
                     self._internal(row, st)
                     continue
             st.outbox.append(OutRow(rid, text, None, seq, row.meta, None))
+            if text:  # kept for an engine stop string that begins in it (Request.sent)
+                st.sent = (st.sent + text)[-SENT_TAIL:]
         stats = self.stats
         stats.rows += len(rows)
         stats.tokens += n_tok
