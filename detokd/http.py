@@ -9,7 +9,8 @@ MAX_CONNECTIONS are open at once (an fd each: the process's fd limit stays ZMQ's
 each is closed DEADLINE seconds after it was accepted, answered or not: a client that
 sends a byte at a time gets no longer than one that sends nothing. A newcomer that
 finds every connection open closes the oldest one still sending its request (it has
-had the most time), once that one has been read; else the newcomer is closed at once.
+had the most time) or answered, once that one has been read; else the newcomer is
+closed at once.
 So a flood of slow clients cannot lock a health probe out, and `dropped` counts what
 it cost. Client errors go to the rate-limited logger: clients that reset their
 connections by the hundred must not write a line each.
@@ -38,7 +39,7 @@ Reply = tuple[int, bytes, str]
 MAX_CONNECTIONS = 64  # a few probes and scrapers need a handful; fds well below any limit
 DEADLINE = 5.0  # s from accept to the answer sent (a probe sends its request in one packet)
 MAX_REQUEST = 8192  # bytes of request line and headers
-BACKLOG = 128  # the kernel's 5 by default makes a burst of scrapes wait out SYN retries
+BACKLOG = 1024  # queued by the kernel, no fd of ours: a burst waits here, not in SYN retries (1 s)
 TICK = 0.5  # s the thread may sleep with nothing to do: how late close() is seen
 
 
@@ -48,7 +49,7 @@ class _Conn:
     def __init__(self, sock: socket.socket, peer: str, deadline: float, turn: int) -> None:
         self.sock, self.peer, self.deadline, self.turn = sock, peer, deadline, turn
         self.request = bytearray()
-        self.answer: bytes | None = None  # set once the request is in: being sent
+        self.answer: bytes | None = None  # once the request is in: what is left to send
 
 
 class Endpoint:
@@ -142,22 +143,26 @@ class Endpoint:
         return True
 
     def _make_room(self, turn: int) -> bool:
-        """Close the oldest connection still sending its request, if it was accepted
-        before this turn (so it has been read at least once); True if one was."""
+        """Close the oldest connection that is answered or still sending its request,
+        if it was accepted before this turn (so it has been read at least once); True
+        if one was."""
         for c in list(self.conns.values()):
             if c.turn == turn:
                 return False  # the rest are younger still
             if c.answer is None:
                 self._step(c)  # what it sent since is answered, not thrown away
-                if c.sock in self.conns and c.answer is None:
+            if c.sock in self.conns and c.answer:
+                continue  # its answer is being sent
+            if c.sock in self.conns:
+                if c.answer is None:
                     self.dropped["full"] += 1
-                    self._close(c)
-                    return True
-                if c.sock not in self.conns:
-                    return True
+                self._close(c)
+            return True
         return False
 
     def _step(self, c: _Conn) -> None:
+        """Read the request, send the answer, then read until the client hangs up: closing
+        with bytes unread would reset the connection, and the answer with it."""
         try:
             if c.answer is None:
                 data = c.sock.recv(MAX_REQUEST + 1 - len(c.request))
@@ -170,18 +175,20 @@ class Endpoint:
                     return
                 c.answer = self._reply(bytes(c.request[:end]) if end >= 0 else None)
                 self.sel.modify(c.sock, selectors.EVENT_WRITE, c)
-            c.answer = c.answer[c.sock.send(c.answer):]
+            if c.answer:
+                c.answer = c.answer[c.sock.send(c.answer):]
+                if not c.answer:
+                    c.sock.shutdown(socket.SHUT_WR)
+                    self.sel.modify(c.sock, selectors.EVENT_READ, c)
+            elif not c.sock.recv(65536):
+                self._close(c)
         except BlockingIOError:
             return
         except OSError as exc:  # the client reset or hung up: not our bug
             log.info("http client %s: %s", c.peer, type(exc).__name__)
             self._close(c)
-            return
         except Exception:  # ours: that request fails, the port goes on
             log.warning("http request from %s failed", c.peer, exc_info=True)
-            self._close(c)
-            return
-        if not c.answer:
             self._close(c)
 
     def _reply(self, head: bytes | None) -> bytes:
