@@ -10,10 +10,9 @@ each is closed DEADLINE seconds after it was accepted, answered or not: a client
 sends a byte at a time gets no longer than one that sends nothing. A newcomer that
 finds every connection open closes the oldest one still sending its request (it has
 had the most time) or answered, once that one has been read; else the newcomer is
-closed at once.
-So a flood of slow clients cannot lock a health probe out, and `dropped` counts what
-it cost. Client errors go to the rate-limited logger: clients that reset their
-connections by the hundred must not write a line each.
+closed at once. So a flood of slow clients cannot lock a health probe out, and
+`dropped` counts what it cost. Client errors go to the rate-limited logger: clients
+that reset their connections by the hundred must not write a line each.
 """
 
 from __future__ import annotations
