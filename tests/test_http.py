@@ -190,7 +190,7 @@ sys.stdin.readline()
 def test_out_of_fds_the_port_waits_for_them_without_spinning_and_then_serves():
     """The process has no fd left (for reasons not the port's): a connection waits in the
     kernel's backlog, the port retries twice a second instead of spinning on accept
-    (under 25 % of a core over 2 s), and answers it once fds are free again."""
+    (under 10 % of a core over 2 s), and answers it once fds are free again."""
     child = subprocess.Popen([sys.executable, "-c", OUT_OF_FDS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(child.stdout.readline())
@@ -199,7 +199,7 @@ def test_out_of_fds_the_port_waits_for_them_without_spinning_and_then_serves():
         child.stdin.write("go\n")
         child.stdin.flush()
         cpu = float(child.stdout.readline())
-        assert cpu < 0.5, f"{cpu:.2f} s of CPU in 2 s"
+        assert cpu < 0.2, f"{cpu:.2f} s of CPU in 2 s"  # (spinning on accept took 0.78 s here on a busy machine)
         answer = b""
         while chunk := s.recv(65536):
             answer += chunk
