@@ -646,8 +646,8 @@ def test_slow_http_clients_cannot_take_detokd_down(tmp_path, zctx):
 def test_slow_http_clients_cannot_take_the_supervisor_down(tmp_path):
     """The same flood on the supervisor's status port (LimitNOFILE=1024): /health and
     /status answer among it, and a shard killed then is restarted. Before, the status
-    port's threads took every fd, and the restart's fork failed: the supervisor died
-    (and with it every shard)."""
+    port's threads took every fd, and the restart's Popen failed (EMFILE in os.pipe):
+    the supervisor died, and with it every shard."""
     from test_launch import SLEEPER, SUPERVISOR, Supervised, _get, _pid
 
     sup = Supervised([PY, "-c", SUPERVISOR, str(tmp_path), "2", SLEEPER, "5", "5"], tmp_path / "supervisor.log")
