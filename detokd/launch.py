@@ -224,7 +224,8 @@ class StatusServer:
             return 503 if bad else 200, body.encode(), "text/plain"
 
         def status() -> Reply:
-            return 200, json.dumps({"shards": states()}).encode() + b"\n", "application/json"
+            body = {"shards": states(), "http_dropped": self.endpoint.dropped}
+            return 200, json.dumps(body).encode() + b"\n", "application/json"
 
         self.endpoint = Endpoint(host, port, {"/health": health, "/status": status}, "detokd-supervisor")
         self.port = self.endpoint.port

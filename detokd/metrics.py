@@ -129,6 +129,20 @@ class _Collector:
         yield CounterMetricFamily("detokd_log_records_dropped", "log records lost to a full queue to stderr (stderr not read)", value=logs.dropped())
 
 
+class _DroppedCollector:
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+
+    def collect(self):
+        dropped = CounterMetricFamily(
+            "detokd_http_dropped", "HTTP connections closed unanswered: full (every connection open), "
+            "deadline (the request was not in within the deadline)", labels=["reason"],
+        )
+        for reason, n in sorted(self.endpoint.dropped.items()):
+            dropped.add_metric([reason], n)
+        yield dropped
+
+
 class MetricsServer:
     """/health and /metrics, on a thread of their own (detokd.http)."""
 
@@ -149,6 +163,7 @@ class MetricsServer:
 
         self.endpoint = Endpoint(host, port, {"/health": health, "/metrics": metrics}, "detokd-metrics")
         self.port = self.endpoint.port
+        registry.register(_DroppedCollector(self.endpoint))
 
     def start(self) -> None:
         self.endpoint.start()

@@ -513,3 +513,160 @@ def test_a_signal_ends_the_process_within_the_shutdown_grace_even_when_the_loop_
         raise AssertionError("detokd still running 30 s after SIGTERM") from None
     assert code == 3
     assert "not stopped within shutdown_grace_s = 1.0 s" in d.log()
+
+
+# --------------------------------------------------------------------------- 8. slow HTTP clients
+
+# This section's own imports, here so that it stays one piece.
+import json  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from utils import http_get  # noqa: E402
+
+
+class SlowClients:
+    """`n` clients of an HTTP port, each sending a request that never ends a byte per
+    round (every `every` s), and connecting again whenever the server closes it: `n`
+    connections always trying to hang on. Non-blocking, on one thread."""
+
+    REQUEST = b"GET /health HTTP/1.1\r\nHost: detokd\r\nX-Slow: " + b"a" * 1_000_000
+
+    def __init__(self, port: int, n: int, every: float = 0.25) -> None:
+        self.port, self.every = port, every
+        self.socks: list[socket.socket] = [self._connect() for _ in range(n)]
+        self.sent = [0] * n  # bytes of REQUEST each connection has sent
+        self.through = [False] * n  # whether client i ever got a connection through
+        self.rounds = self.reconnects = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _connect(self) -> socket.socket:
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", self.port))  # in progress; sends fail with EAGAIN until it is through
+        return s
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            for i, s in enumerate(self.socks):
+                try:
+                    self.sent[i] += s.send(self.REQUEST[self.sent[i] : self.sent[i] + 1])
+                    self.through[i] = True
+                except BlockingIOError:  # still connecting (the server's backlog is full)
+                    pass
+                except OSError:  # closed by the server: come back
+                    s.close()
+                    self.socks[i], self.sent[i] = self._connect(), 0
+                    self.reconnects += 1
+            self.rounds += 1
+            self.stopping.wait(self.every)
+
+    def __enter__(self) -> SlowClients:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        for s in self.socks:
+            s.close()
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _health_s(port: int) -> float | None:
+    """Seconds a /health round trip took if it answered 200 (a refused or cut one: None)."""
+    t0 = time.perf_counter()
+    try:
+        ok = http_get(port, "/health", timeout=5)[0] == 200
+    except OSError:  # urllib's errors and a connection the port closed
+        return None
+    return time.perf_counter() - t0 if ok else None
+
+
+def _health_among(port: int, slow: SlowClients, samples: int = 20) -> list[float]:
+    """/health round trips while the slow clients keep at it: the first within a generous
+    deadline, then `samples` more in a row, every one answered (the latencies, sorted)."""
+    wait_until(lambda: all(slow.through), 60, "every slow client to get a connection through")
+    times = [wait_until(lambda: _health_s(port), 15, "/health 200 among the slow clients", 0.05)]
+    reconnects = slow.reconnects
+    for _ in range(samples):  # one a round: each meets the slow clients' latest bytes
+        wait_until(lambda r=slow.rounds: slow.rounds > r, 10, "a round of the slow clients")
+        times.append(_health_s(port))
+    assert None not in times, times
+    assert slow.reconnects > reconnects  # they went on meanwhile, and were cut off
+    return sorted(times)
+
+
+def test_slow_http_clients_cannot_take_detokd_down(tmp_path, zctx):
+    """Under LimitNOFILE=1024, 1,024 clients dribble a request that never ends into the
+    metrics port and come back whenever they are cut off. /health answers 200 every time
+    among them, detokd holds at most 64 of them (its fds show it), and a scheduler that
+    connects then is served exactly. Before, each held a thread and an fd until the fds
+    ran out: /health stopped answering and the scheduler's connection aborted detokd
+    inside libzmq ("Too many open files", exit -6)."""
+    from detokd.http import MAX_CONNECTIONS
+
+    r = Req("after-the-flood", make_ids(random.Random(8), 200))
+    expected = r.expected()  # (the oracle loads now, not among the slow clients)
+    d = DetokdProcess(ipc_config(tmp_path, metrics_port=0), folder=tmp_path)
+    d.spawn()
+    try:
+        resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (1024, 1024))  # soft = hard: no raising it
+        sink = Sink(zctx, d.workers[0])
+        d.wait_ready()
+        port = metrics_port(d)
+        fds = _fds(d.pid)
+        with SlowClients(port, 1024) as slow:
+            times = _health_among(port, slow)
+            held = _fds(d.pid) - fds
+            assert held <= MAX_CONNECTIONS + 1, held  # (+1: a newcomer accepted, not yet closed)
+            eng = Engine(zctx, d.input)
+            eng.rows([r.row(100, finish=False)])
+            eng.rows([r.row(100)])
+            sink.wait(lambda: sink.ended(r.rid), 20, "the request sent among the slow clients")
+            assert sink.text(r.rid) == expected
+            m = scrape(port)
+        assert d.returncode is None
+        assert metric(m, "detokd_http_dropped_total", reason="full") > 0
+        print(f"/health among 1,024 slow clients: median {statistics.median(times) * 1000:.1f} ms, "
+              f"max {times[-1] * 1000:.1f} ms over {len(times)}; {held} connections held; "
+              f"dropped {metric(m, 'detokd_http_dropped_total', reason='full'):.0f} full, "
+              f"{metric(m, 'detokd_http_dropped_total', reason='deadline'):.0f} deadline")
+        assert d.stop() == 0
+    finally:
+        d.kill()
+
+
+def test_slow_http_clients_cannot_take_the_supervisor_down(tmp_path):
+    """The same flood on the supervisor's status port (LimitNOFILE=1024): /health and
+    /status answer among it, and a shard killed then is restarted. Before, the status
+    port's threads took every fd, and the restart's Popen failed (EMFILE in os.pipe):
+    the supervisor died, and with it every shard."""
+    from test_launch import SLEEPER, SUPERVISOR, Supervised, _get, _pid
+
+    sup = Supervised([PY, "-c", SUPERVISOR, str(tmp_path), "2", SLEEPER, "5", "5"], tmp_path / "supervisor.log")
+    try:
+        resource.prlimit(sup.pid, resource.RLIMIT_NOFILE, (1024, 1024))
+        port = sup.status_port()
+        pids = [wait_until(lambda i=i: _pid(tmp_path, i), 30, f"shard {i}'s pid") for i in (0, 1)]
+        with SlowClients(port, 1024) as slow:
+            times = _health_among(port, slow)
+            code, body = _get(port, "/status")
+            assert code == 200 and json.loads(body)["http_dropped"]["full"] > 0, body
+            os.kill(pids[1], signal.SIGKILL)
+            wait_until(lambda: _pid(tmp_path, 1) not in (None, pids[1]), 30, "shard 1 restarted among the slow clients")
+            assert sup.poll() is None and _pid(tmp_path, 0) == pids[0]
+        print(f"supervisor /health among 1,024 slow clients: median {statistics.median(times) * 1000:.1f} ms, "
+              f"max {times[-1] * 1000:.1f} ms over {len(times)}")
+        sup.send_signal(signal.SIGTERM)
+        out, _ = sup.communicate(timeout=15)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert sup.returncode == 0, out
