@@ -69,6 +69,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     linger_ms: Annotated[int, Meta(ge=0)] = 2000
     # "auto": the fastest exact codec for the tokenizer; "window": always the generic one.
     codec: Literal["auto", "window"] = "auto"
+    # While a character is split across ids, the text before it: "char" sends every whole
+    # character at once; "word" sends it as SGLang's detokenizer does, up to its last
+    # space or a CJK ideograph (SGLang mode's setting: an engine stop string whose start
+    # the engine missed beside a split character then leaks no further than with SGLang).
+    release: Literal["char", "word"] = "char"
     # Enables the control op "debug_stall:<seconds>" that blocks the loop (tests only).
     debug_ops: bool = False
     # After the first SIGTERM/SIGINT the process ends within this many seconds, whatever

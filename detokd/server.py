@@ -96,7 +96,7 @@ class Server:
             self.bound = self.input.getsockopt_string(zmq.LAST_ENDPOINT) + (" (CURVE)" if curve else "")
             self.vocab = vocab or load(cfg.tokenizer)
             t0 = time.perf_counter()
-            self.codec = make_codec(self.vocab, cfg.codec)
+            self.codec = make_codec(self.vocab, cfg.codec, cfg.release)
             log.info(
                 "tokenizer %s: %d ids, %s codec (built and verified in %.2fs)",
                 cfg.tokenizer, self.vocab.size, self.codec.name, time.perf_counter() - t0,

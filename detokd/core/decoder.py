@@ -168,6 +168,56 @@ class ByteDecoder(PromptDecoder):
         return self._emit(text)
 
 
+class WordByteDecoder(ByteDecoder):
+    """A ByteDecoder that, while a character is split across ids, sends the text since
+    its last whole step only as SGLang's detokenizer sends it: all of it when it ends in
+    a CJK ideograph, else up to its last space (sglang.utils.find_printable_text). The
+    same text in the end, never sooner than SGLang's; so a stop string an engine checks
+    in token space, and misses the start of beside a split character, reaches the client
+    no further than it does through SGLang's own detokenizer.
+    """
+
+    __slots__ = ("dirty", "released")
+
+    def __init__(self, id_bytes: list[bytes], id_text: list[str | None]) -> None:
+        super().__init__(id_bytes, id_text)
+        self.dirty = ""  # text since the last step that ended on a whole character
+        self.released = 0  # how much of it went out
+
+    def step(self, ids: list[int]) -> str:
+        text = super().step(ids)
+        if self.pending:
+            dirty = self.dirty + text
+            n = _printable(dirty)
+            out = dirty[self.released : n] if n > self.released else ""
+            self.dirty, self.released = dirty, max(n, self.released)
+            return out
+        if self.dirty:  # the split character completed: the rest goes out with it
+            text = self.dirty[self.released :] + text
+            self.dirty, self.released = "", 0
+        return text
+
+    def finish(self) -> str:
+        text = self.dirty[self.released :] + super().finish()
+        self.dirty, self.released = "", 0
+        return text
+
+
+# CJK ideograph blocks, as SGLang's detokenizer tells them (unified, extensions A-E,
+# compatibility ideographs and their supplement).
+_CJK = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+        (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+
+
+def _printable(text: str) -> int:
+    """How much of `text`, followed by a split character, SGLang's detokenizer sends."""
+    if text:
+        c = ord(text[-1])
+        if any(lo <= c <= hi for lo, hi in _CJK):
+            return len(text)
+    return text.rfind(" ") + 1
+
+
 def _whole(b: bytes) -> str | None:
     try:
         return b.decode("utf-8")
@@ -180,7 +230,8 @@ class ByteCodec:
 
     name = "bytes"
 
-    def __init__(self, vocab: Vocab) -> None:
+    def __init__(self, vocab: Vocab, release: str = "char") -> None:
+        self.decoder = WordByteDecoder if release == "word" else ByteDecoder
         alphabet = byte_level_alphabet()
         id_bytes: list[bytes] = []
         for tok in vocab.tokens:
@@ -200,10 +251,12 @@ class ByteCodec:
 
     def new(self, tail: list[int], skip_special: bool) -> ByteDecoder:
         if skip_special:
-            d = ByteDecoder(self.bytes_skip_special, self.text_skip_special)
+            d = self.decoder(self.bytes_skip_special, self.text_skip_special)
         else:
-            d = ByteDecoder(self.bytes_keep_special, self.text_keep_special)
+            d = self.decoder(self.bytes_keep_special, self.text_keep_special)
         d._prime(tail)
+        if d.__class__ is WordByteDecoder:  # the prompt's text is never sent, held or not
+            d.dirty, d.released = "", 0
         return d
 
     def verify_tokens(self) -> list[int]:
@@ -427,8 +480,11 @@ class WindowCodec:
 # --- choosing a codec ----------------------------------------------------------------------
 
 
-def make_codec(vocab: Vocab, prefer: str = "auto") -> Codec:
-    """The fastest codec that reproduces this tokenizer's decode exactly."""
+def make_codec(vocab: Vocab, prefer: str = "auto", release: str = "char") -> Codec:
+    """The fastest codec that reproduces this tokenizer's decode exactly. `release`:
+    "word" sends the text before a character split across ids as SGLang's detokenizer
+    does (WordByteDecoder; byte-level BPE only: the other codecs hold such a character's
+    byte run whole already)."""
     if prefer == "window":
         return WindowCodec(vocab)
     types = vocab.decoder_types()
@@ -436,7 +492,7 @@ def make_codec(vocab: Vocab, prefer: str = "auto") -> Codec:
     if vocab.cleanup:
         candidate = None  # transformers' clean-up is not per-token: only the window is exact
     elif types == ["ByteLevel"]:
-        candidate = ByteCodec(vocab)
+        candidate = ByteCodec(vocab, release)
     elif types and set(types) <= {"Replace", "ByteFallback", "Fuse", "Strip", "Metaspace", "WordPiece"}:
         candidate = PieceCodec(vocab)
     if candidate is not None:

@@ -53,6 +53,7 @@ def config(port_args, tokenizer_path: str) -> Config:
         "input": port_args.detokenizer_ipc_name,
         "workers": [port_args.tokenizer_ipc_name],
         "tokenizer": tokenizer_path,
+        "release": "word",  # as SGLang's own detokenizer releases text before a split character
         "max_states": int(os.environ.get("SGLANG_DETOKENIZER_MAX_STATES", 1 << 16)),
         "metrics_port": int(os.environ["DETOKD_METRICS_PORT"]) if os.environ.get("DETOKD_METRICS_PORT") else None,
     }
