@@ -31,7 +31,7 @@ from .core.bounded import BoundedMap
 from .core.outbox import Outbox
 from .core.records import OutRow
 from .metrics import Stats, WorkerFigures
-from .sockets import Curve
+from .sockets import Curve, register_address_problem
 
 log = logging.getLogger("detokd.delivery")
 
@@ -70,6 +70,9 @@ class RegisterPolicy:
         """Why this register is refused, or None."""
         if not self.enabled:
             return "register is disabled (register_enabled = false)"
+        problem = register_address_problem(address)
+        if problem is not None:
+            return problem
         if not any(fnmatch.fnmatchcase(address, pattern) for pattern in self.allow):
             return "the address matches no register_allow pattern"
         w = delivery.workers.get(index)

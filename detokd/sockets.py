@@ -15,6 +15,7 @@ import errno
 import ipaddress
 import logging
 import os
+import re
 import socket
 import stat
 from dataclasses import dataclass, field
@@ -112,6 +113,45 @@ def is_loopback_tcp(address: str) -> bool | None:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # an interface name or "*": reachable from elsewhere
+
+
+# --- addresses a peer names ---------------------------------------------------------------
+
+_PORT = re.compile(r"[1-9][0-9]{0,4}")
+
+
+def register_address_problem(address: str) -> str | None:
+    """Why a peer's `register` address is not plain enough to match against
+    register_allow, or None. Only `tcp://IP:port` and `ipc:///absolute/path` pass.
+
+    fnmatch sees a string, ZMQ an endpoint: `tcp://127.0.0.1:0;127.0.0.2:5` matches
+    `tcp://127.0.0.1:*` but ZMQ connects from 127.0.0.1 to 127.0.0.2; a `*` also
+    spans dots and slashes, so `tcp://10.0.0.*:*` matches the name
+    `10.0.0.1.evil.example` and `ipc:///run/engine/*` the path
+    `/run/engine/../../tmp/x`. So the address must be the one canonical spelling of a
+    single destination: an IP literal (no names, no `%interface`), a port, or a
+    normalised absolute path; then the glob decides.
+    """
+    if any(c < " " or c == "\x7f" for c in address) or ";" in address:
+        return "it holds ';' (a source address) or a control character"
+    if address.startswith("ipc://"):
+        path = address[len("ipc://") :]
+        if not path.startswith("/") or path.startswith("//") or os.path.normpath(path) != path:
+            return "an ipc address must be a normalised absolute path (no '.', '..', '//', abstract '@')"
+        return None
+    if not address.startswith("tcp://"):
+        return "only tcp:// and ipc:// addresses can be registered"
+    host, sep, port = address[len("tcp://") :].rpartition(":")
+    if not sep or not _PORT.fullmatch(port) or int(port) > 65535:
+        return "a tcp address needs a port 1-65535"
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        return "a tcp host must be an IP address (a name could resolve anywhere; no interface names)"
+    if bracketed != (ip.version == 6) or getattr(ip, "scope_id", None) or str(ip) != (host[1:-1] if bracketed else host):
+        return "a tcp host must be an IP address in its canonical form (IPv6 in brackets, no %scope)"
+    return None
 
 
 # --- CURVE --------------------------------------------------------------------------------

@@ -513,3 +513,41 @@ def test_a_signal_ends_the_process_within_the_shutdown_grace_even_when_the_loop_
         raise AssertionError("detokd still running 30 s after SIGTERM") from None
     assert code == 3
     assert "not stopped within shutdown_grace_s = 1.0 s" in d.log()
+
+
+# --------------------------------------------------------------------------- 8. round 2 (issue 18)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def test_a_register_address_that_names_another_destination_than_its_glob_says_is_refused(detokd, zctx, tmp_path):
+    # ZMQ reads `tcp://A;B` as source A, destination B, and fnmatch's `*` spans `;`,
+    # dots and slashes: as strings both escapes below match register_allow.
+    (tmp_path / "engine").mkdir()
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"], register_enabled=True,
+        register_allow=["tcp://127.0.0.1:*", f"ipc://{tmp_path}/engine/*"],
+    )
+    w0 = Sink(zctx, d.workers[0])
+    elsewhere = Sink(zctx, f"tcp://127.0.0.2:{_free_port('127.0.0.2')}")
+    outside = Sink(zctx, f"ipc://{tmp_path}/outside.sock")
+    allowed = Sink(zctx, f"tcp://127.0.0.1:{_free_port('127.0.0.1')}")
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "register", "worker": 1, "address": f"tcp://127.0.0.1:0;{elsewhere.address[len('tcp://'):]}"})
+    eng.send({"type": "register", "worker": 2, "address": f"ipc://{tmp_path}/engine/../outside.sock"})
+    eng.send({"type": "register", "worker": 3, "address": allowed.address})
+    rng = random.Random(18)
+    reqs = [Req(f"e{w}", make_ids(rng, 30), worker=w) for w in (1, 2, 3)]
+    eng.rows([q.row(30) for q in reqs])
+    w0.wait(lambda: w0.ended("e1") and w0.ended("e2"), 20, "worker 0 to hear the refused workers' rows fail")
+    allowed.wait(lambda: allowed.ended("e3"), 20, "the plainly allowed worker's rows")
+    assert w0.errors("e1") == w0.errors("e2") == ["bad_start"]  # workers 1 and 2 were never added
+    assert allowed.text("e3") == reqs[2].expected()
+    assert elsewhere.messages == outside.messages == 0
+    assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="register_refused") == 2
+    assert "refused: it holds ';'" in d.log() and "refused: an ipc address must be a normalised absolute path" in d.log()
