@@ -551,3 +551,21 @@ def test_a_register_address_that_names_another_destination_than_its_glob_says_is
     assert elsewhere.messages == outside.messages == 0
     assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="register_refused") == 2
     assert "refused: it holds ';'" in d.log() and "refused: an ipc address must be a normalised absolute path" in d.log()
+
+
+def test_an_over_cap_start_for_another_schedulers_live_rid_tells_its_sender_nothing_of_that_request(detokd, zctx):
+    # Scheduler B cannot guess how far A's request is: the row B's worker gets counts
+    # only B's own request (0 ids), and A's worker learns its request was failed.
+    d = detokd(workers=2, max_stop_strings=2)
+    w0, w1 = Sink(zctx, d.workers[0]), Sink(zctx, d.workers[1])
+    d.wait_ready()
+    a, b = Engine(zctx, d.input), Engine(zctx, d.input)
+    victim = Req("v", make_ids(random.Random(19), 20), worker=0)
+    a.rows([victim.row(7, finish=False)])
+    w0.wait(lambda: w0.rows("v"), 20, "A's first row")
+    b.rows([{"rid": "v", "ids": [100], "start": {"worker": 1, "stop": ["x", "y", "z"]}, "meta": "b's"}])  # 3 stop strings: over the cap
+    w1.wait(lambda: w1.rows("v"), 20, "B's worker to hear of B's row")
+    w0.wait(lambda: len(w0.rows("v")) == 2, 20, "A's worker to hear its request failed")
+    (told_b,) = w1.rows("v")
+    assert (told_b["error"], told_b["n_ids"], told_b["meta"]) == ("rid_collision", 0, "b's")
+    assert (w0.rows("v")[-1]["error"], w0.rows("v")[-1]["n_ids"]) == ("rid_collision", 7)
