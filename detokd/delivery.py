@@ -65,6 +65,7 @@ class RegisterPolicy:
     allow: tuple[str, ...] = ()
     replace: bool = False
     max_added: int = 16
+    tcp_needs_curve: bool = False  # CURVE is on: a registered tcp worker would be plaintext (no key comes in a register)
 
     def refusal(self, delivery: Delivery, index: int, address: str) -> str | None:
         """Why this register is refused, or None."""
@@ -75,6 +76,8 @@ class RegisterPolicy:
             return problem
         if not any(fnmatch.fnmatchcase(address, pattern) for pattern in self.allow):
             return "the address matches no register_allow pattern"
+        if self.tcp_needs_curve and address.startswith("tcp://"):
+            return "CURVE is on and a registered tcp worker would be plaintext (curve_plaintext lacks \"register\")"
         w = delivery.workers.get(index)
         if w is not None:
             if w.address != address and not self.replace:

@@ -76,6 +76,10 @@ class Server:
                 self.metrics.start()
             sockets.prepare_private([cfg.input, *cfg.workers, cfg.feedback])
             curve = sockets.Curve.from_config(cfg)
+            if curve is not None:
+                for name in cfg.curve_plaintext:  # config.check refused any other tcp socket without a key
+                    what = "every tcp worker added by register" if name == "register" else name.replace(".", " ")
+                    log.warning("CURVE is on but %s is connected in plaintext (curve_plaintext)", what)
             self.input = self.ctx.socket(zmq.PULL)
             self.input.setsockopt(zmq.LINGER, 0)
             # A bigger message is never read: ZMQ drops the connection of its sender.
@@ -107,7 +111,10 @@ class Server:
                     self.ctx, self.outbox, list(cfg.workers),
                     feedback=cfg.feedback, hwm=cfg.send_hwm, queue_bytes=cfg.send_queue_bytes,
                     linger_ms=cfg.linger_ms, stats=self.stats,
-                    policy=RegisterPolicy(cfg.register_enabled, tuple(cfg.register_allow), cfg.register_replace, cfg.register_max),
+                    policy=RegisterPolicy(
+                        cfg.register_enabled, tuple(cfg.register_allow), cfg.register_replace, cfg.register_max,
+                        tcp_needs_curve=curve is not None and "register" not in cfg.curve_plaintext,
+                    ),
                     curve=curve,
                 )
             except (ValueError, zmq.ZMQError) as exc:

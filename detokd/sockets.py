@@ -191,7 +191,7 @@ class Curve:
         if not zmq.has("curve"):
             raise ConfigError("curve_secret_key is set but this libzmq has no CURVE support")
         public, secret = load_pair(cfg.curve_secret_key)
-        workers = {i: load_public(p) for i, p in enumerate(cfg.curve_worker_keys)}
+        workers = {i: load_public(p) for i, p in enumerate(cfg.curve_worker_keys) if p}  # "": an ipc worker's place
         feedback = load_public(cfg.curve_feedback_key) if cfg.curve_feedback_key else None
         return cls(public, secret, workers, feedback)
 

@@ -569,3 +569,68 @@ def test_an_over_cap_start_for_another_schedulers_live_rid_tells_its_sender_noth
     (told_b,) = w1.rows("v")
     assert (told_b["error"], told_b["n_ids"], told_b["meta"]) == ("rid_collision", 0, "b's")
     assert (w0.rows("v")[-1]["error"], w0.rows("v")[-1]["n_ids"]) == ("rid_collision", 7)
+
+
+def _refused_at_start(tmp_path: Path, cfg: Config) -> tuple[int, str]:
+    """Start `detokd serve` on cfg, which must exit before it is ready: (exit code, log).
+    Not ready within 60 s, or ready: the test fails (and detokd is killed)."""
+    d = DetokdProcess(cfg, folder=tmp_path).spawn()
+    try:
+        d.wait_ready(60)
+    except Exception:  # NotReady: exited (or hung, then killed: returncode -9)
+        return d.proc.wait(10), d.log()
+    d.kill()
+    raise AssertionError(f"detokd started on a config it should refuse:\n{d.log()}")
+
+
+def test_with_curve_on_every_tcp_socket_uses_it_or_start_up_names_the_one_without_a_key(tmp_path, zctx):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in ("detokd", "w0"):
+        zmq.auth.create_certificates(keys, name)
+    pair = lambda name: zmq.auth.load_certificate(keys / f"{name}.key_secret")  # noqa: E731
+    w0, w0_address = _tcp_pull(zctx, pair("w0"))
+    w1, w1_address = _tcp_pull(zctx, None)
+    base = msgspec.structs.replace(
+        ipc_config(tmp_path), input="tcp://127.0.0.1:*", workers=[w0_address, w1_address], metrics_port=0,
+        curve_secret_key=str(keys / "detokd.key_secret"), curve_worker_keys=[str(keys / "w0.key")],
+    )
+    code, log = _refused_at_start(tmp_path, base)
+    assert code == 2 and f"worker 1 ({w1_address}) is tcp and has no CURVE key" in log
+    fb = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+    code, log = _refused_at_start(tmp_path, msgspec.structs.replace(base, feedback=fb, curve_plaintext=["worker.1"]))
+    assert code == 2 and f"feedback ({fb}) is tcp and has no CURVE key" in log
+    # A deliberate exception is served, and said at start; a tcp register would be plaintext: refused.
+    w2 = Sink(zctx, f"tcp://127.0.0.1:{_free_port('127.0.0.1')}")
+    cfg = msgspec.structs.replace(
+        base, curve_plaintext=["worker.1"], register_enabled=True, register_allow=["tcp://127.0.0.1:*"],
+    )
+    d = DetokdProcess(cfg, folder=tmp_path).start()
+    try:
+        assert "CURVE is on but worker 1 is connected in plaintext (curve_plaintext)" in d.log()
+        address = re.search(r"serving: input (tcp://\S+) \(CURVE\)", d.log()).group(1)
+        from detokd.client import SchedulerClient
+        from detokd.core.records import Finish
+
+        zmq.auth.create_certificates(keys, "sched")
+        sched = SchedulerClient(address, context=zctx, curve_server_key=pair("detokd")[0], curve_keypair=pair("sched"))
+        sched.register(2, w2.address)
+        ids = make_ids(random.Random(20), 30)
+        for w in (0, 1, 2):
+            sched.begin(f"c{w}", ids, worker=w, finish=Finish("length"))
+        sched.flush()
+        texts = {}
+        for sock in (w0, w1):
+            rows = []
+            while len([r for r in rows if r["finish"] is not None or r["error"] is not None]) < 2:  # its own and c2's
+                rows += dec(sock.recv())["rows"]
+            texts[sock] = {r["rid"]: (r["text"], r["error"]) for r in rows}
+        expected = oracle(vocab("deepseek"), [], ids, True)
+        assert texts[w0]["c0"] == texts[w1]["c1"] == (expected, None)
+        assert texts[w0]["c2"][1] == texts[w1]["c2"][1] == "bad_start"  # worker 2 was never added
+        assert w2.messages == 0
+        assert "refused: CURVE is on and a registered tcp worker would be plaintext" in d.log()
+        sched.close(0)
+    finally:
+        d.kill()
+        w0.close(0), w1.close(0)
