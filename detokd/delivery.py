@@ -8,8 +8,9 @@ fanned out one message per request and stalled everyone behind one slow peer). T
 whole stall policy is `deliver`: a lost message's requests are failed by the core,
 and the worker is owed their error rows, sent by `settle` once its queue has room.
 
-A worker's queue is ZMQ's (`send_hwm` messages, kept short) and, behind it, a
-backlog here (`send_queue_bytes`). ZMQ counts messages only and shows no depth, so
+A worker's queue is ZMQ's (`send_hwm` messages, kept short, and only while the worker
+is connected: ZMQ_IMMEDIATE) and, behind it, a backlog here (`send_queue_bytes`). ZMQ
+counts messages only and shows no depth, so
 bytes are counted where they can be: in the backlog, which the loop drains into
 ZMQ whenever the socket can take more (`flush`, woken by the socket's POLLOUT).
 
@@ -169,7 +170,7 @@ class Delivery:
             return True
         key = self.curve.workers.get(index) if self.curve is not None else None
         try:
-            sock = self._connect(address, key)
+            sock = self._connect(address, key, immediate=True)
         except zmq.ZMQError as exc:
             self.stats.error("bad_register")
             log.warning("worker %d: cannot connect to %r (%s); register refused", index, address, exc.strerror)
@@ -180,7 +181,9 @@ class Delivery:
         else:
             self._unwatch(w)
             if w.socket is not None:
-                w.socket.close(linger=0)
+                # Immediate: ZMQ's queue holds only frames for a connected peer, which
+                # linger lets reach it; the rest is in the backlog, which follows.
+                w.socket.close(linger=self.linger_ms)
             w.socket = sock
             w.address = address
             if w.backlog:  # the frames are the worker's: they follow it to its new address
@@ -191,9 +194,16 @@ class Delivery:
     def known(self, index: int) -> bool:
         return index in self.workers
 
-    def _connect(self, address: str, server_key: bytes | None = None, hwm: int | None = None) -> zmq.Socket:
+    def _connect(self, address: str, server_key: bytes | None = None, hwm: int | None = None, *, immediate: bool = False) -> zmq.Socket:
+        """A PUSH socket connected to `address`. `immediate` (ZMQ_IMMEDIATE, for
+        workers): ZMQ queues a frame only on a completed connection, so frames for a
+        peer not (yet) there wait in the backlog, bounded in bytes and ours to move
+        when `register` moves the worker; a plain socket would hold them in a queue
+        for an address it may never reach, lost when it is closed."""
         s = self.ctx.socket(zmq.PUSH)
         try:
+            if immediate:
+                s.setsockopt(zmq.IMMEDIATE, 1)
             if server_key is not None:
                 self.curve.connect_to(s, server_key)
             s.setsockopt(zmq.SNDHWM, hwm or self.hwm)

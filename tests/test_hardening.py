@@ -634,3 +634,33 @@ def test_with_curve_on_every_tcp_socket_uses_it_or_start_up_names_the_one_withou
     finally:
         d.kill()
         w0.close(0), w1.close(0)
+
+
+def test_a_worker_moved_by_register_gets_every_row_queued_for_its_old_address(detokd, zctx, tmp_path):
+    # Worker 1's first rows are queued for an address nobody has bound (the worker is
+    # moving); the worker then registers where it listens now. Those rows must follow it.
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"], register_enabled=True, register_replace=True,
+        register_allow=[f"ipc://{tmp_path}/moving-*"],
+    )
+    w0 = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    v = vocab("deepseek")
+    first = v.backend.encode(" one two three four five", add_special_tokens=False).ids
+    then = v.backend.encode(" six seven eight nine ten", add_special_tokens=False).ids
+    req = Req("m", first + then, worker=1)
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "register", "worker": 1, "address": f"ipc://{tmp_path}/moving-old.sock"})
+    while req.pos < len(first):
+        eng.rows([req.row(1)])
+    new = Sink(zctx, f"ipc://{tmp_path}/moving-new.sock")
+    eng.send({"type": "register", "worker": 1, "address": new.address})
+    while not req.done:
+        eng.rows([req.row(1)])
+    eng.rows([{"rid": "fence", "ids": [100], "start": {}, "finish": {"reason": "length"}}])
+    w0.wait(lambda: w0.ended("fence"), 20, "detokd to take every frame")
+    new.wait(lambda: new.ended("m"), 20, "the moved worker's rows")
+    assert new.text("m") == oracle(v, [], first + then, True) and not new.errors("m")
+    assert [r["n_ids"] for r in new.rows("m")] == list(range(1, len(first + then) + 1))
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_worker_dropped_total", worker="1") == 0 and not any(k for k in m if k[0] == "detokd_errors_total")
