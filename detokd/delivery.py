@@ -32,7 +32,7 @@ from .core.bounded import BoundedMap
 from .core.outbox import Outbox
 from .core.records import OutRow
 from .metrics import Stats, WorkerFigures
-from .sockets import Curve, register_address_problem
+from .sockets import Curve, ipc_folder_problem, register_address_problem
 
 log = logging.getLogger("detokd.delivery")
 
@@ -73,6 +73,8 @@ class RegisterPolicy:
         if not self.enabled:
             return "register is disabled (register_enabled = false)"
         problem = register_address_problem(address)
+        if problem is None and (taken := ipc_folder_problem(address)) is not None:
+            problem = taken[0]  # a worker registers once bound: a path it may not own is refused
         if problem is not None:
             return problem
         if not any(fnmatch.fnmatchcase(address, pattern) for pattern in self.allow):

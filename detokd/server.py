@@ -75,6 +75,9 @@ class Server:
                     raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
                 self.metrics.start()
             sockets.prepare_private([cfg.input, *cfg.workers, cfg.feedback])
+            sockets.check_ipc_folders(
+                [("input", cfg.input), *((f"worker {w}", a) for w, a in enumerate(cfg.workers)), ("feedback", cfg.feedback)]
+            )
             curve = sockets.Curve.from_config(cfg)
             if curve is not None:
                 for name in cfg.curve_plaintext:  # config.check refused any other tcp socket without a key

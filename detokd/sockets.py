@@ -98,6 +98,60 @@ def claim_ipc(address: str, what: str = "input") -> None:
     os.unlink(path)
 
 
+def ipc_folder_problem(address: str) -> tuple[str, bool] | None:
+    """Whether a stranger on this machine could take an ipc path: (why, fatal), or None.
+
+    In a folder every user may write, anyone can bind the path before its owner, or
+    (without the sticky bit) remove the owner's socket and bind their own: a worker's
+    text then goes to them. So a world-writable folder on the way without the sticky
+    bit is fatal; with it (/tmp), an existing path must be this user's, and a path
+    not there yet could still be bound first by anyone (not fatal: it is said; a
+    `register` of it is refused, since a worker registers once it has bound).
+    """
+    path = ipc_path(address)
+    if path is None:
+        return None
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    d = folder
+    while True:
+        try:
+            st = os.stat(d)
+        except OSError:
+            st = None  # not there (yet): bind or connect says what it makes of that
+        if st is not None and st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            return f"{d} is writable by every user and not sticky: anyone could replace the socket", True
+        if d == "/":
+            break
+        d = os.path.dirname(d)
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    if not st.st_mode & stat.S_IWOTH:
+        return None
+    try:
+        owner = os.lstat(path).st_uid
+    except FileNotFoundError:
+        return f"{folder} is writable by every user: another user could bind {path} first", False
+    if owner != os.getuid():
+        return f"{path} in {folder}, which every user can write, belongs to uid {owner}, not to this user ({os.getuid()})", True
+    return None  # ours, and the sticky bit keeps it ours while it is there
+
+
+def check_ipc_folders(named: list[tuple[str, str | None]]) -> None:
+    """At start, for each (what, address): refuse (exit 2) a path a stranger could take,
+    warn of one a stranger could bind first."""
+    for what, address in named:
+        problem = ipc_folder_problem(address) if address else None
+        if problem is None:
+            continue
+        why, fatal = problem
+        if fatal:
+            raise ConfigError(f"{what} {address}: {why}; use a folder only trusted users can write (docs/security.md)")
+        log.warning("%s %s: %s; use a folder only trusted users can write (docs/security.md)", what, address, why)
+
+
 # --- tcp exposure -------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -664,3 +665,48 @@ def test_a_worker_moved_by_register_gets_every_row_queued_for_its_old_address(de
     assert [r["n_ids"] for r in new.rows("m")] == list(range(1, len(first + then) + 1))
     m = scrape(metrics_port(d))
     assert metric(m, "detokd_worker_dropped_total", worker="1") == 0 and not any(k for k in m if k[0] == "detokd_errors_total")
+
+
+SQUATTER = """
+import os, sys, zmq
+os.setgroups([]); os.setgid(65534); os.setuid(65534)  # imports done as root; the bind is nobody's
+s = zmq.Context().socket(zmq.PULL)
+s.bind(sys.argv[1])
+print("bound", flush=True)
+s.setsockopt(zmq.RCVTIMEO, int(sys.argv[2]))
+try:
+    print("received", len(s.recv()), flush=True)
+except zmq.Again:
+    print("nothing", flush=True)
+"""
+
+
+def test_an_ipc_path_another_user_could_take_is_refused_at_start(tmp_path, zctx):
+    # A folder anyone may write without the sticky bit: anyone could replace a socket.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    code, log = _refused_at_start(tmp_path, msgspec.structs.replace(ipc_config(tmp_path), workers=[f"ipc://{shared}/w0.sock"]))
+    assert code == 2 and f"worker 0 ipc://{shared}/w0.sock: {shared} is writable by every user and not sticky" in log
+    # /tmp's kind (sticky): another uid bound the worker's path first.
+    sticky = Path(tempfile.mkdtemp(prefix="detokd-sticky-", dir="/tmp"))
+    try:
+        os.chmod(sticky, 0o1777)
+        address = f"ipc://{sticky}/w0.sock"
+        squatter = subprocess.Popen([PY, "-c", SQUATTER, address, "5000"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert squatter.stdout.readline() == "bound\n"
+            assert os.stat(sticky / "w0.sock").st_uid == 65534
+            cfg = msgspec.structs.replace(ipc_config(tmp_path), workers=[address])
+            code, log = _refused_at_start(tmp_path, cfg)
+            assert code == 2 and f"{sticky}/w0.sock in {sticky}, which every user can write, belongs to uid 65534" in log
+            assert squatter.stdout.readline() == "nothing\n"
+        finally:
+            squatter.kill()
+            squatter.wait()
+        # A path not bound yet in such a folder: served, and said.
+        (sticky / "w0.sock").unlink()
+        with DetokdProcess(cfg, folder=tmp_path) as d:
+            assert f"worker 0 {address}: {sticky} is writable by every user: another user could bind" in d.log()
+    finally:
+        shutil.rmtree(sticky)
