@@ -151,10 +151,13 @@ class Delivery:
             log.warning("register of worker %d at %r refused: %s", index, address, why)
             return False
         new = index not in self.workers
+        changed = new or self.workers[index].address != address
         if not self.place(index, address):
             return False
         if new:
             self.added += 1
+        if changed:
+            self.stats.register_changes += 1
         return True
 
     def place(self, index: int, address: str) -> bool:

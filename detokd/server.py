@@ -88,7 +88,7 @@ class Server:
             # A bigger message is never read: ZMQ drops the connection of its sender.
             self.input.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
             if curve is not None:
-                self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients)
+                self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients, self._curve_refused)
                 curve.serve(self.input)
             elif sockets.is_loopback_tcp(cfg.input) is False:
                 log.warning(
@@ -211,6 +211,7 @@ class Server:
             readiness.notify("STOPPING=1")
             log.info("stopping: sends get up to %d ms to leave", self.cfg.linger_ms)
             self.close()
+            logs.report_suppressed(force=True)
         return 0
 
     def process(self, frame: bytes) -> None:
@@ -254,7 +255,11 @@ class Server:
             else:
                 log.warning("RSS %.0f MB is below max_rss_mb = %d again: new requests are served", rss / 2**20, self.cfg.max_rss_mb)
 
+    def _curve_refused(self) -> None:  # on the authenticator's thread: it alone bumps this count
+        self.stats.curve_refused += 1
+
     def _publish(self) -> None:
+        logs.report_suppressed()  # security events are limited in rate, never lost without a count
         if self.max_rss is not None:
             self._guard_rss(time.monotonic())
         self.collector.tick(time.monotonic())

@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -260,14 +261,22 @@ class Curve:
         sock.curve_serverkey = server_public
 
 
-def start_authenticator(ctx: zmq.Context, clients: str | None):
+def start_authenticator(ctx: zmq.Context, clients: str | None, refused: Callable[[], None] = lambda: None):
     """ZAP handler of the input: only the public keys in folder `clients`, or any
-    client that completes the CURVE handshake (it knows detokd's public key)."""
+    client that completes the CURVE handshake (it knows detokd's public key).
+    `refused()` is called, and a warning logged, for each client it turns away."""
     from zmq.auth.thread import ThreadAuthenticator
+
+    class Authenticator(ThreadAuthenticator):
+        def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
+            if status_code != b"200":  # pyzmq logs its refusals at debug only
+                refused()
+                self.log.warning("CURVE client refused: %s", status_text.decode("ascii", "replace"))
+            super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
     if clients is not None and not os.path.isdir(clients):
         raise ConfigError(f"curve_clients {clients} is not a folder of public keys")
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("detokd.auth"))
+    auth = Authenticator(ctx, log=logging.getLogger("detokd.auth"))
     auth.start()
     auth.configure_curve(domain="*", location=clients if clients is not None else zmq.auth.CURVE_ALLOW_ANY)
     return auth

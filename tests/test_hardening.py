@@ -592,9 +592,14 @@ def test_with_curve_on_every_tcp_socket_uses_it_or_start_up_names_the_one_withou
     pair = lambda name: zmq.auth.load_certificate(keys / f"{name}.key_secret")  # noqa: E731
     w0, w0_address = _tcp_pull(zctx, pair("w0"))
     w1, w1_address = _tcp_pull(zctx, None)
+    zmq.auth.create_certificates(keys, "sched")
+    zmq.auth.create_certificates(keys, "stranger")
+    (tmp_path / "allowed").mkdir()
+    shutil.copy(keys / "sched.key", tmp_path / "allowed")
     base = msgspec.structs.replace(
         ipc_config(tmp_path), input="tcp://127.0.0.1:*", workers=[w0_address, w1_address], metrics_port=0,
         curve_secret_key=str(keys / "detokd.key_secret"), curve_worker_keys=[str(keys / "w0.key")],
+        curve_clients=str(tmp_path / "allowed"),
     )
     code, log = _refused_at_start(tmp_path, base)
     assert code == 2 and f"worker 1 ({w1_address}) is tcp and has no CURVE key" in log
@@ -613,7 +618,6 @@ def test_with_curve_on_every_tcp_socket_uses_it_or_start_up_names_the_one_withou
         from detokd.client import SchedulerClient
         from detokd.core.records import Finish
 
-        zmq.auth.create_certificates(keys, "sched")
         sched = SchedulerClient(address, context=zctx, curve_server_key=pair("detokd")[0], curve_keypair=pair("sched"))
         sched.register(2, w2.address)
         ids = make_ids(random.Random(20), 30)
@@ -631,7 +635,11 @@ def test_with_curve_on_every_tcp_socket_uses_it_or_start_up_names_the_one_withou
         assert texts[w0]["c2"][1] == texts[w1]["c2"][1] == "bad_start"  # worker 2 was never added
         assert w2.messages == 0
         assert "refused: CURVE is on and a registered tcp worker would be plaintext" in d.log()
-        sched.close(0)
+        # A client whose key is not allowed: refused, counted, logged.
+        stranger = SchedulerClient(address, context=zctx, curve_server_key=pair("detokd")[0], curve_keypair=pair("stranger"))
+        wait_until(lambda: metric(scrape(metrics_port(d)), "detokd_curve_refused_total") >= 1, 20, "the stranger's refusal counted")  # again at each reconnect
+        assert "WARNING detokd.auth: CURVE client refused: Unknown key" in d.log()
+        stranger.close(0), sched.close(0)
     finally:
         d.kill()
         w0.close(0), w1.close(0)
@@ -710,3 +718,34 @@ def test_an_ipc_path_another_user_could_take_is_refused_at_start(tmp_path, zctx)
             assert f"worker 0 {address}: {sticky} is writable by every user: another user could bind" in d.log()
     finally:
         shutil.rmtree(sticky)
+
+
+def test_every_register_change_and_refusal_is_counted_and_logged_or_said_suppressed(detokd, zctx, tmp_path):
+    # 10 lines per template per 10 s: a burst of registers loses lines, never the count.
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"], register_enabled=True, register_replace=True,
+        register_allow=[f"ipc://{tmp_path}/reg-*"],
+    )
+    w0 = Sink(zctx, d.workers[0])
+    a, b = Sink(zctx, f"ipc://{tmp_path}/reg-a.sock"), Sink(zctx, f"ipc://{tmp_path}/reg-b.sock")
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    for i in range(16):  # worker 1 added, then moved 15 times
+        eng.send({"type": "register", "worker": 1, "address": (a, b)[i % 2].address})
+    for i in range(12):
+        eng.send({"type": "register", "worker": 2, "address": f"ipc://{tmp_path}/elsewhere-{i}.sock"})
+    eng.rows([{"rid": "fence", "ids": [100], "start": {}, "finish": {"reason": "length"}}])
+    w0.wait(lambda: w0.ended("fence"), 20, "detokd to take every register")
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_register_changes_total") == 16
+    assert metric(m, "detokd_errors_total", kind="register_refused") == 12
+
+    def said(line: str, template: str) -> int:
+        """Lines of a template in the log plus the counts its suppression lines give."""
+        log = d.log()
+        return len(re.findall(line, log)) + sum(map(int, re.findall(rf"(\d+) similar messages suppressed in \d+ s: '{re.escape(template)}'", log)))
+
+    # worker 0's own line at start shares the template of a change.
+    wait_until(lambda: said(r"INFO detokd\.delivery: worker \d at '", "worker %d at %r%s") == 1 + 16, 30, "every change told")
+    wait_until(lambda: said(r"WARNING detokd\.delivery: register of worker 2 at '[^']*' refused", "register of worker %d at %r refused: %s") == 12,
+               30, "every refusal told")
