@@ -64,6 +64,7 @@ class Server:
         self.ctx = zmq.Context()
         self.delivery = None
         self.auth = None
+        self.refusals = threading.Lock()
         # Health first, so a supervisor sees "starting" during the seconds a tokenizer
         # takes; then the input, since an address in use is a config error worth knowing
         # before them.
@@ -88,7 +89,7 @@ class Server:
             # A bigger message is never read: ZMQ drops the connection of its sender.
             self.input.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
             if curve is not None:
-                self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients, self._curve_refused)
+                self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients, self._curve_refused, watch=self.input)
                 curve.serve(self.input)
             elif sockets.is_loopback_tcp(cfg.input) is False:
                 log.warning(
@@ -255,8 +256,9 @@ class Server:
             else:
                 log.warning("RSS %.0f MB is below max_rss_mb = %d again: new requests are served", rss / 2**20, self.cfg.max_rss_mb)
 
-    def _curve_refused(self) -> None:  # on the authenticator's thread: it alone bumps this count
-        self.stats.curve_refused += 1
+    def _curve_refused(self) -> None:  # on the authenticator's two threads (ZAP, the handshake watch)
+        with self.refusals:
+            self.stats.curve_refused += 1
 
     def _publish(self) -> None:
         logs.report_suppressed()  # security events are limited in rate, never lost without a count

@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import stat
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -261,22 +262,72 @@ class Curve:
         sock.curve_serverkey = server_public
 
 
-def start_authenticator(ctx: zmq.Context, clients: str | None, refused: Callable[[], None] = lambda: None):
+class HandshakeWatch:
+    """Handshakes a CURVE input fails before its authenticator is asked (a client that
+    does not speak CURVE, or does not know detokd's public key): read from the
+    socket's monitor on a thread of its own, each one `refused()` and logged."""
+
+    FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+    def __init__(self, sock: zmq.Socket, refused: Callable[[], None]) -> None:
+        self.monitor = sock.get_monitor_socket(self.FAILED)  # used by the thread alone from here on
+        self.refused = refused
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="detokd-handshakes", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        try:
+            while not self.stopping:
+                if not self.monitor.poll(100):
+                    continue
+                event = recv_monitor_message(self.monitor)
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    break
+                self.refused()
+                log_auth.warning("CURVE handshake failed (event %d): the client does not speak CURVE with detokd's key", event["event"])
+        except zmq.ZMQError:
+            pass
+        finally:
+            self.monitor.close(linger=0)  # here, so the context can end
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.thread.join(2)
+
+
+log_auth = logging.getLogger("detokd.auth")  # rate limited by the server with its other loggers
+
+
+def start_authenticator(ctx: zmq.Context, clients: str | None, refused: Callable[[], None] = lambda: None,
+                        watch: zmq.Socket | None = None):
     """ZAP handler of the input: only the public keys in folder `clients`, or any
     client that completes the CURVE handshake (it knows detokd's public key).
-    `refused()` is called, and a warning logged, for each client it turns away."""
+    `refused()` is called, and a warning logged, for each handshake it turns away,
+    and for each that fails on socket `watch` (the input) before it is asked."""
     from zmq.auth.thread import ThreadAuthenticator
 
     class Authenticator(ThreadAuthenticator):
+        watcher: HandshakeWatch | None = None
+
         def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
             if status_code != b"200":  # pyzmq logs its refusals at debug only
                 refused()
                 self.log.warning("CURVE client refused: %s", status_text.decode("ascii", "replace"))
             super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
+        def stop(self) -> None:
+            if self.watcher is not None:
+                self.watcher.stop()
+            super().stop()
+
     if clients is not None and not os.path.isdir(clients):
         raise ConfigError(f"curve_clients {clients} is not a folder of public keys")
-    auth = Authenticator(ctx, log=logging.getLogger("detokd.auth"))
+    auth = Authenticator(ctx, log=log_auth)
     auth.start()
+    if watch is not None:
+        auth.watcher = HandshakeWatch(watch, refused)
     auth.configure_curve(domain="*", location=clients if clients is not None else zmq.auth.CURVE_ALLOW_ANY)
     return auth

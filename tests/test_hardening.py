@@ -551,7 +551,8 @@ def test_a_register_address_that_names_another_destination_than_its_glob_says_is
     assert allowed.text("e3") == reqs[2].expected()
     assert elsewhere.messages == outside.messages == 0
     assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="register_refused") == 2
-    assert "refused: it holds ';'" in d.log() and "refused: an ipc address must be a normalised absolute path" in d.log()
+    wait_until(lambda: "refused: it holds ';'" in d.log() and "refused: an ipc address must be a normalised absolute path" in d.log(),
+               20, "both refusals logged")  # by the log's writer thread
 
 
 def test_an_over_cap_start_for_another_schedulers_live_rid_tells_its_sender_nothing_of_that_request(detokd, zctx):
@@ -613,8 +614,10 @@ def test_with_curve_on_every_tcp_socket_uses_it_or_start_up_names_the_one_withou
     )
     d = DetokdProcess(cfg, folder=tmp_path).start()
     try:
+        # READY=1 may come before the log's writer thread has written the line.
+        serving = wait_until(lambda: re.search(r"serving: input (tcp://\S+) \(CURVE\)", d.log()), 20, "the serving line")
+        address = serving.group(1)
         assert "CURVE is on but worker 1 is connected in plaintext (curve_plaintext)" in d.log()
-        address = re.search(r"serving: input (tcp://\S+) \(CURVE\)", d.log()).group(1)
         from detokd.client import SchedulerClient
         from detokd.core.records import Finish
 
@@ -634,12 +637,17 @@ def test_with_curve_on_every_tcp_socket_uses_it_or_start_up_names_the_one_withou
         assert texts[w0]["c0"] == texts[w1]["c1"] == (expected, None)
         assert texts[w0]["c2"][1] == texts[w1]["c2"][1] == "bad_start"  # worker 2 was never added
         assert w2.messages == 0
-        assert "refused: CURVE is on and a registered tcp worker would be plaintext" in d.log()
-        # A client whose key is not allowed: refused, counted, logged.
+        wait_until(lambda: "refused: CURVE is on and a registered tcp worker would be plaintext" in d.log(), 20, "the refusal logged")
+        # A client whose key is not allowed, and one without CURVE: refused, counted, logged.
         stranger = SchedulerClient(address, context=zctx, curve_server_key=pair("detokd")[0], curve_keypair=pair("stranger"))
-        wait_until(lambda: metric(scrape(metrics_port(d)), "detokd_curve_refused_total") >= 1, 20, "the stranger's refusal counted")  # again at each reconnect
-        assert "WARNING detokd.auth: CURVE client refused: Unknown key" in d.log()
-        stranger.close(0), sched.close(0)
+        wait_until(lambda: "WARNING detokd.auth: CURVE client refused: Unknown key" in d.log(), 20, "the stranger's refusal logged")
+        refused = metric(scrape(metrics_port(d)), "detokd_curve_refused_total")
+        assert refused >= 1  # again at each reconnect
+        plain = SchedulerClient(address, context=zctx)
+        wait_until(lambda: "WARNING detokd.auth: CURVE handshake failed" in d.log(), 20, "the plain client's failure logged")
+        assert metric(scrape(metrics_port(d)), "detokd_curve_refused_total") > refused
+        stranger.close(0), plain.close(0), sched.close(0)
+        assert d.stop() == 0  # the handshake watch ends with the input
     finally:
         d.kill()
         w0.close(0), w1.close(0)
@@ -715,7 +723,8 @@ def test_an_ipc_path_another_user_could_take_is_refused_at_start(tmp_path, zctx)
         # A path not bound yet in such a folder: served, and said.
         (sticky / "w0.sock").unlink()
         with DetokdProcess(cfg, folder=tmp_path) as d:
-            assert f"worker 0 {address}: {sticky} is writable by every user: another user could bind" in d.log()
+            wait_until(lambda: f"worker 0 {address}: {sticky} is writable by every user: another user could bind" in d.log(),
+                       20, "the warning")
     finally:
         shutil.rmtree(sticky)
 
