@@ -10,9 +10,9 @@ and the worker is owed their error rows, sent by `settle` once its queue has roo
 
 A worker's queue is ZMQ's (`send_hwm` messages, kept short, and only while the worker
 is connected: ZMQ_IMMEDIATE) and, behind it, a backlog here (`send_queue_bytes`). ZMQ
-counts messages only and shows no depth, so
-bytes are counted where they can be: in the backlog, which the loop drains into
-ZMQ whenever the socket can take more (`flush`, woken by the socket's POLLOUT).
+counts messages only and shows no depth, so bytes are counted where they can be: in
+the backlog, which the loop drains into ZMQ whenever the socket can take more
+(`flush`, woken by the socket's POLLOUT).
 
 Frames are encoded by the wire dialect; delivery only moves bytes.
 """

@@ -129,7 +129,8 @@ class RateLimitFilter(logging.Filter):
                 w.start, w.passed, w.suppressed = now, 0, 0
             if w.passed >= self.burst:
                 w.suppressed += 1
-                w.logger, w.level = record.name, max(w.level if w.suppressed > 1 else 0, record.levelno)
+                w.logger = record.name
+                w.level = record.levelno if w.suppressed == 1 else max(w.level, record.levelno)
                 return False
             w.passed += 1
         msg = record.getMessage()
@@ -140,7 +141,6 @@ class RateLimitFilter(logging.Filter):
         record.msg, record.args = msg, None
         record._detokd_limited = True
         return True
-
 
     def report(self, force: bool = False) -> None:
         """Say how many records each template lost in a period that is over (all of
