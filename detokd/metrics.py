@@ -58,6 +58,9 @@ class Stats:
         self.ready = False  # set once the tokenizer is loaded and every socket bound
         self.overloaded = False  # RSS above max_rss_mb: new requests refused
         self.overload_transitions = 0
+        # Security events (docs/security.md); refused registers are errors{kind="register_refused"}.
+        self.register_changes = 0  # registers that added or moved a worker
+        self.curve_refused = 0  # CURVE handshakes the input refused (the authenticator's threads bump it)
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -87,6 +90,8 @@ class _Collector:
             ("gc_collected", s.gc_collected, "unreachable objects the periodic collection freed (cycles)"),
             ("clamped_ids", s.clamped_ids, "out-of-vocabulary ids decoded as id 0, as SGLang's detokenizer does (sglang dialect)"),
             ("overload_transitions", s.overload_transitions, "times the RSS guard turned on or off"),
+            ("register_changes", s.register_changes, "registers that added a worker or moved one"),
+            ("curve_refused", s.curve_refused, "CURVE handshakes the input refused: a key not allowed, or no CURVE with detokd's key (each reconnect counts)"),
         ):
             yield CounterMetricFamily(f"detokd_{name}", doc, value=value)
         errors = CounterMetricFamily("detokd_errors", "error rows sent, by kind", labels=["kind"])

@@ -64,6 +64,7 @@ class Server:
         self.ctx = zmq.Context()
         self.delivery = None
         self.auth = None
+        self.refusals = threading.Lock()
         # Health first, so a supervisor sees "starting" during the seconds a tokenizer
         # takes; then the input, since an address in use is a config error worth knowing
         # before them.
@@ -75,13 +76,20 @@ class Server:
                     raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
                 self.metrics.start()
             sockets.prepare_private([cfg.input, *cfg.workers, cfg.feedback])
+            sockets.check_ipc_folders(
+                [("input", cfg.input), *((f"worker {w}", a) for w, a in enumerate(cfg.workers)), ("feedback", cfg.feedback)]
+            )
             curve = sockets.Curve.from_config(cfg)
+            if curve is not None:
+                for name in cfg.curve_plaintext:  # config.check refused any other tcp socket without a key
+                    what = "every tcp worker added by register" if name == "register" else name.replace(".", " ")
+                    log.warning("CURVE is on but %s is connected in plaintext (curve_plaintext)", what)
             self.input = self.ctx.socket(zmq.PULL)
             self.input.setsockopt(zmq.LINGER, 0)
             # A bigger message is never read: ZMQ drops the connection of its sender.
             self.input.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
             if curve is not None:
-                self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients)
+                self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients, self._curve_refused, watch=self.input)
                 curve.serve(self.input)
             elif sockets.is_loopback_tcp(cfg.input) is False:
                 log.warning(
@@ -107,7 +115,10 @@ class Server:
                     self.ctx, self.outbox, list(cfg.workers),
                     feedback=cfg.feedback, hwm=cfg.send_hwm, queue_bytes=cfg.send_queue_bytes,
                     linger_ms=cfg.linger_ms, stats=self.stats,
-                    policy=RegisterPolicy(cfg.register_enabled, tuple(cfg.register_allow), cfg.register_replace, cfg.register_max),
+                    policy=RegisterPolicy(
+                        cfg.register_enabled, tuple(cfg.register_allow), cfg.register_replace, cfg.register_max,
+                        tcp_needs_curve=curve is not None and "register" not in cfg.curve_plaintext,
+                    ),
                     curve=curve,
                 )
             except (ValueError, zmq.ZMQError) as exc:
@@ -201,6 +212,7 @@ class Server:
             readiness.notify("STOPPING=1")
             log.info("stopping: sends get up to %d ms to leave", self.cfg.linger_ms)
             self.close()
+            logs.report_suppressed(force=True)
         return 0
 
     def process(self, frame: bytes) -> None:
@@ -244,7 +256,12 @@ class Server:
             else:
                 log.warning("RSS %.0f MB is below max_rss_mb = %d again: new requests are served", rss / 2**20, self.cfg.max_rss_mb)
 
+    def _curve_refused(self) -> None:  # on the authenticator's two threads (ZAP, the handshake watch)
+        with self.refusals:
+            self.stats.curve_refused += 1
+
     def _publish(self) -> None:
+        logs.report_suppressed()  # security events are limited in rate, never lost without a count
         if self.max_rss is not None:
             self._guard_rss(time.monotonic())
         self.collector.tick(time.monotonic())

@@ -7,15 +7,21 @@ against the oracle. docs/reliability.md and docs/security.md state each guarante
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import socket
 import stat
+import statistics
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -27,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from conftest import oracle, vocab
 from detokd.config import Config, to_toml
 from detokd.process import DetokdProcess, ipc_config
-from utils import Engine, Req, Sink, make_ids, metric, metrics_port, scrape, wait_until
+from utils import Engine, Req, Sink, http_get, make_ids, metric, metrics_port, scrape, wait_until
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
@@ -517,15 +523,6 @@ def test_a_signal_ends_the_process_within_the_shutdown_grace_even_when_the_loop_
 
 # --------------------------------------------------------------------------- 8. slow HTTP clients
 
-# This section's own imports, here so that it stays one piece.
-import json  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-from utils import http_get  # noqa: E402
-
 
 class SlowClients:
     """`n` clients of an HTTP port, each sending a request that never ends a byte per
@@ -670,3 +667,246 @@ def test_slow_http_clients_cannot_take_the_supervisor_down(tmp_path):
         if sup.poll() is None:
             sup.kill()
     assert sup.returncode == 0, out
+
+# --------------------------------------------------------------------------- 8. round 2 (issue 18)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def test_a_register_address_that_names_another_destination_than_its_glob_says_is_refused(detokd, zctx, tmp_path):
+    # ZMQ reads `tcp://A;B` as source A, destination B, and fnmatch's `*` spans `;`,
+    # dots and slashes: as strings both escapes below match register_allow.
+    (tmp_path / "engine").mkdir()
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"], register_enabled=True,
+        register_allow=["tcp://127.0.0.1:*", f"ipc://{tmp_path}/engine/*"],
+    )
+    w0 = Sink(zctx, d.workers[0])
+    elsewhere = Sink(zctx, f"tcp://127.0.0.2:{_free_port('127.0.0.2')}")
+    outside = Sink(zctx, f"ipc://{tmp_path}/outside.sock")
+    allowed = Sink(zctx, f"tcp://127.0.0.1:{_free_port('127.0.0.1')}")
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "register", "worker": 1, "address": f"tcp://127.0.0.1:0;{elsewhere.address[len('tcp://'):]}"})
+    eng.send({"type": "register", "worker": 2, "address": f"ipc://{tmp_path}/engine/../outside.sock"})
+    eng.send({"type": "register", "worker": 3, "address": allowed.address})
+    rng = random.Random(18)
+    reqs = [Req(f"e{w}", make_ids(rng, 30), worker=w) for w in (1, 2, 3)]
+    eng.rows([q.row(30) for q in reqs])
+    w0.wait(lambda: w0.ended("e1") and w0.ended("e2"), 20, "worker 0 to hear the refused workers' rows fail")
+    allowed.wait(lambda: allowed.ended("e3"), 20, "the plainly allowed worker's rows")
+    assert w0.errors("e1") == w0.errors("e2") == ["bad_start"]  # workers 1 and 2 were never added
+    assert allowed.text("e3") == reqs[2].expected()
+    assert elsewhere.messages == outside.messages == 0
+    assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="register_refused") == 2
+    wait_until(lambda: "refused: it holds ';'" in d.log() and "refused: an ipc address must be a normalised absolute path" in d.log(),
+               20, "both refusals logged")  # by the log's writer thread
+
+
+def test_an_over_cap_start_for_another_schedulers_live_rid_tells_its_sender_nothing_of_that_request(detokd, zctx):
+    # Scheduler B cannot guess how far A's request is: the row B's worker gets counts
+    # only B's own request (0 ids), and A's worker learns its request was failed.
+    d = detokd(workers=2, max_stop_strings=2)
+    w0, w1 = Sink(zctx, d.workers[0]), Sink(zctx, d.workers[1])
+    d.wait_ready()
+    a, b = Engine(zctx, d.input), Engine(zctx, d.input)
+    victim = Req("v", make_ids(random.Random(19), 20), worker=0)
+    a.rows([victim.row(7, finish=False)])
+    w0.wait(lambda: w0.rows("v"), 20, "A's first row")
+    b.rows([{"rid": "v", "ids": [100], "start": {"worker": 1, "stop": ["x", "y", "z"]}, "meta": "b's"}])  # 3 stop strings: over the cap
+    w1.wait(lambda: w1.rows("v"), 20, "B's worker to hear of B's row")
+    w0.wait(lambda: len(w0.rows("v")) == 2, 20, "A's worker to hear its request failed")
+    (told_b,) = w1.rows("v")
+    assert (told_b["error"], told_b["n_ids"], told_b["meta"]) == ("rid_collision", 0, "b's")
+    assert (w0.rows("v")[-1]["error"], w0.rows("v")[-1]["n_ids"]) == ("rid_collision", 7)
+
+
+def _refused_at_start(tmp_path: Path, cfg: Config) -> tuple[int, str]:
+    """Start `detokd serve` on cfg, which must exit before it is ready: (exit code, log).
+    Not ready within 60 s, or ready: the test fails (and detokd is killed)."""
+    d = DetokdProcess(cfg, folder=tmp_path).spawn()
+    try:
+        d.wait_ready(60)
+    except Exception:  # NotReady: exited (or hung, then killed: returncode -9)
+        return d.proc.wait(10), d.log()
+    d.kill()
+    raise AssertionError(f"detokd started on a config it should refuse:\n{d.log()}")
+
+
+def test_with_curve_on_every_tcp_socket_uses_it_or_start_up_names_the_one_without_a_key(tmp_path, zctx):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in ("detokd", "w0"):
+        zmq.auth.create_certificates(keys, name)
+    pair = lambda name: zmq.auth.load_certificate(keys / f"{name}.key_secret")  # noqa: E731
+    w0, w0_address = _tcp_pull(zctx, pair("w0"))
+    w1, w1_address = _tcp_pull(zctx, None)
+    zmq.auth.create_certificates(keys, "sched")
+    zmq.auth.create_certificates(keys, "stranger")
+    (tmp_path / "allowed").mkdir()
+    shutil.copy(keys / "sched.key", tmp_path / "allowed")
+    base = msgspec.structs.replace(
+        ipc_config(tmp_path), input="tcp://127.0.0.1:*", workers=[w0_address, w1_address], metrics_port=0,
+        curve_secret_key=str(keys / "detokd.key_secret"), curve_worker_keys=[str(keys / "w0.key")],
+        curve_clients=str(tmp_path / "allowed"),
+    )
+    code, log = _refused_at_start(tmp_path, base)
+    assert code == 2 and f"worker 1 ({w1_address}) is tcp and has no CURVE key" in log
+    fb = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+    code, log = _refused_at_start(tmp_path, msgspec.structs.replace(base, feedback=fb, curve_plaintext=["worker.1"]))
+    assert code == 2 and f"feedback ({fb}) is tcp and has no CURVE key" in log
+    # A deliberate exception is served, and said at start; a tcp register would be plaintext: refused.
+    w2 = Sink(zctx, f"tcp://127.0.0.1:{_free_port('127.0.0.1')}")
+    cfg = msgspec.structs.replace(
+        base, curve_plaintext=["worker.1"], register_enabled=True, register_allow=["tcp://127.0.0.1:*"],
+    )
+    d = DetokdProcess(cfg, folder=tmp_path).start()
+    try:
+        # READY=1 may come before the log's writer thread has written the line.
+        serving = wait_until(lambda: re.search(r"serving: input (tcp://\S+) \(CURVE\)", d.log()), 20, "the serving line")
+        address = serving.group(1)
+        assert "CURVE is on but worker 1 is connected in plaintext (curve_plaintext)" in d.log()
+        from detokd.client import SchedulerClient
+        from detokd.core.records import Finish
+
+        sched = SchedulerClient(address, context=zctx, curve_server_key=pair("detokd")[0], curve_keypair=pair("sched"))
+        sched.register(2, w2.address)
+        ids = make_ids(random.Random(20), 30)
+        for w in (0, 1, 2):
+            sched.begin(f"c{w}", ids, worker=w, finish=Finish("length"))
+        sched.flush()
+        texts = {}
+        for sock in (w0, w1):
+            rows = []
+            while len([r for r in rows if r["finish"] is not None or r["error"] is not None]) < 2:  # its own and c2's
+                rows += dec(sock.recv())["rows"]
+            texts[sock] = {r["rid"]: (r["text"], r["error"]) for r in rows}
+        expected = oracle(vocab("deepseek"), [], ids, True)
+        assert texts[w0]["c0"] == texts[w1]["c1"] == (expected, None)
+        assert texts[w0]["c2"][1] == texts[w1]["c2"][1] == "bad_start"  # worker 2 was never added
+        assert w2.messages == 0
+        wait_until(lambda: "refused: CURVE is on and a registered tcp worker would be plaintext" in d.log(), 20, "the refusal logged")
+        # A client whose key is not allowed, and one without CURVE: refused, counted, logged.
+        stranger = SchedulerClient(address, context=zctx, curve_server_key=pair("detokd")[0], curve_keypair=pair("stranger"))
+        wait_until(lambda: "WARNING detokd.auth: CURVE client refused: Unknown key" in d.log(), 20, "the stranger's refusal logged")
+        refused = metric(scrape(metrics_port(d)), "detokd_curve_refused_total")
+        assert refused >= 1  # again at each reconnect
+        plain = SchedulerClient(address, context=zctx)
+        wait_until(lambda: "WARNING detokd.auth: CURVE handshake failed" in d.log(), 20, "the plain client's failure logged")
+        assert metric(scrape(metrics_port(d)), "detokd_curve_refused_total") > refused
+        stranger.close(0), plain.close(0), sched.close(0)
+        assert d.stop() == 0  # the handshake watch ends with the input
+    finally:
+        d.kill()
+        w0.close(0), w1.close(0)
+
+
+def test_a_worker_moved_by_register_gets_every_row_queued_for_its_old_address(detokd, zctx, tmp_path):
+    # Worker 1's first rows are queued for an address nobody has bound (the worker is
+    # moving); the worker then registers where it listens now. Those rows must follow it.
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"], register_enabled=True, register_replace=True,
+        register_allow=[f"ipc://{tmp_path}/moving-*"],
+    )
+    w0 = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    v = vocab("deepseek")
+    first = v.backend.encode(" one two three four five", add_special_tokens=False).ids
+    then = v.backend.encode(" six seven eight nine ten", add_special_tokens=False).ids
+    req = Req("m", first + then, worker=1)
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "register", "worker": 1, "address": f"ipc://{tmp_path}/moving-old.sock"})
+    while req.pos < len(first):
+        eng.rows([req.row(1)])
+    new = Sink(zctx, f"ipc://{tmp_path}/moving-new.sock")
+    eng.send({"type": "register", "worker": 1, "address": new.address})
+    while not req.done:
+        eng.rows([req.row(1)])
+    eng.rows([{"rid": "fence", "ids": [100], "start": {}, "finish": {"reason": "length"}}])
+    w0.wait(lambda: w0.ended("fence"), 20, "detokd to take every frame")
+    new.wait(lambda: new.ended("m"), 20, "the moved worker's rows")
+    assert new.text("m") == oracle(v, [], first + then, True) and not new.errors("m")
+    assert [r["n_ids"] for r in new.rows("m")] == list(range(1, len(first + then) + 1))
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_worker_dropped_total", worker="1") == 0 and not any(k for k in m if k[0] == "detokd_errors_total")
+
+
+SQUATTER = """
+import os, sys, zmq
+os.setgroups([]); os.setgid(65534); os.setuid(65534)  # imports done as root; the bind is nobody's
+s = zmq.Context().socket(zmq.PULL)
+s.bind(sys.argv[1])
+print("bound", flush=True)
+s.setsockopt(zmq.RCVTIMEO, int(sys.argv[2]))
+try:
+    print("received", len(s.recv()), flush=True)
+except zmq.Again:
+    print("nothing", flush=True)
+"""
+
+
+def test_an_ipc_path_another_user_could_take_is_refused_at_start(tmp_path, zctx):
+    # A folder anyone may write without the sticky bit: anyone could replace a socket.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    code, log = _refused_at_start(tmp_path, msgspec.structs.replace(ipc_config(tmp_path), workers=[f"ipc://{shared}/w0.sock"]))
+    assert code == 2 and f"worker 0 ipc://{shared}/w0.sock: {shared} is writable by every user and not sticky" in log
+    # /tmp's kind (sticky): another uid bound the worker's path first.
+    sticky = Path(tempfile.mkdtemp(prefix="detokd-sticky-", dir="/tmp"))
+    try:
+        os.chmod(sticky, 0o1777)
+        address = f"ipc://{sticky}/w0.sock"
+        squatter = subprocess.Popen([PY, "-c", SQUATTER, address, "5000"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert squatter.stdout.readline() == "bound\n"
+            assert os.stat(sticky / "w0.sock").st_uid == 65534
+            cfg = msgspec.structs.replace(ipc_config(tmp_path), workers=[address])
+            code, log = _refused_at_start(tmp_path, cfg)
+            assert code == 2 and f"{sticky}/w0.sock in {sticky}, which every user can write, belongs to uid 65534" in log
+            assert squatter.stdout.readline() == "nothing\n"
+        finally:
+            squatter.kill()
+            squatter.wait()
+        # A path not bound yet in such a folder: served, and said.
+        (sticky / "w0.sock").unlink()
+        with DetokdProcess(cfg, folder=tmp_path) as d:
+            wait_until(lambda: f"worker 0 {address}: {sticky} is writable by every user: another user could bind" in d.log(),
+                       20, "the warning")
+    finally:
+        shutil.rmtree(sticky)
+
+
+def test_every_register_change_and_refusal_is_counted_and_logged_or_said_suppressed(detokd, zctx, tmp_path):
+    # 10 lines per template per 10 s: a burst of registers loses lines, never the count.
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"], register_enabled=True, register_replace=True,
+        register_allow=[f"ipc://{tmp_path}/reg-*"],
+    )
+    w0 = Sink(zctx, d.workers[0])
+    a, b = Sink(zctx, f"ipc://{tmp_path}/reg-a.sock"), Sink(zctx, f"ipc://{tmp_path}/reg-b.sock")
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    for i in range(16):  # worker 1 added, then moved 15 times
+        eng.send({"type": "register", "worker": 1, "address": (a, b)[i % 2].address})
+    for i in range(12):
+        eng.send({"type": "register", "worker": 2, "address": f"ipc://{tmp_path}/elsewhere-{i}.sock"})
+    eng.rows([{"rid": "fence", "ids": [100], "start": {}, "finish": {"reason": "length"}}])
+    w0.wait(lambda: w0.ended("fence"), 20, "detokd to take every register")
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_register_changes_total") == 16
+    assert metric(m, "detokd_errors_total", kind="register_refused") == 12
+
+    def said(line: str, template: str) -> int:
+        """Lines of a template in the log plus the counts its suppression lines give."""
+        log = d.log()
+        return len(re.findall(line, log)) + sum(map(int, re.findall(rf"(\d+) similar messages suppressed in \d+ s: '{re.escape(template)}'", log)))
+
+    # worker 0's own line at start shares the template of a change.
+    wait_until(lambda: said(r"INFO detokd\.delivery: worker \d at '", "worker %d at %r%s") == 1 + 16, 30, "every change told")
+    wait_until(lambda: said(r"WARNING detokd\.delivery: register of worker 2 at '[^']*' refused", "register of worker %d at %r refused: %s") == 12,
+               30, "every refusal told")

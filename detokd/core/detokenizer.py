@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from msgspec import Raw
+
 from ..metrics import Stats
 from . import records as r
 from .decoder import Codec
@@ -275,29 +277,34 @@ class Detokenizer:
         if why == "rid":
             self.stats.error(r.TOO_LARGE)
             return
+        meta = r.NIL if why == "meta" else row.meta
+        if st is not None and row.start is not None and row.start.worker != st.worker:
+            # Another scheduler's live rid: a collision first, so the sender's worker
+            # hears nothing of that request (its n_ids, its later rows' meta).
+            self._collision(row, st, meta)
+            return
         worker = st.worker if st is not None else None
         if row.start is not None and self.outbox.known(row.start.worker):
             worker = row.start.worker
         if worker is not None:
             self.dead.add(rid, worker, r.TOO_LARGE)
-        meta = r.NIL if why == "meta" else row.meta
         self._error(rid, worker, r.TOO_LARGE, meta, st.n_ids if st is not None else 0)
-        if st is not None and worker != st.worker:
-            self._error(rid, st.worker, r.TOO_LARGE, r.NIL, st.n_ids)
 
-    def _collision(self, row: Row, st: Request) -> None:
+    def _collision(self, row: Row, st: Request, meta: Raw | None = None) -> None:
         """Two schedulers started one rid for two workers: neither can be served
         without the other never hearing of its request, so both are told and the
-        state is dropped (later rows of the rid are unknown to every worker)."""
+        state is dropped (later rows of the rid are unknown to every worker). Each
+        row carries only its own request's state: the newcomer's n_ids is 0."""
         rid, other = row.rid, row.start.worker
+        meta = row.meta if meta is None else meta
         log.warning("rid %r started for worker %d while live for worker %d: rid_collision", rid, other, st.worker)
         self.table.pop(rid)
         self.dead.discard(rid)
         self._error(rid, st.worker, r.RID_COLLISION, r.NIL, st.n_ids)
         if self.outbox.known(other):
-            self._error(rid, other, r.RID_COLLISION, row.meta, 0)
+            self._error(rid, other, r.RID_COLLISION, meta, 0)
         else:
-            self._error(rid, None, r.BAD_START, row.meta, 0)
+            self._error(rid, None, r.BAD_START, meta, 0)
 
     def _refuse_new(self, row: Row, start: r.Start) -> None:
         worker = start.worker if self.outbox.known(start.worker) else None
