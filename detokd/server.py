@@ -209,18 +209,18 @@ class Server:
         self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None
         self.rss_checked = 0.0
 
-    def stop(self, _signum: int = signal.SIGTERM, _frame=None) -> None:
-        """Stop as a signal does: no new frames, the queued ones answered, then exit.
+    def _on_signal(self, _signum: int, _frame) -> None:
+        """SIGTERM/SIGINT: the loop takes no new frames, answers the queued ones, exits.
 
-        The signal handler: it runs between two bytecodes of whatever the loop was doing
-        (inside a lock of the logging, say), so it sets a flag and nothing else, nothing
-        that could wait. The grace and a second signal are GraceWatch's."""
+        It runs between two bytecodes of whatever the loop was doing (inside a lock of
+        the logging, say), so it sets a flag and nothing else, nothing that could wait.
+        The grace and a second signal are GraceWatch's."""
         if self.stop_requested_at is None:
             self.stop_requested_at = time.monotonic()
 
     def run(self) -> int:
         watch = GraceWatch(self.cfg.shutdown_grace_s)  # first: every handled signal reaches it
-        old = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         self.collector.start()
         stats = self.stats
         stats.ready = True
