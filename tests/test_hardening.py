@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -762,13 +763,28 @@ def test_a_sigterm_storm_while_the_log_is_busy_ends_the_process_within_the_grace
     d = detokd(workers=1, shutdown_grace_s=2.0)
     Sink(zctx, d.workers[0])
     d.wait_ready()
-    eng = Engine(zctx, d.input)
     frame = enc({"type": "tokens", "rows": [{"rid": "x" * 1100, "ids": [1]} for _ in range(500)]})
-    for _ in range(50):
-        eng.raw(frame)
-    wait_until(lambda: "similar messages suppressed" in d.log() or d.log().count("beyond the cap on rid") >= 10, 30, "the log to be busy")
-    _storm(d.pid, 1.0)
-    assert _exit_code(d, 2.0 + 5) == 3
+    done = threading.Event()
+
+    def flood() -> None:  # until the end: the loop is logging when the signals come
+        push = zctx.socket(zmq.PUSH)
+        push.connect(d.input)
+        while not done.is_set():
+            try:
+                push.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                done.wait(0.001)
+        push.close(0)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        wait_until(lambda: d.log().count("beyond the cap on rid") >= 10, 30, "the log to be busy")
+        _storm(d.pid, 1.0)
+        assert _exit_code(d, 2.0 + 5) == 3
+    finally:
+        done.set()
+        flooder.join(5)
     assert "second signal 15 while stopping: exiting now" in d.log()
 
 
