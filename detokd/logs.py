@@ -110,7 +110,9 @@ class RateLimitFilter(logging.Filter):
         self.max_len = max_len
         self.clock = clock
         self.windows: BoundedMap[str, _Window] = BoundedMap(1000)  # template -> its window (templates are few)
-        self.lock = threading.Lock()  # the loop and the HTTP threads log at once
+        # The loop and the HTTP threads log at once. A plain lock: no signal handler of
+        # detokd's logs (server.py's only sets a flag), so none can nest inside it.
+        self.lock = threading.Lock()
         _filters.add(self)
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -20,6 +20,7 @@ import socket
 import stat
 import threading
 from collections.abc import Callable
+import struct
 from dataclasses import dataclass, field
 
 import zmq
@@ -28,6 +29,8 @@ import zmq.auth
 from .config import ConfigError, runtime_dir
 
 log = logging.getLogger("detokd.sockets")
+
+PROBE_TIMEOUT = 1.0  # s a connect to an existing ipc path may take before it counts as held
 
 
 # --- ipc ----------------------------------------------------------------------------------
@@ -70,8 +73,9 @@ def prepare_private(addresses: list[str | None]) -> None:
 
 
 def claim_ipc(address: str, what: str = "input") -> None:
-    """Before binding `address`: refuse a path held by a live process or that is not a
-    socket; remove a stale socket (its process is gone)."""
+    """Before binding `address`: refuse a path held by a live process (a connect to it
+    succeeds, or waits past PROBE_TIMEOUT) or that is not a socket; remove a stale
+    socket (its process is gone)."""
     path = ipc_path(address)
     if path is None:
         return
@@ -84,10 +88,20 @@ def claim_ipc(address: str, what: str = "input") -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise ConfigError(f"{what} {address}: {path} exists and is not a socket; not removing it")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # A holder whose backlog is full (it listens, never accepts) makes a blocking connect
+    # wait for ever; a non-blocking one fails at once (EAGAIN) even if the holder accepts
+    # a moment later. The kernel bounds the wait by the send timeout, then says EAGAIN.
+    sec = int(PROBE_TIMEOUT)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", sec, int((PROBE_TIMEOUT - sec) * 1e6)))
     try:
         probe.connect(path)
     except ConnectionRefusedError:
         pass  # nobody listens: stale
+    except BlockingIOError:
+        raise ConfigError(
+            f"{what} {address}: {path} did not take a connect within {PROBE_TIMEOUT:g} s: a live process holds it "
+            "and does not accept; not taking it over"
+        ) from None
     except OSError as exc:
         if exc.errno != errno.ENOENT:
             raise ConfigError(f"{what} {address}: cannot check {path}: {exc.strerror}") from exc

@@ -910,3 +910,161 @@ def test_every_register_change_and_refusal_is_counted_and_logged_or_said_suppres
     wait_until(lambda: said(r"INFO detokd\.delivery: worker \d at '", "worker %d at %r%s") == 1 + 16, 30, "every change told")
     wait_until(lambda: said(r"WARNING detokd\.delivery: register of worker 2 at '[^']*' refused", "register of worker %d at %r refused: %s") == 12,
                30, "every refusal told")
+
+
+# --------------------------------------------------------------------------- 9. stopping: the queue, the log's locks
+
+
+def _queue_behind_a_stall(d, zctx, stall: float, frames: list[dict]) -> None:
+    """Stall the loop, queue `frames` in detokd's input while it is stalled, and return
+    once all of them have left the sender (they are then detokd's: its I/O thread reads
+    them into the socket's queue while the loop sleeps)."""
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "control", "op": f"debug_stall:{stall}"})
+    wait_until(lambda: "debug_stall: blocking the loop" in d.log(), 20, "the loop to stall")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, -1)
+    push.connect(d.input)
+    for msg in frames:
+        push.send(enc(msg))
+    push.close()
+    ctx.term()  # returns once every frame was written to detokd's connection
+    eng.close()
+
+
+def _exit_code(d, within: float) -> int:
+    try:
+        return wait_until(lambda: d.proc.poll() is not None and (d.proc.returncode,), within, "detokd to exit")[0]
+    except AssertionError:
+        d.kill()
+        raise
+
+
+def test_frames_queued_when_sigterm_comes_are_all_answered_exactly(detokd, zctx):
+    """900 finishing requests wait in detokd's input while the loop is stalled; SIGTERM
+    comes. Before, the loop ended after the frame in hand: 0 answered, no error, exit 0."""
+    d = detokd(workers=1, debug_ops=True)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    rng = random.Random(18)
+    reqs = [Req(f"q{i}", make_ids(rng, rng.randrange(1, 24))) for i in range(900)]
+    expected = {r.rid: r.expected() for r in reqs}
+    _queue_behind_a_stall(d, zctx, 2.0, [{"type": "tokens", "rows": [r.row(len(r.ids))]} for r in reqs])
+    d.proc.send_signal(signal.SIGTERM)
+    assert _exit_code(d, 30) == 0
+    w.wait(lambda: all(w.ended(rid) for rid in expected), 20, "an answer for every queued request")
+    assert {rid: w.text(rid) for rid in expected} == expected
+    assert not any(w.errors(rid) for rid in expected)
+    assert "stopping: 900 queued frame(s) answered (0 row(s) with shutdown)" in d.log()
+
+
+def test_rows_queued_past_the_decoding_share_of_the_grace_get_shutdown_errors_never_silence(detokd, zctx):
+    """The frame in hand (a 6 s stall) outlasts half of shutdown_grace_s (8 s): the 200
+    requests queued behind it are read and each answered with one `shutdown` row to its
+    worker, meta echoed; the process still exits 0 within the grace."""
+    d = detokd(workers=2, debug_ops=True)
+    sinks = [Sink(zctx, a) for a in d.workers]
+    d.wait_ready()
+    rng = random.Random(19)
+    reqs = [Req(f"late{i}", make_ids(rng, 8), worker=i % 2) for i in range(200)]
+    _queue_behind_a_stall(d, zctx, 6.0, [{"type": "tokens", "rows": [r.row(8, meta={"n": i})]} for i, r in enumerate(reqs)])
+    d.proc.send_signal(signal.SIGTERM)
+    assert _exit_code(d, 30) == 0
+    for i, r in enumerate(reqs):
+        w = sinks[r.worker]
+        rows = w.wait(lambda: w.rows(r.rid), 20, f"the answer to {r.rid}")
+        assert [(x["error"], x["text"], x["meta"]) for x in rows] == [("shutdown", "", {"n": i})]
+        assert not sinks[1 - r.worker].rows(r.rid)
+    assert "no time left to decode" in d.log()
+    assert "stopping: 200 queued frame(s) answered (200 row(s) with shutdown)" in d.log()
+
+
+def _storm(pid: int, seconds: float) -> int:
+    """SIGTERM every ~0.1 ms for `seconds` (or until the process is gone): signals that
+    arrive while a handler runs, each between two bytecodes of whatever ran."""
+    sent, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        sent += 1
+        time.sleep(0.0001)
+    return sent
+
+
+def test_a_sigterm_storm_while_the_log_is_busy_ends_the_process_within_the_grace_with_status_3(detokd, zctx):
+    """The loop logs all the time (rows whose rids are beyond max_rid_len, each a
+    rate-limited warning: the filter's lock is taken per row) when a SIGTERM storm
+    comes: the second signal ends the process at once, status 3."""
+    d = detokd(workers=1, shutdown_grace_s=2.0)
+    Sink(zctx, d.workers[0])
+    d.wait_ready()
+    frame = enc({"type": "tokens", "rows": [{"rid": "x" * 1100, "ids": [1]} for _ in range(500)]})
+    done = threading.Event()
+
+    def flood() -> None:  # until the end: the loop is logging when the signals come
+        push = zctx.socket(zmq.PUSH)
+        push.connect(d.input)
+        while not done.is_set():
+            try:
+                push.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                done.wait(0.001)
+        push.close(0)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        wait_until(lambda: d.log().count("beyond the cap on rid") >= 10, 30, "the log to be busy")
+        _storm(d.pid, 1.0)
+        assert _exit_code(d, 2.0 + 5) == 3
+    finally:
+        done.set()
+        flooder.join(5)
+    assert "second signal 15 while stopping: exiting now" in d.log()
+
+
+# The loop, logging on detokd.server's logger (a multipart frame), sits inside that
+# logger's rate-limit filter's lock, as the loop of the incident was when the signals
+# came. Nothing else is changed: the rest is `detokd serve`.
+HOLDS_THE_LOG_LOCK = r"""
+import os, sys, time
+from detokd import cli, logs
+plain = logs.RateLimitFilter.filter
+def filter(self, record):
+    if str(record.msg).startswith("multipart message"):
+        with self.lock:
+            os.write(2, b"test: the loop holds the filter's lock\n")
+            time.sleep(120)
+    return plain(self, record)
+logs.RateLimitFilter.filter = filter
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["one-sigterm", "two-sigterms-2ms-apart"])
+def test_signals_while_the_loop_holds_the_log_filters_lock_end_the_process_within_the_grace(tmp_path, zctx, signals):
+    """Before, the grace timer's log call waited for ever on the plain lock the loop
+    held, and a second signal's handler, which logged too, nested inside the loop's own
+    log call and waited on it as well: SIGTERM and shutdown_grace_s were ignored (a
+    storm of thousands escaped by RecursionError; two signals, as the supervisor sent,
+    did not). Now the handler only sets a flag and the grace watch's last words have a
+    bounded time: one SIGTERM ends the process when the grace is over, a second at once,
+    both with status 3."""
+    cfg = ipc_config(tmp_path, shutdown_grace_s=2.0, log_level="info")
+    d = DetokdProcess(cfg, folder=tmp_path, command=[PY, "-c", HOLDS_THE_LOG_LOCK])
+    Sink(zctx, cfg.workers[0])
+    try:
+        d.start()
+        eng = Engine(zctx, cfg.input)
+        eng.multipart([b"a", b"b"])
+        wait_until(lambda: "test: the loop holds the filter's lock" in d.log(), 20, "the loop inside the lock")
+        for k in range(signals):
+            if k:
+                time.sleep(0.002)
+            d.proc.send_signal(signal.SIGTERM)
+        assert _exit_code(d, 2.0 + 5) == 3
+    finally:
+        d.kill()

@@ -82,6 +82,7 @@ class Detokenizer:
         self.stats = stats
         self.limits = limits
         self.overloaded = False  # set by the loop's RSS guard: new requests are refused
+        self.closing = False  # set by the loop when shutdown leaves no time to decode: rows get `shutdown`
         self.stop_chars_left = limits.frame_stop_chars  # this frame's budget for building stop automata
 
     def tokens(self, rows: list[Row], most_ids: int | None = None) -> None:
@@ -95,6 +96,9 @@ class Detokenizer:
         if len(rows) > limits.rows:
             self.stats.bad_frames += 1
             log.warning("tokens frame of %d rows dropped: max_rows is %d", len(rows), limits.rows)
+            return
+        if self.closing:
+            self._shut(rows)
             return
         self.stop_chars_left = limits.frame_stop_chars
         if most_ids is None or most_ids > limits.frame_ids:
@@ -333,6 +337,25 @@ class Detokenizer:
             self.outbox.broadcast(row)
         else:
             self.outbox.add(worker, row)
+
+    def _shut(self, rows: list[Row]) -> None:
+        """Rows read while stopping, once there is no time left to decode: each fails its
+        request with `shutdown` (to its worker, or every worker), never silence. Rows of
+        a request detokd stopped itself are swallowed as ever; a rid beyond max_rid_len
+        gets no row."""
+        self.stats.rows += len(rows)
+        for row in rows:
+            rid = row.rid
+            st = self.table.pop(rid)
+            if (st is not None and st.stopped) or len(rid) > self.limits.rid_len:
+                continue
+            if st is not None:
+                worker = st.worker
+            elif row.start is not None and self.outbox.known(row.start.worker):
+                worker = row.start.worker
+            else:
+                worker = None
+            self._error(rid, worker, r.SHUTDOWN, row.meta, st.n_ids if st is not None else 0)
 
     def bad_rows(self, rids: list[str]) -> None:
         """Rows that failed the schema: their request, if live, is failed too. A rid
