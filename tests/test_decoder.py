@@ -179,7 +179,7 @@ def check_each(name: str, kind: str, prop) -> None:
 # --- the properties -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,kind", [(n, k) for n in ALL for k in CODECS] + [(n, "word") for n in BYTE_LEVEL])
+@pytest.mark.parametrize("name,kind", [(n, k) for n in ALL for k in CODECS] + [(n, "word") for n in BYTE_LEVEL + SENTENCEPIECE])
 def test_streamed_text_equals_the_oracle(name: str, kind: str) -> None:
     def prop(v, codec, case: Case) -> None:
         steps, last = run(codec, case)
@@ -188,7 +188,7 @@ def test_streamed_text_equals_the_oracle(name: str, kind: str) -> None:
     check_each(name, kind, prop)
 
 
-@pytest.mark.parametrize("name,kind", [(n, k) for n in ALL for k in CODECS] + [(n, "word") for n in BYTE_LEVEL])
+@pytest.mark.parametrize("name,kind", [(n, k) for n in ALL for k in CODECS] + [(n, "word") for n in BYTE_LEVEL + SENTENCEPIECE])
 def test_emitted_text_is_never_taken_back(name: str, kind: str) -> None:
     """After every step, all text sent so far is a prefix of the final text; in
     particular no step ends in a U+FFFD that stands for a character still being split."""
@@ -206,7 +206,7 @@ def test_emitted_text_is_never_taken_back(name: str, kind: str) -> None:
     check_each(name, kind, prop)
 
 
-@pytest.mark.parametrize("name,kind", [(n, "fast") for n in ALL] + [(n, "word") for n in BYTE_LEVEL])
+@pytest.mark.parametrize("name,kind", [(n, "fast") for n in ALL] + [(n, "word") for n in BYTE_LEVEL + SENTENCEPIECE])
 def test_the_quick_lookup_gives_what_step_would(name: str, kind: str) -> None:
     """The service's fast path reads `decoder.quick[i]` for a one-id row instead of
     calling step: it must give the same text and leave the stream unchanged."""

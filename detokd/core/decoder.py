@@ -168,25 +168,26 @@ class ByteDecoder(PromptDecoder):
         return self._emit(text)
 
 
-class WordByteDecoder(ByteDecoder):
-    """A ByteDecoder that, while a character is split across ids, sends the text since
-    its last whole step only as SGLang's detokenizer sends it: all of it when it ends in
-    a CJK ideograph, else up to its last space (sglang.utils.find_printable_text). The
+class WordRelease:
+    """A decoder that, while a character is split across ids, sends the text since its
+    last whole step only as SGLang's detokenizer sends it: all of it when it ends in a
+    CJK ideograph, else up to its last space (sglang.utils.find_printable_text). The
     same text in the end, never sooner than SGLang's; so a stop string an engine checks
     in token space, and misses the start of beside a split character, reaches the client
-    no further than it does through SGLang's own detokenizer.
+    no further than it does through SGLang's own detokenizer. Mixed into a decoder class
+    that says when a character is `split`.
     """
 
-    __slots__ = ("dirty", "released")
+    __slots__ = ()  # the concrete classes hold dirty and released
 
-    def __init__(self, id_bytes: list[bytes], id_text: list[str | None]) -> None:
-        super().__init__(id_bytes, id_text)
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
         self.dirty = ""  # text since the last step that ended on a whole character
         self.released = 0  # how much of it went out
 
     def step(self, ids: list[int]) -> str:
         text = super().step(ids)
-        if self.pending:
+        if self.split():
             dirty = self.dirty + text
             n = _printable(dirty)
             out = dirty[self.released : n] if n > self.released else ""
@@ -201,6 +202,13 @@ class WordByteDecoder(ByteDecoder):
         text = self.dirty[self.released :] + super().finish()
         self.dirty, self.released = "", 0
         return text
+
+
+class WordByteDecoder(WordRelease, ByteDecoder):
+    __slots__ = ("dirty", "released")
+
+    def split(self) -> bool:
+        return bool(self.pending)
 
 
 # CJK ideograph blocks, as SGLang's detokenizer tells them (unified, extensions A-E,
@@ -255,7 +263,7 @@ class ByteCodec:
         else:
             d = self.decoder(self.bytes_keep_special, self.text_keep_special)
         d._prime(tail)
-        if d.__class__ is WordByteDecoder:  # the prompt's text is never sent, held or not
+        if isinstance(d, WordRelease):  # the prompt's text is never sent, held or not
             d.dirty, d.released = "", 0
         return d
 
@@ -329,12 +337,22 @@ class PieceDecoder(PromptDecoder):
         return self._emit(self._close_run() if self.run is not None else "")
 
 
+class WordPieceDecoder(WordRelease, PieceDecoder):
+    __slots__ = ("dirty", "released")
+
+    def split(self) -> bool:
+        """An open byte run that is no whole UTF-8 yet (where the tokenizer's decode ends
+        in U+FFFD, as SGLang's detokenizer tells a split character)."""
+        return self.run is not None and _whole(bytes(self.run)) is None
+
+
 class PieceCodec:
     """Decoders that render each token alone, given only whether it comes first."""
 
     name = "pieces"
 
-    def __init__(self, vocab: Vocab) -> None:
+    def __init__(self, vocab: Vocab, release: str = "char") -> None:
+        self.decoder = WordPieceDecoder if release == "word" else PieceDecoder
         types = vocab.decoder_types()
         dec = vocab.backend.decoder
         anchor = "a"  # a plain token to stand before each one, making it "not first"
@@ -364,8 +382,10 @@ class PieceCodec:
         self.next_skip_special = [None if i in vocab.special else p for i, p in enumerate(nxt)]
 
     def new(self, tail: list[int], skip_special: bool) -> PieceDecoder:
-        d = PieceDecoder(self, skip_special)
+        d = self.decoder(self, skip_special)
         d._prime(tail)
+        if isinstance(d, WordRelease):  # the prompt's text is never sent, held or not
+            d.dirty, d.released = "", 0
         return d
 
 
@@ -483,8 +503,7 @@ class WindowCodec:
 def make_codec(vocab: Vocab, prefer: str = "auto", release: str = "char") -> Codec:
     """The fastest codec that reproduces this tokenizer's decode exactly. `release`:
     "word" sends the text before a character split across ids as SGLang's detokenizer
-    does (WordByteDecoder; byte-level BPE only: the other codecs hold such a character's
-    byte run whole already)."""
+    does (WordRelease; the window codec, for tokenizers no fast codec fits, ignores it)."""
     if prefer == "window":
         return WindowCodec(vocab)
     types = vocab.decoder_types()
@@ -494,7 +513,7 @@ def make_codec(vocab: Vocab, prefer: str = "auto", release: str = "char") -> Cod
     elif types == ["ByteLevel"]:
         candidate = ByteCodec(vocab, release)
     elif types and set(types) <= {"Replace", "ByteFallback", "Fuse", "Strip", "Metaspace", "WordPiece"}:
-        candidate = PieceCodec(vocab)
+        candidate = PieceCodec(vocab, release)
     if candidate is not None:
         bad = self_check(vocab, candidate)
         if bad is None:
