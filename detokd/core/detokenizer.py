@@ -357,6 +357,15 @@ class Detokenizer:
                 worker = None
             self._error(rid, worker, r.SHUTDOWN, row.meta, st.n_ids if st is not None else 0)
 
+    def fail(self, rid: str, worker: int, error: str, meta: Raw) -> None:
+        """A row its dialect could not read: its request fails with `error` (its state, if
+        live, goes; its later rows get the same error), answered to `worker`."""
+        st = self.table.pop(rid)
+        if st is not None:
+            worker = st.worker
+        self.dead.add(rid, worker, error)
+        self._error(rid, worker, error, meta, st.n_ids if st is not None else 0)
+
     def bad_rows(self, rids: list[str]) -> None:
         """Rows that failed the schema: their request, if live, is failed too. A rid
         beyond max_rid_len gets no row, as in `_too_large`."""

@@ -42,9 +42,9 @@ In both forms a frame the detokenizer returns unchanged (BatchEmbeddingOutput) i
 forwarded as the received bytes: decoding them gives the object SGLang would re-encode.
 
 `check()` compares these Structs against the installed SGLang (names and order of every
-mirrored class's fields, the wire config, and which BatchStrOutput fields the installed
-detokenizer copies, computes or clears) and raises SchemaMismatch naming the first
-difference.
+mirrored class's fields, the declared types of the fields detokd reads, the wire config,
+and which BatchStrOutput fields the installed detokenizer copies, computes or clears) and
+raises SchemaMismatch naming the first difference.
 """
 
 from __future__ import annotations
@@ -223,6 +223,43 @@ class ConfigureLoggingReq(_Single, kw_only=True):
 
 Inbound = Union[BatchTokenIDOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq]
 MIRRORED = (BatchTokenIDOutput, BatchStrOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq)
+
+# SGLang 0.5.23's annotation of every field the mirrors type (the fields detokd reads or
+# computes; a Raw field is copied whatever it holds): a field whose type changes while its
+# name stays would fail every batch at run time, so the check compares these too.
+ANNOTATIONS = {
+    "BatchTokenIDOutput": {
+        "rids": "Optional[List[str]]", "http_worker_ipcs": "Optional[List[Optional[str]]]",
+        "finished_reasons": "List[Optional[FinishReasonDict]]", "decoded_texts": "List[str]",
+        "decode_ids": "List[array]", "read_offsets": "List[int]", "skip_special_tokens": "List[bool]",
+        "spaces_between_special_tokens": "List[bool]", "no_stop_trim": "List[bool]",
+        "routed_experts": "Optional[List[Optional[torch.Tensor]]]", "indexer_topk": "Optional[List[Optional[torch.Tensor]]]",
+    },
+    "BatchStrOutput": {
+        "rids": "Optional[List[str]]", "http_worker_ipcs": "Optional[List[Optional[str]]]",
+        "finished_reasons": "List[Optional[FinishReasonDict]]", "output_strs": "List[str]",
+        "routed_experts": "Optional[List[Optional[str]]]", "indexer_topk": "Optional[List[Optional[str]]]",
+        "placeholder_tokens_idx": "Optional[List[Optional[List[int]]]]",
+        "placeholder_tokens_val": "Optional[List[Optional[List[int]]]]",
+    },
+    "BatchEmbeddingOutput": {"rids": "Optional[List[str]]", "http_worker_ipcs": "Optional[List[Optional[str]]]"},
+    "FreezeGCReq": {"rid": "Optional[str]", "http_worker_ipc": "Optional[str]", "gc_threshold": "Optional[List[int]]"},
+    "ConfigureLoggingReq": {"rid": "Optional[str]", "http_worker_ipc": "Optional[str]", "log_level": "Optional[str]"},
+}
+
+
+def typed_fields(ours: type) -> list[str]:
+    """The fields a mirror types: every one but the Raw passthroughs."""
+    return [f.name for f in msgspec.structs.fields(ours) if f.type is not Raw]
+
+
+def annotations(cls: type) -> dict[str, str]:
+    """A class's field annotations, its bases' first, as source text."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        for name, ann in getattr(klass, "__annotations__", {}).items():
+            out[name] = ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
+    return out
 
 # How the detokenizer fills each BatchStrOutput field: "copy" (the same-named
 # BatchTokenIDOutput field, as is), "none", or "computed" (output_strs, base64 tensors).
@@ -442,6 +479,10 @@ def check(theirs: Mapping[str, type] | None = None, fills: Mapping[str, str] | N
                     raise SchemaMismatch(
                         f"{name}: wire config {key}={getattr(cfg, key)!r}, detokd speaks {getattr(mine, key)!r}"
                     )
+        declared = annotations(cls)
+        for field, want in ANNOTATIONS[name].items():
+            if declared.get(field) != want:
+                raise SchemaMismatch(f"{name}.{field}: SGLang declares {declared.get(field)!r}, detokd reads {want!r}")
     fills = dict(installed_fills() if fills is None else fills)
     for field, how in FILLS.items():
         got = fills.get(field, "default")

@@ -124,9 +124,30 @@ class SglangDialect:
         if schema.has_beam_search(batch) and not self.beam_warned:
             self.beam_warned = True
             log.error("a batch carries beam-search results, which detokd does not decode: they pass through as they are")
-        rids = batch.rids or []
         if not self.http_workers:
             self.core.outbox.expect(0)  # an empty batch still gets its (empty) answer
+        try:
+            rows = self._rows(batch)
+        except Exception:
+            # A batch that does not read as the schema says (a field of another type):
+            # each of its requests fails with an abort, never a success without its text.
+            log.exception("a batch of %d requests cannot be read; each of them is aborted", len(batch.rids or []))
+            self._fail_all(batch)
+            return
+        self.core.tokens(rows, frame_bytes)
+
+    def _fail_all(self, batch: Any) -> None:
+        ipcs = batch.http_worker_ipcs or []
+        for i, rid in enumerate(batch.rids or []):
+            worker = 0
+            if self.http_workers:
+                worker = self._worker(ipcs[i] if i < len(ipcs) else None)
+                if worker is None:
+                    continue
+            self.core.fail(rid, worker, BAD_ROW, position_meta(i))
+
+    def _rows(self, batch: Any) -> list[Row]:
+        rids = batch.rids or []
         get = self.core.table.states.get
         tombstone = self.core.dead.get
         ipcs = batch.http_worker_ipcs
@@ -163,7 +184,7 @@ class SglangDialect:
                     no_stop_trim=batch.no_stop_trim[i],
                 )
                 rows.append(Row(rid, ids[context:], 0, start, finish, meta[i]))
-        self.core.tokens(rows, frame_bytes)
+        return rows
 
     def _finish(self, reason: dict | None, ids: list[int], no_stop_trim: bool) -> tuple[Finish | None, bool]:
         """The core's Finish for SGLang's finish reason, and whether to drop the row's

@@ -3,6 +3,7 @@ faces because it blocks on a full send queue, and detokd does not."""
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import pytest
@@ -27,14 +28,17 @@ class Rig:
     TokenizerManager's PULL socket, and the dialect between them, run as detokd's loop
     runs it (`step`), with the sockets' options and the core's limits a test chooses."""
 
-    def __init__(self, tmp_path, text: str, *, rcvhwm: int | None = None, limits: Limits = Limits(), **delivery) -> None:
+    def __init__(self, tmp_path, text: str, *, rcvhwm: int | None = None, limits: Limits = Limits(),
+                 encoding: str = "msgpack", **delivery) -> None:
         self.v = vocab(NAME)
         self.out = self.v.hf.encode(text, add_special_tokens=False)
         self.reqs = [Scripted(rid=f"r{k}", prompt_ids=PROMPT, output_ids=self.out) for k in range(4)]
-        with ipc_encoding("msgpack"):
+        self.encoding = encoding
+        with ipc_encoding(encoding):
             from sglang.srt.managers import io_struct
 
-            self.frames = [io_struct.msgpack_encode(m) for m in build_stream(self.reqs, encoding="msgpack", tokenizer=self.v.hf)]
+            self.messages = build_stream(self.reqs, encoding=encoding, tokenizer=self.v.hf)
+            self.frames = [self.encode(m) for m in self.messages]
         self.io = io_struct
         address = f"ipc://{tmp_path}/tokenizer.sock"
         self.ctx = zmq.Context()
@@ -47,10 +51,17 @@ class Rig:
         self.core = Detokenizer(
             fast_codec(NAME), self.v.size, outbox, max_states=64, max_prompt_tail=8, stats=self.stats, limits=limits
         )
-        self.dialect = SglangDialect(
-            self.core, self.delivery, Collector(self.stats), self.stats, ipc=schema.MsgpackCodec(), vocab_size=self.v.size
-        )
+        ipc = schema.MsgpackCodec() if encoding == "msgpack" else schema.PickleCodec()
+        self.dialect = SglangDialect(self.core, self.delivery, Collector(self.stats), self.stats, ipc=ipc, vocab_size=self.v.size)
         self.got: list = []
+
+    def encode(self, message) -> bytes:
+        """A message as SGLang's scheduler sends it in this rig's encoding."""
+        if self.encoding == "pickle":
+            return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        from sglang.srt.managers import io_struct
+
+        return io_struct.msgpack_encode(message)
 
     def want(self) -> str:
         return self.v.reference(PROMPT, self.out)
@@ -64,11 +75,12 @@ class Rig:
     def read(self, wait_ms: int) -> None:
         """What reaches the reader, the backlog moving on meanwhile, until nothing does."""
         deadline = time.monotonic() + 10
-        with ipc_encoding("msgpack"):
+        decode = pickle.loads if self.encoding == "pickle" else self.io.msgpack_decode
+        with ipc_encoding(self.encoding):
             while True:
                 self.delivery.flush()
                 if self.reader.poll(wait_ms):
-                    self.got.append(self.io.msgpack_decode(self.reader.recv()))
+                    self.got.append(decode(self.reader.recv()))
                 elif not self.delivery.backlogged:
                     return
                 assert time.monotonic() < deadline, "the backlog never drained"
@@ -145,3 +157,23 @@ def test_requests_past_a_batchs_id_budget_are_aborted_in_that_batchs_answer(rig)
         assert acc[rid][0].text == r.want() and acc[rid][0].finished_reason["type"] == "length"
     for rid in ("r2", "r3"):
         assert acc[rid][0].finished_reason["type"] == "abort" and acc[rid][0].text == ""
+
+
+def test_a_batch_that_does_not_read_as_the_schema_says_aborts_its_requests_never_a_success(rig):
+    """A field of another type behind the same name (decode_ids no longer arrays): the
+    start-up check compares SGLang's annotations; this is the guard behind it. Every
+    request of that batch gets an abort naming bad_row in the batch's own answer, each
+    is counted, and none of them ever finishes as a success without its text."""
+    r = rig("Hello there, a batch that cannot be read.", encoding="pickle", hwm=1000, queue_bytes=1 << 20)
+    bad = r.messages[0]
+    bad.decode_ids = [[str(i) for i in a] for a in bad.decode_ids]
+    r.step(r.encode(bad))
+    for frame in r.frames[1:]:
+        r.step(frame)
+        r.read(2)
+    r.read(500)
+    assert len(r.got) == len(r.frames)  # every batch is answered
+    assert [x["message"] for x in r.got[0].finished_reasons] == ["detokd: bad_row"] * len(r.reqs)
+    assert r.stats.errors["bad_row"] >= len(r.reqs)
+    for rid, lives in accumulate(r.got).items():
+        assert all(life.finished_reason["type"] == "abort" for life in lives), rid

@@ -253,6 +253,20 @@ def test_check_names_a_field_the_detokenizer_now_fills_differently():
         schema.check(fills=fills)
 
 
+def test_every_field_a_mirror_types_has_sglangs_annotation_recorded():
+    for ours in schema.MIRRORED:
+        assert set(schema.ANNOTATIONS[ours.__name__]) == set(schema.typed_fields(ours)), ours.__name__
+
+
+def test_check_names_a_field_whose_type_changed_while_its_name_stayed():
+    """decode_ids no longer a list of arrays: every batch would fail in the dialect."""
+    declared = schema.annotations(io_struct.BatchTokenIDOutput)
+    declared["decode_ids"] = "List[List[int]]"
+    copy = dataclasses.make_dataclass("BatchTokenIDOutput", [(n, declared[n]) for n in io_struct.BatchTokenIDOutput.__struct_fields__])
+    with pytest.raises(schema.SchemaMismatch, match=r"BatchTokenIDOutput.decode_ids: SGLang declares 'List\[List\[int\]\]'"):
+        schema.check({"BatchTokenIDOutput": copy})
+
+
 def test_check_names_a_wire_config_change():
     changed = msgspec.defstruct(
         "ConfigureLoggingReq",
