@@ -3,13 +3,13 @@
 Registered as the `detokd` entry point of group `sglang.srt.plugins`; SGLang's
 load_plugins() calls `register()` in every process that loads plugins. Disabled (the
 default) it does nothing at all. Enabled, it checks the schema and, if SGLang speaks
-detokd's, wraps `Engine._launch_detokenizer_subprocesses` (AROUND), which then starts
-`detokd.sglang.process.run_detokenizer_process(server_args, port_args)` exactly as SGLang
-starts its own detokenizer: one multiprocessing.Process of SGLang's own context (spawn),
-returned as ([proc], ["detokenizer"]), so SGLang records its pid in all_child_pids,
-watches it with SubprocessWatchdog and kills it with the process tree. Replacing the
-launch method rather than run_detokenizer_process keeps the spawn target a plain,
-picklable module function. Any SGLang feature detokd does not serve keeps SGLang's own
+detokd's, wraps `Engine._launch_detokenizer_subprocesses` (AROUND) and runs SGLang's own
+launch with `detokd.sglang.process.run_detokenizer_process` as the process function: one
+multiprocessing.Process of SGLang's own context (spawn), or with
+--detokenizer-worker-num N, N of them behind SGLang's own MultiDetokenizerRouter; SGLang
+records their pids in all_child_pids, watches them with SubprocessWatchdog and kills them
+with the process tree. Replacing the launch method rather than run_detokenizer_process
+keeps the spawn target picklable (a partial of a module function). Any SGLang feature detokd does not serve keeps SGLang's own
 detokenizer, with a warning naming the feature; so does a tokenizer detokd cannot
 decode exactly as SGLang does, which only the process can tell (it loads SGLang's
 tokenizer): the launch waits for its verdict before it returns.
@@ -63,8 +63,6 @@ def unsupported(server_args: Any, run_detokenizer_process_func: Callable) -> str
     s = get_serving()
     if run_detokenizer_process_func is not run_detokenizer_process:
         return f"a custom run_detokenizer_process_func ({getattr(run_detokenizer_process_func, '__qualname__', run_detokenizer_process_func)})"
-    if s.detokenizer_worker_num > 1:
-        return f"several detokenizer processes (--detokenizer-worker-num {s.detokenizer_worker_num})"
     if s.skip_tokenizer_init:
         return "skip_tokenizer_init (--skip-tokenizer-init)"
     if s.tokenizer_mode != "auto":
@@ -88,38 +86,55 @@ def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_arg
         logger.warning("detokd: keeping SGLang's own detokenizer: cannot import detokd.sglang.process: %s", e)
         return original(cls, server_args=server_args, port_args=port_args,
                         run_detokenizer_process_func=run_detokenizer_process_func)
+    import functools
     import multiprocessing as mp  # SGLang's module, so its start method (spawn) applies
 
+    # SGLang's own launch, with detokd as the process it starts: one, or with
+    # --detokenizer-worker-num N, N of them behind SGLang's MultiDetokenizerRouter.
     reader, writer = mp.Pipe(duplex=False)
-    proc = mp.Process(target=run_detokenizer_process, args=(server_args, port_args, writer))
-    proc.start()
-    writer.close()  # the child's copy is the only writer left: its death reads as EOF
-    refusal = await_refusal(reader, proc)
+    procs, names = original(cls, server_args=server_args, port_args=port_args,
+                            run_detokenizer_process_func=functools.partial(run_detokenizer_process, verdict=writer))
+    writer.close()  # only the children's copies are left
+    workers = [p for p, name in zip(procs, names) if name != "detokenizer_router"]
+    refusal = await_refusal(reader, workers)
     if refusal is not None:
-        proc.join(30)
+        for p in procs:
+            p.kill()
+            p.join(30)
         logger.warning("detokd: keeping SGLang's own detokenizer: %s", refusal)
         return original(cls, server_args=server_args, port_args=port_args,
                         run_detokenizer_process_func=run_detokenizer_process_func)
-    _announce()
-    return [proc], ["detokenizer"]
+    _announce(len(workers))
+    return procs, names
 
 
-def await_refusal(reader, proc, timeout: float = VERDICT_TIMEOUT_S) -> str | None:
-    """None once detokd's process says it serves; otherwise why it does not."""
+def await_refusal(reader, workers: list, timeout: float = VERDICT_TIMEOUT_S) -> str | None:
+    """None once each of detokd's processes says it serves; otherwise why one does not."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    told = 0
     try:
-        if not reader.poll(timeout):
-            proc.kill()
-            return f"detokd's detokenizer did not load SGLang's tokenizer within {timeout:.0f} s"
-        verdict = reader.recv()
+        while told < len(workers):
+            if reader.poll(0.5):
+                verdict = reader.recv()
+                if not verdict.serves:
+                    return f"detokd cannot decode SGLang's tokenizer exactly: {verdict.detail}"
+                told += 1
+                continue
+            dead = [p for p in workers if p.exitcode is not None]
+            if dead:  # before all of them said they serve
+                return f"a detokd detokenizer exited (code {dead[0].exitcode}) before it loaded SGLang's tokenizer"
+            if time.monotonic() > deadline:
+                return f"detokd's detokenizer did not load SGLang's tokenizer within {timeout:.0f} s"
     except EOFError:
-        proc.join(5)
-        return f"detokd's detokenizer exited (code {proc.exitcode}) before it loaded SGLang's tokenizer"
+        return "every detokd detokenizer exited before it loaded SGLang's tokenizer"
     finally:
         reader.close()
-    return None if verdict.serves else f"detokd cannot decode SGLang's tokenizer exactly: {verdict.detail}"
+    return None
 
 
-def _announce() -> None:
+def _announce(processes: int) -> None:
     global _announced
     if _announced:
         return
@@ -127,4 +142,5 @@ def _announce() -> None:
     import detokd
     from detokd.sglang import schema
 
-    logger.info("detokd %s replaced SGLang's detokenizer; it speaks schema %s", detokd.__version__, schema.SCHEMA)
+    how = "" if processes == 1 else f" ({processes} processes behind SGLang's router)"
+    logger.info("detokd %s replaced SGLang's detokenizer%s; it speaks schema %s", detokd.__version__, how, schema.SCHEMA)

@@ -137,8 +137,9 @@ def talk_and_kill(procs, names, port_args, oracle_dir: str, logs: Captured, kill
     out["expected"] = [tok.decode(ids, skip_special_tokens=True)] * n
     out["rids"] = reply.rids if reply is not None else None
     # Set by SGLang's run_detokenizer_process before it serves, so known once it answered.
-    title = " ".join(psutil.Process(procs[0].pid).cmdline())
-    out["sglangs_own"] = "sglang::detokenizer" in title and "(detokd)" not in title  # detokd's says so
+    titles = [" ".join(psutil.Process(p.pid).cmdline()) for p in procs]
+    out["titles"] = titles
+    out["sglangs_own"] = "sglang::detokenizer" in titles[0] and "(detokd)" not in titles[0]  # detokd's says so
     if not kill:
         return out
 

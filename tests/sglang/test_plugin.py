@@ -174,6 +174,19 @@ def test_a_tokenizer_detokd_cannot_decode_as_sglang_does_keeps_sglangs_own_with_
     assert_answers_and_dies_seen(result)
 
 
+def test_several_detokenizer_processes_are_detokds_behind_sglangs_own_router(plugin_path, model_dir):
+    """--detokenizer-worker-num 2: SGLang's launch starts two detokd processes on private
+    addresses and its own MultiDetokenizerRouter in front of them; the router's answer
+    comes from detokd, and SGLang's watchdog sees a worker die."""
+    result = launch(plugin_path, model_dir, "--model-path", model_dir, "--detokenizer-worker-num", "2")
+    assert result["names"] == ["detokenizer_0", "detokenizer_1", "detokenizer_router"]
+    assert ["(detokd)" in t for t in result["titles"]] == [True, True, False]
+    infos = [msg for level, msg in result["logs"] if "replaced SGLang's detokenizer" in msg]
+    assert len(infos) == 1 and "2 processes behind SGLang's router" in infos[0]
+    assert result["rids"] == ["r0"] and result["output_strs"] == result["expected"]
+    assert result["death_seen"] is True and result["exitcode"] == -9
+
+
 def test_detokds_process_dies_with_sglang(plugin_path, model_dir):
     """SGLang killed without a word (os._exit, no teardown of its children): the
     detokenizer it started goes too (prctl PDEATHSIG, as SGLang's own), never an orphan
