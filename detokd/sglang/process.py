@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from ..config import Config, load
 from ..server import Server
 from ..tokenizer import Vocab, of
-from ..wire.sglang import GPT_OSS_CALL, SglangDialect
+from .dialect import GPT_OSS_CALL, SglangDialect
 from . import schema, vocab as sglang_vocab
 
 log = logging.getLogger("detokd.sglang")

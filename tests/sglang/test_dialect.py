@@ -17,7 +17,7 @@ from detokd.delivery import Delivery
 from detokd.metrics import Stats
 from detokd.sglang import schema
 from detokd.sglang.replay import Scripted, accumulate, build_stream, ipc_encoding
-from detokd.wire.sglang import SglangDialect
+from detokd.sglang.dialect import SglangDialect
 
 NAME = "deepseek"
 PROMPT = [1, 2, 3]

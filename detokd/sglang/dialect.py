@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..core.records import BAD_ROW, Finish, OutRow, Row, Start, StoppedRow
-from ..sglang import schema
+from . import schema
 
 if TYPE_CHECKING:
     from ..collector import Collector
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..delivery import Delivery
     from ..metrics import Stats
 
-log = logging.getLogger("detokd.wire.sglang")
+log = logging.getLogger("detokd.sglang.dialect")
 
 GPT_OSS_CALL = 200012  # <|call|>: a stop token SGLang keeps with the gpt-oss tool parser
 
