@@ -668,7 +668,7 @@ def test_slow_http_clients_cannot_take_the_supervisor_down(tmp_path):
             sup.kill()
     assert sup.returncode == 0, out
 
-# --------------------------------------------------------------------------- 8. round 2 (issue 18)
+# --------------------------------------------------------------------------- 9. addresses, CURVE, ipc owners, leaks
 
 
 def _free_port(host: str) -> int:
@@ -912,7 +912,7 @@ def test_every_register_change_and_refusal_is_counted_and_logged_or_said_suppres
                30, "every refusal told")
 
 
-# --------------------------------------------------------------------------- 9. stopping: the queue, the log's locks
+# --------------------------------------------------------------------------- 10. stopping: the queue, the log's locks
 
 
 def _queue_behind_a_stall(d, zctx, stall: float, frames: list[dict]) -> None:
