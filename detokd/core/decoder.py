@@ -352,6 +352,12 @@ class WindowDecoder:
         if not ids:
             return ""
         codec = self.codec
+        if codec.byte_runs and self._in_run(ids):
+            # Byte pieces that extend an open run the cut below already steps back over:
+            # nothing before the run can be committed yet either, so decoding now would
+            # only cost the whole run again, per row (quadratic in the run's length).
+            self.ids.extend(ids)
+            return ""
         self.ids.extend(ids)
         decode = codec.vocab.decode
         text = decode(self.ids, self.skip_special)
@@ -375,7 +381,17 @@ class WindowDecoder:
         self._trim()
         return out
 
+    def _in_run(self, ids: list[int]) -> bool:
+        """Whether `ids` are all byte pieces and the window's last `hold` ids are too:
+        then the last step's cut stood at the run's start, and this one's would too."""
+        is_byte, window, hold = self.codec.is_byte, self.ids, self.codec.hold
+        if len(window) < hold or not all([is_byte[i] for i in window[-hold:]]):
+            return False
+        return all([is_byte[i] for i in ids])
+
     def finish(self) -> str:
+        if self.codec.byte_runs and self.ids and self.codec.is_byte[self.ids[-1]]:
+            self.text = self.codec.vocab.decode(self.ids, self.skip_special)  # rows taken by _in_run
         out = self.text[self.committed :]
         self.committed = len(self.text)
         return out
