@@ -47,6 +47,9 @@ class Limits:
     wire_prompt_tail: int = 65536
     stop_strings: int = 256
     stop_chars: int = 4096
+    # Characters a stream=false request holds for its finishing row (~1M tokens of
+    # prose); every other request's state is bounded by the caps above.
+    held_text: int = 4 << 20
 
 
 def _over_budget(rows: list[Row], budget: int) -> int | None:
@@ -79,7 +82,7 @@ class Detokenizer:
         self.max_tail = max_prompt_tail
         self.stats = stats
         self.limits = limits
-        self.overloaded = False  # set by the loop's RSS guard: new requests are refused
+        self.overloaded = False  # set by the loop's RSS guard: new requests and held text that grows are refused
         self.stop_chars_left = limits.frame_stop_chars  # this frame's budget for building stop automata
 
     def tokens(self, rows: list[Row], most_ids: int | None = None) -> None:
@@ -194,7 +197,15 @@ class Detokenizer:
             self._fail(rid, st, r.BAD_IDS, row)
             return
         self.stats.tokens += len(ids)
+        held = st.held
         text, finish, stopped = st.feed(rid, ids, row.finish)
+        if st.held != held and finish is None:  # stream=false text kept for the finishing row
+            if st.held > self.limits.held_text:
+                self._too_large(row, st, "held text")
+                return
+            if self.overloaded:  # the RSS guard: a live request that keeps growing is failed
+                self._fail(rid, st, r.OVERLOADED, row)
+                return
         if stopped is not None:
             self.stats.stops += 1
             self.outbox.stopped.append(stopped)

@@ -15,7 +15,7 @@ from .stops import StopScanner, trim_engine_stop
 
 
 class Request:
-    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "stopped", "slow", "decoder")
+    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "held", "stopped", "slow", "decoder")
 
     def __init__(self, worker: int, outbox: list[OutRow], start: Start, decoder: Decoder, stops: StopScanner | None) -> None:
         self.worker = worker
@@ -27,6 +27,7 @@ class Request:
         self.stops = stops
         self.keep_stop = start.no_stop_trim
         self.parts: list[str] | None = None if start.stream else []
+        self.held = 0  # characters in parts: a running count, for the cap on held text
         self.stopped = False  # detokd matched a stop string and finished the request
         # Rows of a plain streaming request take the dispatcher's fast path.
         self.slow = stops is not None or not start.stream
@@ -51,6 +52,7 @@ class Request:
         if self.parts is not None:  # stream=false: everything comes in the finishing row
             if finish is None:
                 self.parts.append(text)
+                self.held += len(text)
                 text = ""
             else:
                 text = "".join(self.parts) + text
