@@ -513,3 +513,75 @@ def test_a_signal_ends_the_process_within_the_shutdown_grace_even_when_the_loop_
         raise AssertionError("detokd still running 30 s after SIGTERM") from None
     assert code == 3
     assert "not stopped within shutdown_grace_s = 1.0 s" in d.log()
+
+
+# --------------------------------------------------------------------------- 8. memory that grows across frames
+
+SPACES = 69933  # deepseek's id with the longest text: 128 spaces (5 bytes on the wire, 128 characters out)
+
+
+def _fence(eng: Engine, w: Sink, rid: str, v) -> None:
+    """A request sent last and answered: every frame before it was handled."""
+    ids = make_ids(random.Random(rid), 20)
+    eng.rows([{"rid": rid, "ids": ids, "start": {}, "finish": {"reason": "length"}}])
+    w.wait(lambda: w.ended(rid), 60, f"the fence {rid}")
+    assert w.text(rid) == oracle(v, [], ids, True)
+
+
+def test_a_stream_false_requests_held_text_is_capped_and_freed(detokd, zctx):
+    # stream=false keeps every row's text for the finishing row. Each row here is within
+    # every cap (65,536 ids of 328 KB, 8 M characters of text), and the text was held
+    # across frames without a bound: 30 of them held ~250 MB.
+    d = detokd(workers=1, args=["--metrics-port", "0"])
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    assert v.decode([SPACES], True) == " " * 128
+    small = make_ids(random.Random(13), 200)  # a stream=false request within the cap
+    eng.rows([{"rid": "small", "ids": small[:100], "start": {"stream": False}}])
+    eng.rows([{"rid": "small", "ids": small[100:], "seq": 100, "finish": {"reason": "length"}}])
+    _fence(eng, w, "warm", v)
+    base = _rss_mb(d.pid)
+    row = [SPACES] * 65536
+    eng.rows([{"rid": "big", "ids": row, "start": {"stream": False}}])
+    for k in range(1, 30):
+        eng.rows([{"rid": "big", "ids": row, "seq": k * len(row)}])
+    _fence(eng, w, "fence", v)
+    grown = _rss_mb(d.pid) - base
+    assert [r["text"] for r in w.rows("small")] == ["", oracle(v, [], small, True)]
+    assert w.errors("big") == ["too_large"] * 30  # 8 M characters > max_held_text_chars (4 Mi); then its tombstone
+    assert grown < 64, grown  # one row's text at a time; it held 250 MB
+    assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="too_large") == 30
+
+
+def test_above_max_rss_a_live_request_whose_held_text_grows_is_failed(detokd, zctx):
+    # 64 stream=false requests, each within max_held_text_chars, grow by 8 MB a frame
+    # together; the RSS guard only refused new requests, so they held ~250 MB past the
+    # limit. Now the rows that grow held text past the limit fail their request; a
+    # streaming request beside them goes on exactly.
+    probe = detokd(workers=1)
+    probe.wait_ready()
+    base = _rss_mb(probe.pid)
+    probe.kill()
+    d = detokd(workers=1, args=["--metrics-port", "0"], max_rss_mb=int(base) + 64)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    held = [f"h{i}" for i in range(64)]
+    streamed = make_ids(random.Random(14), 30 * 4)
+    row = [SPACES] * 1000  # 128,000 characters; 30 rows: 3.84 M, within max_held_text_chars
+    for k in range(30):
+        rows = [{"rid": rid, "ids": row, "seq": k * len(row), **({"start": {"stream": False}} if k == 0 else {})} for rid in held]
+        s = {"rid": "s", "ids": streamed[4 * k : 4 * k + 4], "seq": 4 * k, **({"start": {}} if k == 0 else {})}
+        eng.rows(rows + [{**s, **({"finish": {"reason": "length"}} if k == 29 else {})}])
+    w.wait(lambda: w.ended("s"), 60, "the streaming request to finish")
+    assert w.text("s") == oracle(v, [], streamed, True) and not w.errors("s")
+    for rid in held:
+        assert w.errors(rid)[:1] == ["overloaded"], (rid, w.errors(rid))
+    assert _rss_mb(d.pid) - base < 64 + 64  # the limit, and what came in before the guard read RSS again
+    m = scrape(port)
+    # Their text freed, RSS may fall below the limit again: the guard turned on at least once.
+    assert metric(m, "detokd_overload_transitions_total") >= 1 and metric(m, "detokd_errors_total", kind="too_large") == 0
