@@ -370,8 +370,23 @@ class Detokenizer:
 
     # --- the other messages -------------------------------------------------------------
 
+    def too_large_embedding(self, rid: str, worker: int) -> None:
+        """An embeddings row beyond max_rid_len (no row, as in `_too_large`) or
+        max_meta_bytes (a `too_large` row to its worker, meta not echoed)."""
+        log.warning("embeddings row of rid %r beyond the caps: too_large", rid[:64])
+        if len(rid) > self.limits.rid_len or not self.outbox.known(worker):
+            self.stats.error(r.TOO_LARGE)
+        else:
+            self._error(rid, worker, r.TOO_LARGE, r.NIL, 0)
+
     def abort(self, rids: list[str]) -> None:
+        """At most max_rows rids (the dialect's decoder); a rid beyond max_rid_len
+        names no request (none can start) and is counted, as a tokens row's."""
+        rid_len = self.limits.rid_len
         for rid in rids:
+            if len(rid) > rid_len:
+                self.stats.error(r.TOO_LARGE)
+                continue
             if self.table.pop(rid) is not None:
                 self.stats.aborts += 1
             self.dead.discard(rid)
