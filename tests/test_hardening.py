@@ -585,3 +585,38 @@ def test_above_max_rss_a_live_request_whose_held_text_grows_is_failed(detokd, zc
     m = scrape(port)
     # Their text freed, RSS may fall below the limit again: the guard turned on at least once.
     assert metric(m, "detokd_overload_transitions_total") >= 1 and metric(m, "detokd_errors_total", kind="too_large") == 0
+
+
+# --------------------------------------------------------------------------- 9. every message type's caps
+
+
+def test_abort_and_embeddings_messages_have_the_caps_of_a_tokens_message(detokd, zctx):
+    # An abort of 60 M rids (57 MiB) held the loop 12.8 s; neither abort nor embeddings
+    # had a cap on rows, rid length or meta. Now: more than max_rows rows or rids, the
+    # message is a bad frame (refused from its length header, before it is read); a rid
+    # beyond max_rid_len gets no row; meta beyond max_meta_bytes gets too_large.
+    d = detokd(workers=1, args=["--metrics-port", "0"], max_rows=4, max_rid_len=32, max_meta_bytes=64)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    ids = make_ids(random.Random(15), 12)
+    eng.rows([{"rid": "live", "ids": ids[:4], "start": {}}])
+    eng.send({"type": "abort", "rids": ["live", "a", "b", "c", "d"]})  # 5 rids: dropped whole, live goes on
+    eng.send({"type": "abort", "rids": ["r" * 33]})  # names no request: counted
+    eng.send({"type": "embeddings", "rows": [{"rid": f"many{i}", "data": [i]} for i in range(5)]})  # a bad frame
+    eng.send({"type": "embeddings", "rows": [
+        {"rid": "e" * 33, "data": [1]},  # no row at all
+        {"rid": "fat", "data": [2], "meta": "m" * 70},  # too_large, not forwarded
+        {"rid": "e" * 32, "data": [3], "meta": "m" * 60},  # at every cap: forwarded
+    ]})
+    eng.rows([{"rid": "live", "ids": ids[4:], "seq": 4, "finish": {"reason": "length"}}])
+    w.wait(lambda: w.ended("live") and w.ended("fat"), 20, "live's end and fat's error")
+    assert w.text("live") == oracle(v, [], ids, True) and not w.errors("live")
+    assert w.errors("fat") == ["too_large"] and not w.embedded.get("fat")
+    assert [r["data"] for r in w.embedded["e" * 32]] == [[3]]
+    assert not any(w.embedded.get(rid) or w.rows(rid) for rid in ("e" * 33, *(f"many{i}" for i in range(5))))
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_bad_frames_total") == 2
+    assert metric(m, "detokd_errors_total", kind="too_large") == 3  # the long rids of the abort and the embedding, fat
+    assert metric(m, "detokd_aborts_total") == 0
