@@ -587,6 +587,45 @@ def test_above_max_rss_a_live_request_whose_held_text_grows_is_failed(detokd, zc
     assert metric(m, "detokd_overload_transitions_total") >= 1 and metric(m, "detokd_errors_total", kind="too_large") == 0
 
 
+def test_the_feedback_queue_is_bounded_in_bytes_and_its_drops_are_counted(detokd, zctx):
+    # The scheduler binds its feedback address and does not read `stopped` (4,000 rows of
+    # 1,000-character rids a message, 4 MB; 120 MB in all). The feedback socket queued
+    # 1,000 messages of any size; now it queues as a worker's does: send_hwm messages and
+    # a backlog of send_queue_bytes, the rest lost and counted.
+    d = detokd(workers=1, feedback=True, args=["--metrics-port", "0"], send_hwm=4, send_queue_bytes=8 << 20)
+    w = Sink(zctx, d.workers[0])
+    scheduler = Sink(zctx, d.feedback, read=False, rcvhwm=1)
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    ids = v.backend.encode("Hello world, again", add_special_tokens=False).ids
+    _fence(eng, w, "warm", v)
+    base = _rss_mb(d.pid)
+    frames, per = 30, 4000
+    for f in range(frames):
+        eng.rows([{"rid": f"{f:02d}-{i:04d}-" + "x" * 990, "ids": ids, "start": {"stop": ["world"]}, "finish": {"reason": "length"}}
+                  for i in range(per)])
+    _fence(eng, w, "fence", v)
+    grown = _rss_mb(d.pid) - base
+    first = f"00-0000-{'x' * 990}"
+    assert w.text(first) == oracle(v, [], ids, True).split("world")[0] and w.rows(first)[-1]["finish"]["matched"] == "world"
+    m = scrape(port)
+    dropped = metric(m, "detokd_feedback_dropped_total")
+    assert dropped > 0 and dropped % per == 0
+    assert (8 << 20) - (5 << 20) < metric(m, "detokd_feedback_backlog_bytes") <= 8 << 20  # full: one more message would not fit
+    assert grown < 80, grown  # ~40 MB measured (ZMQ's 4, the backlog, buffers, the allocator); it held 175 MB
+    assert "feedback queue full" in d.log()
+    # The scheduler reads: what was queued arrives, and with what was lost it is every row.
+    scheduler.sock.setsockopt(zmq.RCVTIMEO, 20000)
+    got = 0
+    while got + dropped < frames * per:
+        msg = dec(scheduler.sock.recv())
+        assert msg["type"] == "stopped" and all(r["matched"] == "world" for r in msg["rows"])
+        got += len(msg["rows"])
+    assert got + dropped == frames * per
+
+
 # --------------------------------------------------------------------------- 9. every message type's caps
 
 
