@@ -122,7 +122,7 @@ class Server:
                 rows=cfg.max_rows, frame_ids=cfg.max_frame_ids, frame_stop_chars=cfg.max_frame_stop_chars,
                 row_ids=cfg.max_row_ids, rid_len=cfg.max_rid_len, meta_bytes=cfg.max_meta_bytes,
                 wire_prompt_tail=cfg.max_wire_prompt_tail, stop_strings=cfg.max_stop_strings,
-                stop_chars=cfg.max_stop_chars, stop_bytes=cfg.max_stop_bytes, held_text=cfg.max_held_text_chars,
+                stop_chars=cfg.max_stop_chars, stop_bytes=cfg.max_stop_bytes, held_text=cfg.max_held_text_bytes,
             ),
         )
         self.collector = Collector(self.stats)

@@ -530,8 +530,8 @@ def _fence(eng: Engine, w: Sink, rid: str, v) -> None:
 
 def test_a_stream_false_requests_held_text_is_capped_and_freed(detokd, zctx):
     # stream=false keeps every row's text for the finishing row. Each row here is within
-    # every cap (65,536 ids of 328 KB, 8 M characters of text), and the text was held
-    # across frames without a bound: 30 of them held ~250 MB.
+    # every cap (65,536 ids in 328 KB, 8 MiB of text), and the text was held across
+    # frames without a bound: 30 of them held ~250 MB.
     d = detokd(workers=1, args=["--metrics-port", "0"])
     w = Sink(zctx, d.workers[0])
     d.wait_ready()
@@ -550,13 +550,14 @@ def test_a_stream_false_requests_held_text_is_capped_and_freed(detokd, zctx):
     _fence(eng, w, "fence", v)
     grown = _rss_mb(d.pid) - base
     assert [r["text"] for r in w.rows("small")] == ["", oracle(v, [], small, True)]
-    assert w.errors("big") == ["too_large"] * 30  # 8 M characters > max_held_text_chars (4 Mi); then its tombstone
+    assert w.rows("big")[0]["text"] == "" and not w.rows("big")[0]["error"]  # 8 MiB held
+    assert w.errors("big") == ["too_large"] * 29  # 16 MiB and more > max_held_text_bytes; then its tombstone
     assert grown < 64, grown  # one row's text at a time; it held 250 MB
-    assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="too_large") == 30
+    assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="too_large") == 29
 
 
 def test_above_max_rss_a_live_request_whose_held_text_grows_is_failed(detokd, zctx):
-    # 64 stream=false requests, each within max_held_text_chars, grow by 8 MB a frame
+    # 64 stream=false requests, each within max_held_text_bytes, grow by 8 MB a frame
     # together; the RSS guard only refused new requests, so they held ~250 MB past the
     # limit. Now the rows that grow held text past the limit fail their request; a
     # streaming request beside them goes on exactly.
@@ -572,7 +573,7 @@ def test_above_max_rss_a_live_request_whose_held_text_grows_is_failed(detokd, zc
     v = vocab("deepseek")
     held = [f"h{i}" for i in range(64)]
     streamed = make_ids(random.Random(14), 30 * 4)
-    row = [SPACES] * 1000  # 128,000 characters; 30 rows: 3.84 M, within max_held_text_chars
+    row = [SPACES] * 1000  # 128,000 characters; 30 rows: 3.84 MB, within max_held_text_bytes
     for k in range(30):
         rows = [{"rid": rid, "ids": row, "seq": k * len(row), **({"start": {"stream": False}} if k == 0 else {})} for rid in held]
         s = {"rid": "s", "ids": streamed[4 * k : 4 * k + 4], "seq": 4 * k, **({"start": {}} if k == 0 else {})}

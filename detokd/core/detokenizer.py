@@ -47,9 +47,9 @@ class Limits:
     wire_prompt_tail: int = 65536
     stop_strings: int = 256
     stop_chars: int = 4096
-    # Characters a stream=false request holds for its finishing row (~1M tokens of
+    # Bytes of text a stream=false request holds for its finishing row (~4M tokens of
     # prose); every other request's state is bounded by the caps above.
-    held_text: int = 4 << 20
+    held_text: int = 16 << 20
 
 
 def _over_budget(rows: list[Row], budget: int) -> int | None:

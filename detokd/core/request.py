@@ -9,6 +9,8 @@ path steps the decoder itself).
 
 from __future__ import annotations
 
+from sys import getsizeof
+
 from .decoder import Decoder
 from .records import Finish, OutRow, Start, StoppedRow
 from .stops import StopScanner, trim_engine_stop
@@ -27,7 +29,7 @@ class Request:
         self.stops = stops
         self.keep_stop = start.no_stop_trim
         self.parts: list[str] | None = None if start.stream else []
-        self.held = 0  # characters in parts: a running count, for the cap on held text
+        self.held = 0  # bytes parts holds (each str and its list slot): a running sum, for the cap
         self.stopped = False  # detokd matched a stop string and finished the request
         # Rows of a plain streaming request take the dispatcher's fast path.
         self.slow = stops is not None or not start.stream
@@ -52,7 +54,7 @@ class Request:
         if self.parts is not None:  # stream=false: everything comes in the finishing row
             if finish is None:
                 self.parts.append(text)
-                self.held += len(text)
+                self.held += getsizeof(text) + 8
                 text = ""
             else:
                 text = "".join(self.parts) + text
