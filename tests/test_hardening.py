@@ -552,15 +552,15 @@ def test_a_stream_false_requests_held_text_is_capped_and_freed(detokd, zctx):
     assert [r["text"] for r in w.rows("small")] == ["", oracle(v, [], small, True)]
     assert w.rows("big")[0]["text"] == "" and not w.rows("big")[0]["error"]  # 8 MiB held
     assert w.errors("big") == ["too_large"] * 29  # 16 MiB and more > max_held_text_bytes; then its tombstone
-    assert grown < 64, grown  # one row's text at a time; it held 250 MB
+    assert grown < 64, grown  # one row's text at a time; it held 251 MB; 28 MB measured now
     assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="too_large") == 29
 
 
 def test_above_max_rss_a_live_request_whose_held_text_grows_is_failed(detokd, zctx):
     # 64 stream=false requests, each within max_held_text_bytes, grow by 8 MB a frame
-    # together; the RSS guard only refused new requests, so they held ~250 MB past the
-    # limit. Now the rows that grow held text past the limit fail their request; a
-    # streaming request beside them goes on exactly.
+    # together; the RSS guard only refused new requests, so they grew RSS by 223 MB, the
+    # limit being 64 MB up. Now the rows that grow held text past the limit fail their
+    # request (12 MB grown at the end); a streaming request beside them goes on exactly.
     probe = detokd(workers=1)
     probe.wait_ready()
     base = _rss_mb(probe.pid)
