@@ -45,7 +45,7 @@ every non-200 answer; (c) detokd's VmHWM / VmRSS before and after; (d) on anothe
 detokd, SIGTERM ~100 ms after the same frame was sent: seconds until it exited, and its
 exit status (3: the shutdown grace ran out).
 
-    python scripts/worst_frames.py                               # ~70 s, docs/bench/worst.json
+    python scripts/worst_frames.py                               # ~150 s (12 scenarios), docs/bench/worst.json
     python scripts/worst_frames.py --quick --json /tmp/worst.json  # seconds
     python scripts/worst_frames.py --only malformed,mass_start
 
