@@ -39,6 +39,13 @@ log = logging.getLogger("detokd.core.decoder")
 
 REPLACEMENT = "\ufffd"
 PENDING_BYTES = 3  # the most bytes of an unfinished UTF-8 character
+# An open ByteFallback run is held whole until it ends (its text is all or nothing), so
+# it is bounded: 64 Ki pieces is 21,845 three-byte characters none of which has a piece.
+MAX_OPEN_RUN = 1 << 16
+
+
+class RunTooLong(ValueError):
+    """An open byte-fallback run past MAX_OPEN_RUN: the request cannot be served exactly."""
 _utf8_decode = codecs.utf_8_decode
 
 
@@ -270,6 +277,8 @@ class PieceDecoder(PromptDecoder):
             if self.run is not None:
                 out.append(self._close_run())
             out.append(piece)
+        if self.run is not None and len(self.run) > MAX_OPEN_RUN:
+            raise RunTooLong(len(self.run))
         return self._emit("".join(out))
 
     def finish(self) -> str:
@@ -357,6 +366,8 @@ class WindowDecoder:
             # nothing before the run can be committed yet either, so decoding now would
             # only cost the whole run again, per row (quadratic in the run's length).
             self.ids.extend(ids)
+            if len(self.ids) > codec.window + MAX_OPEN_RUN:
+                raise RunTooLong(len(self.ids))
             return ""
         self.ids.extend(ids)
         decode = codec.vocab.decode

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..metrics import Stats
 from . import records as r
-from .decoder import Codec
+from .decoder import Codec, RunTooLong
 from .outbox import Outbox
 from .records import OutRow, Row, error_row
 from .request import Request
@@ -140,6 +140,9 @@ class Detokenizer:
             if text is None:
                 try:
                     text = st.step(ids)
+                except RunTooLong:
+                    self._too_large(row, st, "open byte run")
+                    continue
                 except Exception:
                     self._internal(row, st)
                     continue
@@ -151,6 +154,8 @@ class Detokenizer:
     def _guarded(self, row: Row) -> None:
         try:
             self._row(row)
+        except RunTooLong:
+            self._too_large(row, self.table.get(row.rid), "open byte run")
         except Exception:
             self._internal(row, self.table.get(row.rid))
 
