@@ -22,12 +22,14 @@ from hypothesis import strategies as st
 
 from conftest import ALL, fast_codec, oracle, vocab, window_codec
 from detokd.core.decoder import (
+    MAX_OPEN_RUN,
     REPLACEMENT,
     ByteCodec,
     ByteDecoder,
     PieceCodec,
     PieceDecoder,
     PromptDecoder,
+    RunTooLong,
     WindowCodec,
     WindowDecoder,
     byte_level_alphabet,
@@ -591,3 +593,22 @@ def test_window_codec_work_per_id_does_not_grow_with_the_runs(name: str) -> None
     base = per_id(60, 20)
     for length, runs in ((60, 80), (600, 8), (3000, 2)):
         assert per_id(length, runs) <= base * 1.5, (length, runs)
+
+
+@pytest.mark.parametrize("kind", CODECS)
+@pytest.mark.parametrize("name", SENTENCEPIECE)
+def test_an_open_byte_run_is_bounded(name: str, kind: str) -> None:
+    """An open run is held whole until it ends (all or nothing), so it is bounded: a run
+    of MAX_OPEN_RUN pieces is served exactly, one that goes on past it (and past the
+    window codec's window) raises RunTooLong, which the dispatcher answers too_large."""
+    v, codec = vocab(name), codec_for(name, kind)
+    run = byte_tokens(name, "中".encode() * (MAX_OPEN_RUN // 3))
+    word = encode(name, " ok")
+    d = codec.new([], True)
+    sent = d.step(run) + "".join(d.step([i]) for i in word) + d.finish()
+    assert sent == oracle(v, [], run + word, True)
+    d = codec.new([], True)
+    d.step(run)
+    with pytest.raises(RunTooLong):
+        for _ in range(64):
+            d.step(byte_tokens(name, "中".encode()))
