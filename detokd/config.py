@@ -21,6 +21,8 @@ Address = Annotated[str, Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 # Caps on what one peer's frame may make detokd hold (docs/protocol.md, "too_large").
 Cap = Annotated[int, Meta(ge=1)]
+# A socket that may stay in plaintext while CURVE is on (curve_plaintext).
+PlaintextSocket = Annotated[str, Meta(pattern=r"^(worker\.(0|[1-9][0-9]*)|feedback|register)$")]
 
 
 def runtime_dir() -> str:
@@ -69,6 +71,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     linger_ms: Annotated[int, Meta(ge=0)] = 2000
     # "auto": the fastest exact codec for the tokenizer; "window": always the generic one.
     codec: Literal["auto", "window"] = "auto"
+    # While a character is split across ids, the text before it: "char" sends every whole
+    # character at once; "word" sends it as SGLang's detokenizer does, up to its last
+    # space or a CJK ideograph (SGLang mode's setting: an engine stop string whose start
+    # the engine missed beside a split character then leaks no further than with SGLang).
+    release: Literal["char", "word"] = "char"
     # Enables the control op "debug_stall:<seconds>" that blocks the loop (tests only).
     debug_ops: bool = False
     # After the first SIGTERM/SIGINT the process ends within this many seconds, whatever
@@ -93,6 +100,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     curve_worker_keys: list[str] = []
     # The scheduler's feedback socket's public key file.
     curve_feedback_key: str | None = None
+    # With CURVE on, every tcp socket uses it or detokd does not start; these are the
+    # deliberate exceptions, each logged at start: "worker.<w>", "feedback", and
+    # "register" (tcp workers added by `register`, whose key no message can bring).
+    curve_plaintext: list[PlaintextSocket] = []
 
     # --- memory caps on what peers send (docs/protocol.md "too_large")
     # Bigger inbound messages are never read: ZMQ drops the sender's connection.
@@ -156,6 +167,26 @@ def check(cfg: Config, where: str = "settings") -> None:
         raise ConfigError(f"{where}: curve keys need curve_secret_key (detokd's own key pair)")
     if len(cfg.curve_worker_keys) > len(cfg.workers):
         raise ConfigError(f"{where}: curve_worker_keys has {len(cfg.curve_worker_keys)} keys for {len(cfg.workers)} workers")
+    if cfg.curve_secret_key:
+        for name, address, key in _curve_sockets(cfg):
+            if address.startswith("tcp://") and not key and name not in cfg.curve_plaintext:
+                setting = "curve_feedback_key" if name == "feedback" else f"curve_worker_keys[{name[len('worker.'):]}]"
+                raise ConfigError(
+                    f"{where}: {name.replace('.', ' ')} ({address}) is tcp and has no CURVE key while curve_secret_key "
+                    f"is set: set {setting}, or list \"{name}\" in curve_plaintext to connect it in plaintext"
+                )
+        for name in cfg.curve_plaintext:
+            if name.startswith("worker.") and int(name[len("worker.") :]) >= len(cfg.workers):
+                raise ConfigError(f"{where}: curve_plaintext names {name}, but there are {len(cfg.workers)} workers")
+
+
+def _curve_sockets(cfg: Config) -> list[tuple[str, str, str | None]]:
+    """(name, address, key file) of every socket detokd connects as a CURVE client."""
+    keys = cfg.curve_worker_keys
+    out = [(f"worker.{w}", a, keys[w] if w < len(keys) else None) for w, a in enumerate(cfg.workers)]
+    if cfg.feedback:
+        out.append(("feedback", cfg.feedback, cfg.curve_feedback_key))
+    return out
 
 
 def to_toml(cfg: Config) -> str:

@@ -9,10 +9,11 @@ fanned out one message per request and stalled everyone behind one slow peer). T
 whole stall policy is `deliver`: a lost message's requests are failed by the core,
 and the worker is owed their error rows, sent by `settle` once its queue has room.
 
-A worker's queue is ZMQ's (`send_hwm` messages, kept short) and, behind it, a
-backlog here (`send_queue_bytes`). ZMQ counts messages only and shows no depth, so
-bytes are counted where they can be: in the backlog, which the loop drains into
-ZMQ whenever the socket can take more (`flush`, woken by the socket's POLLOUT).
+A worker's queue is ZMQ's (`send_hwm` messages, kept short, and only while the worker
+is connected: ZMQ_IMMEDIATE) and, behind it, a backlog here (`send_queue_bytes`). ZMQ
+counts messages only and shows no depth, so bytes are counted where they can be: in
+the backlog, which the loop drains into ZMQ whenever the socket can take more
+(`flush`, woken by the socket's POLLOUT).
 
 Frames are encoded by the wire dialect; delivery only moves bytes.
 """
@@ -32,7 +33,7 @@ from .core.bounded import BoundedMap
 from .core.outbox import Outbox
 from .core.records import OutRow
 from .metrics import Stats, WorkerFigures
-from .sockets import Curve
+from .sockets import Curve, ipc_folder_problem, register_address_problem
 
 log = logging.getLogger("detokd.delivery")
 
@@ -66,13 +67,21 @@ class RegisterPolicy:
     allow: tuple[str, ...] = ()
     replace: bool = False
     max_added: int = 16
+    tcp_needs_curve: bool = False  # CURVE is on: a registered tcp worker would be plaintext (no key comes in a register)
 
     def refusal(self, delivery: Delivery, index: int, address: str) -> str | None:
         """Why this register is refused, or None."""
         if not self.enabled:
             return "register is disabled (register_enabled = false)"
+        problem = register_address_problem(address)
+        if problem is None and (taken := ipc_folder_problem(address)) is not None:
+            problem = taken[0]  # a worker registers once bound: a path it may not own is refused
+        if problem is not None:
+            return problem
         if not any(fnmatch.fnmatchcase(address, pattern) for pattern in self.allow):
             return "the address matches no register_allow pattern"
+        if self.tcp_needs_curve and address.startswith("tcp://"):
+            return "CURVE is on and a registered tcp worker would be plaintext (curve_plaintext lacks \"register\")"
         w = delivery.workers.get(index)
         if w is not None:
             if w.address != address and not self.replace:
@@ -143,10 +152,13 @@ class Delivery:
             log.warning("register of worker %d at %r refused: %s", index, address, why)
             return False
         new = index not in self.workers
+        changed = new or self.workers[index].address != address
         if not self.place(index, address):
             return False
         if new:
             self.added += 1
+        if changed:
+            self.stats.register_changes += 1
         return True
 
     def place(self, index: int, address: str) -> bool:
@@ -164,7 +176,7 @@ class Delivery:
             return True
         key = self.curve.workers.get(index) if self.curve is not None else None
         try:
-            sock = self._connect(address, key)
+            sock = self._connect(address, key, immediate=True)
         except zmq.ZMQError as exc:
             self.stats.error("bad_register")
             log.warning("worker %d: cannot connect to %r (%s); register refused", index, address, exc.strerror)
@@ -175,7 +187,9 @@ class Delivery:
         else:
             self._unwatch(w)
             if w.socket is not None:
-                w.socket.close(linger=0)
+                # Immediate: ZMQ's queue holds only frames for a connected peer, which
+                # linger lets reach it; the rest is in the backlog, which follows.
+                w.socket.close(linger=self.linger_ms)
             w.socket = sock
             w.address = address
             if w.backlog:  # the frames are the worker's: they follow it to its new address
@@ -186,9 +200,16 @@ class Delivery:
     def known(self, index: int) -> bool:
         return index in self.workers
 
-    def _connect(self, address: str, server_key: bytes | None = None) -> zmq.Socket:
+    def _connect(self, address: str, server_key: bytes | None = None, *, immediate: bool = False) -> zmq.Socket:
+        """A PUSH socket connected to `address`. `immediate` (ZMQ_IMMEDIATE, for
+        workers): ZMQ queues a frame only on a completed connection, so frames for a
+        peer not (yet) there wait in the backlog, bounded in bytes and ours to move
+        when `register` moves the worker; a plain socket would hold them in a queue
+        for an address it may never reach, lost when it is closed."""
         s = self.ctx.socket(zmq.PUSH)
         try:
+            if immediate:
+                s.setsockopt(zmq.IMMEDIATE, 1)
             if server_key is not None:
                 self.curve.connect_to(s, server_key)
             s.setsockopt(zmq.SNDHWM, self.hwm)

@@ -76,7 +76,7 @@ class Shard:
     index: int
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0  # monotonic time of the last spawn
-    failures: int = 0  # consecutive exits, each before `stable_after` s of running
+    failures: int = 0  # consecutive exits or failed spawns, each before `restart_window` s of running
     restarts: int = 0  # since the supervisor started
     last_exit: int | None = None
     delay: float = 0.0  # the backoff before the pending restart
@@ -111,7 +111,8 @@ def run_shards(
 ) -> int:
     """Run `n` children `[*command, *argv_for_shard(i)]` until SIGTERM/SIGINT.
 
-    A child that exits on its own is logged and restarted, after `restart_delay` s
+    A child that exits on its own, or cannot be started at all (the spawn fails:
+    EMFILE, an executable gone), is logged and restarted, after `restart_delay` s
     doubled for each consecutive failure up to `max_delay` s; a child that ran
     `restart_window` s counts as healthy again (backoff and failures reset). A shard
     with more than `max_restarts` consecutive failures is crash-looping: it is still
@@ -120,10 +121,11 @@ def run_shards(
     With `status_port`, /health (200, or 503 naming the crash-looping shards) and
     /status (JSON, one entry per shard) are served on `status_host`:`status_port`.
 
-    SIGTERM/SIGINT are forwarded to the children, which get `stop_timeout` s before
-    SIGKILL. Returns 0 when every child stopped in time on the forwarded signal and
-    no shard was crash-looping, else 1. Call from the main thread (it installs
-    signal handlers, restored on return).
+    SIGTERM/SIGINT are forwarded to the children, once each, which get `stop_timeout`
+    s before SIGKILL; so is a SIGTERM if the supervisor itself fails. Returns 0 when
+    every child stopped in time on the forwarded signal and no shard was
+    crash-looping, else 1. Call from the main thread (it installs signal handlers,
+    restored on return).
     """
     if n < 1:
         raise ValueError(f"need at least one shard, got {n}")
@@ -131,16 +133,34 @@ def run_shards(
     shards = [Shard(i) for i in range(n)]
 
     def spawn(s: Shard) -> None:
-        # Own process group: a terminal's Ctrl-C reaches the children once, through us,
-        # not twice (which a server may read as "force quit").
-        s.proc = subprocess.Popen(
-            [*cmd, *argv_for_shard(s.index)],
-            process_group=0,
-            preexec_fn=die_with_parent,
-        )
         s.started = time.monotonic()
         s.restart_at = None
+        try:
+            # Own process group: a terminal's Ctrl-C reaches the children once, through us,
+            # not twice (which a server may read as "force quit").
+            s.proc = subprocess.Popen(
+                [*cmd, *argv_for_shard(s.index)],
+                process_group=0,
+                preexec_fn=die_with_parent,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            # EMFILE, EAGAIN, an executable gone: this shard's problem, retried as a crash
+            # would be. Raising would end the supervisor and, with it, the healthy shards.
+            failed(s, s.started, f"could not be started ({exc})")
+            return
         log.info("shard %d started (pid %d)", s.index, s.proc.pid)
+
+    def failed(s: Shard, now: float, what: str) -> None:
+        s.failures = 1 if now - s.started >= restart_window else s.failures + 1
+        s.delay = min(restart_delay * 2 ** (s.failures - 1), max_delay)
+        s.restart_at = now + s.delay
+        log.warning("shard %d %s; restart in %g s", s.index, what, s.delay)
+        if s.failures == max_restarts + 1:
+            log.error(
+                "shard %d is crash-looping (%d failures in a row, none up %.0f s); "
+                "retrying every %g s at most, the other shards go on",
+                s.index, s.failures, restart_window, max_delay,
+            )
 
     status = None
     if status_port is not None:
@@ -158,36 +178,32 @@ def run_shards(
     try:
         if status is not None:
             status.start()
-        for s in shards:
-            spawn(s)
-        while not got:
-            now = time.monotonic()
+        try:
             for s in shards:
-                p = s.proc
-                if p is not None and p.poll() is None:
-                    if s.failures and now - s.started >= restart_window:
-                        log.info("shard %d up for %.0f s: healthy again", s.index, now - s.started)
-                        s.failures = 0
-                    continue
-                if p is not None:  # exited on its own
-                    s.proc, s.last_exit = None, p.returncode
-                    s.failures = 1 if now - s.started >= restart_window else s.failures + 1
-                    s.delay = min(restart_delay * 2 ** (s.failures - 1), max_delay)
-                    s.restart_at = now + s.delay
-                    log.warning(
-                        "shard %d (pid %d) exited with %s; restart in %g s",
-                        s.index, p.pid, p.returncode, s.delay,
-                    )
-                    if s.failures == max_restarts + 1:
-                        log.error(
-                            "shard %d is crash-looping (%d exits in a row, none up %.0f s); "
-                            "retrying every %g s at most, the other shards go on",
-                            s.index, s.failures, restart_window, max_delay,
-                        )
-                elif s.restart_at is not None and now >= s.restart_at:
-                    s.restarts += 1
-                    spawn(s)
-            time.sleep(_POLL)
+                spawn(s)
+            while not got:
+                now = time.monotonic()
+                for s in shards:
+                    p = s.proc
+                    if p is not None and p.poll() is None:
+                        if s.failures and now - s.started >= restart_window:
+                            log.info("shard %d up for %.0f s: healthy again", s.index, now - s.started)
+                            s.failures = 0
+                        continue
+                    if p is not None:  # exited on its own
+                        s.proc, s.last_exit = None, p.returncode
+                        failed(s, now, f"(pid {p.pid}) exited with {p.returncode}")
+                    elif s.restart_at is not None and now >= s.restart_at:
+                        s.restarts += 1
+                        spawn(s)
+                time.sleep(_POLL)
+        except BaseException:
+            # Stop the shards as a signal would (one SIGTERM each, stop_timeout), not leave
+            # them to PR_SET_PDEATHSIG: the kernel sends that once per exiting thread of
+            # ours, and a shard reads a second SIGTERM as "exit now, skip the linger".
+            log.exception("supervisor failed: stopping its shards")
+            _stop([s.proc for s in shards if s.proc is not None], signal.SIGTERM, stop_timeout, got)
+            raise
         sig = got[0]
         log.info("got %s: stopping %d shards", signal.Signals(sig).name, n)
         looping = any(s.failures > max_restarts for s in shards)
@@ -224,7 +240,8 @@ class StatusServer:
             return 503 if bad else 200, body.encode(), "text/plain"
 
         def status() -> Reply:
-            return 200, json.dumps({"shards": states()}).encode() + b"\n", "application/json"
+            body = {"shards": states(), "http_dropped": self.endpoint.dropped}
+            return 200, json.dumps(body).encode() + b"\n", "application/json"
 
         self.endpoint = Endpoint(host, port, {"/health": health, "/status": status}, "detokd-supervisor")
         self.port = self.endpoint.port

@@ -21,11 +21,12 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from typing import Callable
 
 from .core.bounded import BoundedMap
 
-__all__ = ["setup", "dropped", "escape", "RateLimitFilter", "EscapingFormatter", "FORMAT"]
+__all__ = ["setup", "dropped", "escape", "report_suppressed", "RateLimitFilter", "EscapingFormatter", "FORMAT"]
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 QUEUE_SIZE = 10000  # records waiting for the writer at most; beyond, dropped and counted
@@ -83,12 +84,13 @@ def _indent(text: str) -> str:
 class _Window:
     """One message template's current period."""
 
-    __slots__ = ("start", "passed", "suppressed")
+    __slots__ = ("start", "passed", "suppressed", "logger", "level")
 
     def __init__(self, start: float) -> None:
         self.start = start  # when the period began
         self.passed = 0  # records let through in it
         self.suppressed = 0  # records dropped in it
+        self.logger, self.level = "", logging.WARNING  # where and how loud the dropped ones were
 
 
 class RateLimitFilter(logging.Filter):
@@ -108,7 +110,10 @@ class RateLimitFilter(logging.Filter):
         self.max_len = max_len
         self.clock = clock
         self.windows: BoundedMap[str, _Window] = BoundedMap(1000)  # template -> its window (templates are few)
-        self.lock = threading.Lock()  # the loop and the HTTP threads log at once
+        # The loop and the HTTP threads log at once. A plain lock: no signal handler of
+        # detokd's logs (server.py's only sets a flag), so none can nest inside it.
+        self.lock = threading.Lock()
+        _filters.add(self)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "_detokd_limited", False):
@@ -126,6 +131,8 @@ class RateLimitFilter(logging.Filter):
                 w.start, w.passed, w.suppressed = now, 0, 0
             if w.passed >= self.burst:
                 w.suppressed += 1
+                w.logger = record.name
+                w.level = record.levelno if w.suppressed == 1 else max(w.level, record.levelno)
                 return False
             w.passed += 1
         msg = record.getMessage()
@@ -136,6 +143,37 @@ class RateLimitFilter(logging.Filter):
         record.msg, record.args = msg, None
         record._detokd_limited = True
         return True
+
+    def report(self, force: bool = False) -> None:
+        """Say how many records each template lost in a period that is over (all of
+        them, `force`), even if no record of it comes again: the count is never lost."""
+        due = []
+        with self.lock:
+            now = self.clock()
+            for key, w in self.windows.items():
+                if w.suppressed and (force or now - w.start >= self.period):
+                    due.append((w.logger, w.level, w.suppressed, now - w.start, key))
+                    w.start, w.passed, w.suppressed = now, 0, 0
+        for name, level, n, seconds, key in due:
+            logging.getLogger(name).log(
+                level, "%d similar messages suppressed in %.0f s: %.120r", n, seconds, key, extra={"_detokd_limited": True}
+            )
+
+
+_filters: weakref.WeakSet[RateLimitFilter] = weakref.WeakSet()
+_reported = 0.0
+
+
+def report_suppressed(force: bool = False, every: float = 1.0) -> None:
+    """RateLimitFilter.report on every filter alive, at most once per `every` seconds
+    unless `force` (at shutdown). The loop calls it as it turns."""
+    global _reported
+    now = time.monotonic()
+    if not force and now - _reported < every:
+        return
+    _reported = now
+    for f in list(_filters):
+        f.report(force)
 
 
 class _QueueHandler(logging.Handler):

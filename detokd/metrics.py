@@ -60,6 +60,9 @@ class Stats:
         self.overload_transitions = 0
         self.feedback_dropped = 0  # stopped rows lost to a full feedback queue
         self.feedback_backlog_bytes = 0
+        # Security events (docs/security.md); refused registers are errors{kind="register_refused"}.
+        self.register_changes = 0  # registers that added or moved a worker
+        self.curve_refused = 0  # CURVE handshakes the input refused (the authenticator's threads bump it)
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -90,6 +93,8 @@ class _Collector:
             ("clamped_ids", s.clamped_ids, "out-of-vocabulary ids decoded as id 0, as SGLang's detokenizer does (sglang dialect)"),
             ("overload_transitions", s.overload_transitions, "times the RSS guard turned on or off"),
             ("feedback_dropped", s.feedback_dropped, "stopped rows lost to a full feedback queue"),
+            ("register_changes", s.register_changes, "registers that added a worker or moved one"),
+            ("curve_refused", s.curve_refused, "CURVE handshakes the input refused: a key not allowed, or no CURVE with detokd's key (each reconnect counts)"),
         ):
             yield CounterMetricFamily(f"detokd_{name}", doc, value=value)
         errors = CounterMetricFamily("detokd_errors", "error rows sent, by kind", labels=["kind"])
@@ -136,6 +141,20 @@ class _Collector:
         yield CounterMetricFamily("detokd_log_records_dropped", "log records lost to a full queue to stderr (stderr not read)", value=logs.dropped())
 
 
+class _DroppedCollector:
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+
+    def collect(self):
+        dropped = CounterMetricFamily(
+            "detokd_http_dropped", "HTTP connections closed unanswered: full (every connection open), "
+            "deadline (the request was not in within the deadline)", labels=["reason"],
+        )
+        for reason, n in sorted(self.endpoint.dropped.items()):
+            dropped.add_metric([reason], n)
+        yield dropped
+
+
 class MetricsServer:
     """/health and /metrics, on a thread of their own (detokd.http)."""
 
@@ -156,6 +175,7 @@ class MetricsServer:
 
         self.endpoint = Endpoint(host, port, {"/health": health, "/metrics": metrics}, "detokd-metrics")
         self.port = self.endpoint.port
+        registry.register(_DroppedCollector(self.endpoint))
 
     def start(self) -> None:
         self.endpoint.start()

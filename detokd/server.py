@@ -2,9 +2,11 @@
 
 Modelled on SGLang's DetokenizerManager, with what it lacked: a frame that fails
 to decode is counted and answered, never fatal; any exception while handling one
-request fails that request alone; signals end the loop after the frame in hand,
-and queued sends get a bounded linger to leave. The loop knows no wire format:
-the dialect decodes frames and encodes output, the core decides, delivery sends.
+request fails that request alone; a signal stops the input taking new frames, the
+frames already queued are answered (decoded while time allows, `shutdown` error
+rows after), and queued sends get a bounded linger to leave, all within
+shutdown_grace_s. The loop knows no wire format: the dialect decodes frames and
+encodes output, the core decides, delivery sends.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import zmq
 
@@ -25,7 +29,7 @@ from .core import stops
 from .core.decoder import make_codec
 from .core.detokenizer import Detokenizer, Limits
 from .core.outbox import Outbox
-from .core.records import INTERNAL
+from .core.records import INTERNAL, SHUTDOWN
 from .delivery import Delivery, RegisterPolicy
 from .logs import RateLimitFilter
 from .metrics import MetricsServer, Stats
@@ -38,13 +42,78 @@ POLL_MS = 100  # the loop turns at least this often, so /health sees it alive wh
 MAX_FRAMES_PER_TURN = 256  # then settle owed rows and refresh metrics before reading on
 RSS_EVERY = 0.1  # seconds between two reads of the resident size, at most
 PAGE = os.sysconf("SC_PAGE_SIZE")
-EXIT_GRACE = 3  # the exit status when the shutdown grace ran out
+EXIT_GRACE = 3  # the exit status when the shutdown grace ran out, or a second signal came
+DRAIN_SHARE = 0.5  # of shutdown_grace_s for decoding queued frames; then error rows and the linger
+LAST_WORDS_S = 0.5  # at most, of the grace, for the log lines before an os._exit
 
 
 def rss_bytes() -> int:
     """Resident size: one short read of /proc/self/statm (no psutil, no parsing of status)."""
     with open("/proc/self/statm", "rb") as f:
         return int(f.read().split()[1]) * PAGE
+
+
+def exit_now(message: str, wait: float, level: int = logging.ERROR) -> NoReturn:
+    """Log `message`, write out the log, and end the process with EXIT_GRACE, in `wait`
+    s whatever the logging does: a handler another program installed may block on a
+    full stderr, or on a lock the stuck loop holds. The words wait; the exit does not."""
+
+    def last_words() -> None:
+        log.log(level, message)
+        logs.close()
+        logging.shutdown()
+
+    words = threading.Thread(target=last_words, name="detokd-last-words", daemon=True)
+    words.start()
+    words.join(wait)
+    os._exit(EXIT_GRACE)
+
+
+class GraceWatch:
+    """The shutdown grace, on a thread of its own. It learns of SIGTERM and SIGINT from
+    the wakeup fd that the interpreter's C-level handler writes the signal's number to
+    (signal.set_wakeup_fd), so it hears them while the loop is stuck, and the Python
+    handler only sets a flag: nothing that runs in a signal handler takes a lock.
+
+    The first signal: the process ends within `grace` s, whatever the loop does. A
+    second one: it ends now. Both with EXIT_GRACE, logged."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.words = min(LAST_WORDS_S, grace / 4)
+        self.reader, self.writer = socket.socketpair()
+        self.writer.setblocking(False)  # the C handler must never wait on it
+        self.old_fd = signal.set_wakeup_fd(self.writer.fileno(), warn_on_full_buffer=False)
+        self.thread = threading.Thread(target=self._run, name="detokd-grace", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        deadline = None
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                exit_now(f"not stopped within shutdown_grace_s = {self.grace} s: exiting now, unsent output is lost", self.words)
+            self.reader.settimeout(left)
+            try:
+                data = self.reader.recv(64)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return  # close(): run() is over
+            for signum in data:
+                if signum not in (signal.SIGTERM, signal.SIGINT):
+                    continue  # another program's handler shares the fd
+                if deadline is not None:
+                    exit_now(f"second signal {signum} while stopping: exiting now", self.words, logging.WARNING)
+                deadline = time.monotonic() + self.grace - self.words
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self.old_fd)
+        self.writer.close()  # the reader sees the end
+        self.thread.join(1)
+        self.reader.close()
 
 
 # A dialect is built over the parts it drives: (core, delivery, collector, stats, cfg).
@@ -64,6 +133,7 @@ class Server:
         self.ctx = zmq.Context()
         self.delivery = None
         self.auth = None
+        self.refusals = threading.Lock()
         # Health first, so a supervisor sees "starting" during the seconds a tokenizer
         # takes; then the input, since an address in use is a config error worth knowing
         # before them.
@@ -75,13 +145,20 @@ class Server:
                     raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
                 self.metrics.start()
             sockets.prepare_private([cfg.input, *cfg.workers, cfg.feedback])
+            sockets.check_ipc_folders(
+                [("input", cfg.input), *((f"worker {w}", a) for w, a in enumerate(cfg.workers)), ("feedback", cfg.feedback)]
+            )
             curve = sockets.Curve.from_config(cfg)
+            if curve is not None:
+                for name in cfg.curve_plaintext:  # config.check refused any other tcp socket without a key
+                    what = "every tcp worker added by register" if name == "register" else name.replace(".", " ")
+                    log.warning("CURVE is on but %s is connected in plaintext (curve_plaintext)", what)
             self.input = self.ctx.socket(zmq.PULL)
             self.input.setsockopt(zmq.LINGER, 0)
             # A bigger message is never read: ZMQ drops the connection of its sender.
             self.input.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
             if curve is not None:
-                self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients)
+                self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients, self._curve_refused, watch=self.input)
                 curve.serve(self.input)
             elif sockets.is_loopback_tcp(cfg.input) is False:
                 log.warning(
@@ -93,10 +170,11 @@ class Server:
                 self.input.bind(cfg.input)
             except zmq.ZMQError as exc:
                 raise ConfigError(f"cannot bind input {cfg.input}: {exc.strerror}") from exc
-            self.bound = self.input.getsockopt_string(zmq.LAST_ENDPOINT) + (" (CURVE)" if curve else "")
+            self.endpoint = self.input.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.bound = self.endpoint + (" (CURVE)" if curve else "")
             self.vocab = vocab or load(cfg.tokenizer)
             t0 = time.perf_counter()
-            self.codec = make_codec(self.vocab, cfg.codec)
+            self.codec = make_codec(self.vocab, cfg.codec, cfg.release)
             log.info(
                 "tokenizer %s: %d ids, %s codec (built and verified in %.2fs)",
                 cfg.tokenizer, self.vocab.size, self.codec.name, time.perf_counter() - t0,
@@ -107,7 +185,10 @@ class Server:
                     self.ctx, self.outbox, list(cfg.workers),
                     feedback=cfg.feedback, hwm=cfg.send_hwm, queue_bytes=cfg.send_queue_bytes,
                     linger_ms=cfg.linger_ms, stats=self.stats,
-                    policy=RegisterPolicy(cfg.register_enabled, tuple(cfg.register_allow), cfg.register_replace, cfg.register_max),
+                    policy=RegisterPolicy(
+                        cfg.register_enabled, tuple(cfg.register_allow), cfg.register_replace, cfg.register_max,
+                        tcp_needs_curve=curve is not None and "register" not in cfg.curve_plaintext,
+                    ),
                     curve=curve,
                 )
             except (ValueError, zmq.ZMQError) as exc:
@@ -135,38 +216,23 @@ class Server:
             logger = logging.getLogger(name)
             if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
                 logger.addFilter(RateLimitFilter())
-        self.running = False
-        self.stopping_since: float | None = None
+        self.stop_requested_at: float | None = None  # when the first SIGTERM/SIGINT came
         self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None
         self.rss_checked = 0.0
 
-    def stop(self, signum: int = signal.SIGTERM, _frame=None) -> None:
-        """First signal: stop after the frame in hand, and arm the grace timer, since a
-        frame (a million rows, a mass eviction) or a stuck loop may take longer than a
-        supervisor waits before SIGKILL. A second signal: exit now."""
-        self.running = False
-        if self.stopping_since is not None:
-            log.warning("second signal %d while stopping: exiting now", signum)
-            logs.close()
-            os._exit(EXIT_GRACE)
-        self.stopping_since = time.monotonic()
-        grace = self.cfg.shutdown_grace_s
-        timer = threading.Timer(grace, self._grace_over, args=(grace,))
-        timer.daemon = True
-        timer.start()
+    def _on_signal(self, _signum: int, _frame) -> None:
+        """SIGTERM/SIGINT: the loop takes no new frames, answers the queued ones, exits.
 
-    @staticmethod
-    def _grace_over(grace: float) -> None:
-        log.error("not stopped within shutdown_grace_s = %s s: exiting now, unsent output is lost", grace)
-        logs.close()
-        logging.shutdown()
-        os._exit(EXIT_GRACE)
+        It runs between two bytecodes of whatever the loop was doing (inside a lock of
+        the logging, say), so it sets a flag and nothing else, nothing that could wait.
+        The grace and a second signal are GraceWatch's."""
+        if self.stop_requested_at is None:
+            self.stop_requested_at = time.monotonic()
 
     def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self.stop)
+        watch = GraceWatch(self.cfg.shutdown_grace_s)  # first: every handled signal reaches it
+        old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         self.collector.start()
-        self.running = True
         stats = self.stats
         stats.ready = True
         log.info("serving: input %s, %d worker(s), %s dialect", self.bound, len(self.delivery.workers), self.dialect.name)
@@ -177,31 +243,66 @@ class Server:
         delivery.poller = poller  # a worker's backlog registers its socket's POLLOUT here
         recv = self.input.recv
         monotonic = time.monotonic
+        drain_until = None  # once stopping: queued frames are decoded until then, answered `shutdown` after
+        drained = 0
         try:
-            while self.running:
+            while True:
                 stats.last_turn = monotonic()
-                if not poller.poll(POLL_MS):
+                if drain_until is None and self.stop_requested_at is not None:
+                    drain_until = self._stop_accepting()
+                if not poller.poll(POLL_MS if drain_until is None else 0):
+                    if drain_until is not None:
+                        break  # nothing queued
                     self._publish()
                     continue
                 if delivery.backlogged:
                     delivery.flush()
+                empty = False
                 for _ in range(MAX_FRAMES_PER_TURN):
                     try:
                         frame = recv(zmq.NOBLOCK)
                     except zmq.Again:
+                        empty = True
                         break
+                    if drain_until is not None:
+                        drained += 1
+                        if not self.core.closing and monotonic() >= drain_until:
+                            self.core.closing = True
+                            log.warning("shutdown: no time left to decode; the rows still queued get error shutdown")
                     self.process(frame)
                     # The heartbeat of /health: a busy loop is alive, only a stuck one is not.
                     stats.last_turn = monotonic()
-                    if not self.running:
-                        break
+                    if drain_until is None and self.stop_requested_at is not None:
+                        break  # the frame in hand is done: stop taking new ones first
                 self._publish()
+                if empty and drain_until is not None:
+                    break
         finally:
             self.collector.stop()
             readiness.notify("STOPPING=1")
-            log.info("stopping: sends get up to %d ms to leave", self.cfg.linger_ms)
+            log.info(
+                "stopping: %d queued frame(s) answered (%d row(s) with shutdown); sends get up to %d ms to leave",
+                drained, stats.errors.get(SHUTDOWN, 0), self.cfg.linger_ms,
+            )
             self.close()
+            logs.report_suppressed(force=True)
+            for sig, handler in old.items():
+                if handler is not None:  # None: a handler not installed from Python
+                    signal.signal(sig, handler)
+            watch.close()
         return 0
+
+    def _stop_accepting(self) -> float:
+        """The first signal: unbind the input, so that new frames stay with their senders
+        (a PUSH queues them for the next detokd) while those queued here are answered.
+        Returns when decoding them must end: a share of the grace after the signal."""
+        try:
+            self.input.unbind(self.endpoint)
+        except zmq.ZMQError as exc:  # it still reads only what is queued, then closes
+            log.warning("cannot unbind input %s: %s", self.endpoint, exc.strerror)
+        share = self.cfg.shutdown_grace_s * DRAIN_SHARE
+        log.info("signal: input %s takes no new frames; the queued ones get up to %.1f s to decode", self.endpoint, share)
+        return self.stop_requested_at + share
 
     def process(self, frame: bytes) -> None:
         """One inbound frame, start to finish: decode, handle, deliver."""
@@ -247,7 +348,12 @@ class Server:
             else:
                 log.warning("RSS %.0f MB is below max_rss_mb = %d again: new requests are served", rss / 2**20, self.cfg.max_rss_mb)
 
+    def _curve_refused(self) -> None:  # on the authenticator's two threads (ZAP, the handshake watch)
+        with self.refusals:
+            self.stats.curve_refused += 1
+
     def _publish(self) -> None:
+        logs.report_suppressed()  # security events are limited in rate, never lost without a count
         if self.max_rss is not None:
             self._guard_rss(time.monotonic())
         self.collector.tick(time.monotonic())

@@ -15,8 +15,12 @@ import errno
 import ipaddress
 import logging
 import os
+import re
 import socket
 import stat
+import threading
+from collections.abc import Callable
+import struct
 from dataclasses import dataclass, field
 
 import zmq
@@ -25,6 +29,8 @@ import zmq.auth
 from .config import ConfigError, runtime_dir
 
 log = logging.getLogger("detokd.sockets")
+
+PROBE_TIMEOUT = 1.0  # s a connect to an existing ipc path may take before it counts as held
 
 
 # --- ipc ----------------------------------------------------------------------------------
@@ -67,8 +73,9 @@ def prepare_private(addresses: list[str | None]) -> None:
 
 
 def claim_ipc(address: str, what: str = "input") -> None:
-    """Before binding `address`: refuse a path held by a live process or that is not a
-    socket; remove a stale socket (its process is gone)."""
+    """Before binding `address`: refuse a path held by a live process (a connect to it
+    succeeds, or waits past PROBE_TIMEOUT) or that is not a socket; remove a stale
+    socket (its process is gone)."""
     path = ipc_path(address)
     if path is None:
         return
@@ -81,10 +88,20 @@ def claim_ipc(address: str, what: str = "input") -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise ConfigError(f"{what} {address}: {path} exists and is not a socket; not removing it")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # A holder whose backlog is full (it listens, never accepts) makes a blocking connect
+    # wait for ever; a non-blocking one fails at once (EAGAIN) even if the holder accepts
+    # a moment later. The kernel bounds the wait by the send timeout, then says EAGAIN.
+    sec = int(PROBE_TIMEOUT)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", sec, int((PROBE_TIMEOUT - sec) * 1e6)))
     try:
         probe.connect(path)
     except ConnectionRefusedError:
         pass  # nobody listens: stale
+    except BlockingIOError:
+        raise ConfigError(
+            f"{what} {address}: {path} did not take a connect within {PROBE_TIMEOUT:g} s: a live process holds it "
+            "and does not accept; not taking it over"
+        ) from None
     except OSError as exc:
         if exc.errno != errno.ENOENT:
             raise ConfigError(f"{what} {address}: cannot check {path}: {exc.strerror}") from exc
@@ -95,6 +112,60 @@ def claim_ipc(address: str, what: str = "input") -> None:
         probe.close()
     log.debug("removing stale socket %r", path)
     os.unlink(path)
+
+
+def ipc_folder_problem(address: str) -> tuple[str, bool] | None:
+    """Whether a stranger on this machine could take an ipc path: (why, fatal), or None.
+
+    In a folder every user may write, anyone can bind the path before its owner, or
+    (without the sticky bit) remove the owner's socket and bind their own: a worker's
+    text then goes to them. So a world-writable folder on the way without the sticky
+    bit is fatal; with it (/tmp), an existing path must be this user's, and a path
+    not there yet could still be bound first by anyone (not fatal: it is said; a
+    `register` of it is refused, since a worker registers once it has bound).
+    """
+    path = ipc_path(address)
+    if path is None:
+        return None
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    d = folder
+    while True:
+        try:
+            st = os.stat(d)
+        except OSError:
+            st = None  # not there (yet): bind or connect says what it makes of that
+        if st is not None and st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            return f"{d} is writable by every user and not sticky: anyone could replace the socket", True
+        if d == "/":
+            break
+        d = os.path.dirname(d)
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    if not st.st_mode & stat.S_IWOTH:
+        return None
+    try:
+        owner = os.lstat(path).st_uid
+    except FileNotFoundError:
+        return f"{folder} is writable by every user: another user could bind {path} first", False
+    if owner != os.getuid():
+        return f"{path} in {folder}, which every user can write, belongs to uid {owner}, not to this user ({os.getuid()})", True
+    return None  # ours, and the sticky bit keeps it ours while it is there
+
+
+def check_ipc_folders(named: list[tuple[str, str | None]]) -> None:
+    """At start, for each (what, address): refuse (exit 2) a path a stranger could take,
+    warn of one a stranger could bind first."""
+    for what, address in named:
+        problem = ipc_folder_problem(address) if address else None
+        if problem is None:
+            continue
+        why, fatal = problem
+        if fatal:
+            raise ConfigError(f"{what} {address}: {why}; use a folder only trusted users can write (docs/security.md)")
+        log.warning("%s %s: %s; use a folder only trusted users can write (docs/security.md)", what, address, why)
 
 
 # --- tcp exposure -------------------------------------------------------------------------
@@ -112,6 +183,45 @@ def is_loopback_tcp(address: str) -> bool | None:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # an interface name or "*": reachable from elsewhere
+
+
+# --- addresses a peer names ---------------------------------------------------------------
+
+_PORT = re.compile(r"[1-9][0-9]{0,4}")
+
+
+def register_address_problem(address: str) -> str | None:
+    """Why a peer's `register` address is not plain enough to match against
+    register_allow, or None. Only `tcp://IP:port` and `ipc:///absolute/path` pass.
+
+    fnmatch sees a string, ZMQ an endpoint: `tcp://127.0.0.1:0;127.0.0.2:5` matches
+    `tcp://127.0.0.1:*` but ZMQ connects from 127.0.0.1 to 127.0.0.2; a `*` also
+    spans dots and slashes, so `tcp://10.0.0.*:*` matches the name
+    `10.0.0.1.evil.example` and `ipc:///run/engine/*` the path
+    `/run/engine/../../tmp/x`. So the address must be the one canonical spelling of a
+    single destination: an IP literal (no names, no `%interface`), a port, or a
+    normalised absolute path; then the glob decides.
+    """
+    if any(c < " " or c == "\x7f" for c in address) or ";" in address:
+        return "it holds ';' (a source address) or a control character"
+    if address.startswith("ipc://"):
+        path = address[len("ipc://") :]
+        if not path.startswith("/") or path.startswith("//") or os.path.normpath(path) != path:
+            return "an ipc address must be a normalised absolute path (no '.', '..', '//', abstract '@')"
+        return None
+    if not address.startswith("tcp://"):
+        return "only tcp:// and ipc:// addresses can be registered"
+    host, sep, port = address[len("tcp://") :].rpartition(":")
+    if not sep or not _PORT.fullmatch(port) or int(port) > 65535:
+        return "a tcp address needs a port 1-65535"
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        return "a tcp host must be an IP address (a name could resolve anywhere; no interface names)"
+    if bracketed != (ip.version == 6) or getattr(ip, "scope_id", None) or str(ip) != (host[1:-1] if bracketed else host):
+        return "a tcp host must be an IP address in its canonical form (IPv6 in brackets, no %scope)"
+    return None
 
 
 # --- CURVE --------------------------------------------------------------------------------
@@ -151,7 +261,7 @@ class Curve:
         if not zmq.has("curve"):
             raise ConfigError("curve_secret_key is set but this libzmq has no CURVE support")
         public, secret = load_pair(cfg.curve_secret_key)
-        workers = {i: load_public(p) for i, p in enumerate(cfg.curve_worker_keys)}
+        workers = {i: load_public(p) for i, p in enumerate(cfg.curve_worker_keys) if p}  # "": an ipc worker's place
         feedback = load_public(cfg.curve_feedback_key) if cfg.curve_feedback_key else None
         return cls(public, secret, workers, feedback)
 
@@ -166,14 +276,72 @@ class Curve:
         sock.curve_serverkey = server_public
 
 
-def start_authenticator(ctx: zmq.Context, clients: str | None):
+class HandshakeWatch:
+    """Handshakes a CURVE input fails before its authenticator is asked (a client that
+    does not speak CURVE, or does not know detokd's public key): read from the
+    socket's monitor on a thread of its own, each one `refused()` and logged."""
+
+    FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+    def __init__(self, sock: zmq.Socket, refused: Callable[[], None]) -> None:
+        self.monitor = sock.get_monitor_socket(self.FAILED)  # used by the thread alone from here on
+        self.refused = refused
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="detokd-handshakes", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        try:
+            while not self.stopping:
+                if not self.monitor.poll(100):
+                    continue
+                event = recv_monitor_message(self.monitor)
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    break
+                self.refused()
+                log_auth.warning("CURVE handshake failed (event %d): the client does not speak CURVE with detokd's key", event["event"])
+        except zmq.ZMQError:
+            pass
+        finally:
+            self.monitor.close(linger=0)  # here, so the context can end
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.thread.join(2)
+
+
+log_auth = logging.getLogger("detokd.auth")  # rate limited by the server with its other loggers
+
+
+def start_authenticator(ctx: zmq.Context, clients: str | None, refused: Callable[[], None] = lambda: None,
+                        watch: zmq.Socket | None = None):
     """ZAP handler of the input: only the public keys in folder `clients`, or any
-    client that completes the CURVE handshake (it knows detokd's public key)."""
+    client that completes the CURVE handshake (it knows detokd's public key).
+    `refused()` is called, and a warning logged, for each handshake it turns away,
+    and for each that fails on socket `watch` (the input) before it is asked."""
     from zmq.auth.thread import ThreadAuthenticator
+
+    class Authenticator(ThreadAuthenticator):
+        watcher: HandshakeWatch | None = None
+
+        def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
+            if status_code != b"200":  # pyzmq logs its refusals at debug only
+                refused()
+                self.log.warning("CURVE client refused: %s", status_text.decode("ascii", "replace"))
+            super()._send_zap_reply(request_id, status_code, status_text, user_id)
+
+        def stop(self) -> None:
+            if self.watcher is not None:
+                self.watcher.stop()
+            super().stop()
 
     if clients is not None and not os.path.isdir(clients):
         raise ConfigError(f"curve_clients {clients} is not a folder of public keys")
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("detokd.auth"))
+    auth = Authenticator(ctx, log=log_auth)
     auth.start()
+    if watch is not None:
+        auth.watcher = HandshakeWatch(watch, refused)
     auth.configure_curve(domain="*", location=clients if clients is not None else zmq.auth.CURVE_ALLOW_ANY)
     return auth

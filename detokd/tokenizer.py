@@ -93,14 +93,19 @@ def load(spec: str) -> Vocab:
             hf = PreTrainedTokenizerFast(tokenizer_file=str(path))
     except Exception as exc:
         raise TokenizerError(f"cannot load tokenizer {spec!r} from {path}: {exc}") from exc
+    return of(hf, spec)
+
+
+def of(hf, name: str) -> Vocab:
+    """The Vocab of a tokenizer someone else loaded (SGLang's own, in SGLang mode)."""
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
-        raise TokenizerError(f"tokenizer {spec!r} has no fast (tokenizers) backend")
+        raise TokenizerError(f"tokenizer {name!r} has no fast (tokenizers) backend")
     size = len(hf)
     tokens = tuple(backend.id_to_token(i) for i in range(size))
     cleanup = bool(getattr(hf, "clean_up_tokenization_spaces", False))
     return Vocab(
-        name=spec,
+        name=name,
         hf=hf,
         backend=backend,
         size=size,

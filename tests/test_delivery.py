@@ -135,8 +135,10 @@ def test_a_full_queue_loses_only_that_workers_message_and_settle_sends_what_it_i
     assert not r.pulls[0].poll(50) and not w0.owed and w0.backlog_bytes == 0
 
 
-@pytest.mark.parametrize("address", ["nonsense://x", "tcp://", "ipc://" + "x" * 200])
-def test_register_refuses_an_address_zmq_refuses_and_keeps_the_worker_as_it_was(rig, address: str) -> None:
+def test_register_refuses_an_address_zmq_refuses_and_keeps_the_worker_as_it_was(rig) -> None:
+    # Plain enough for the policy (tests/test_sockets.py holds the others), too long
+    # for a unix socket path: ZMQ's connect refuses it.
+    address = "ipc:///" + "x" * 200
     r = rig()
     assert r.delivery.register(1, address) is False
     assert r.delivery.workers[1].address == r.addresses[1]

@@ -177,8 +177,27 @@ def test_engine_stop_string_with_no_stop_trim_is_kept(svc) -> None:
     assert done.text == "Yes END"
 
 
-def test_engine_stop_string_in_text_already_sent_cannot_be_cut(svc) -> None:
-    """Only unsent text can be cut: declare the stop in Start.stop for exact trims."""
+def test_engine_stop_string_that_began_in_sent_text_sends_nothing_more(svc) -> None:
+    """The engine let the stop string's first characters out (SGLang checks its hold-back
+    in token space, and a tail ending in part of a character slips through): the
+    finishing row sends none of the rest."""
+    a = Req()
+    (first,), _ = svc.step(a.row(svc.encode("Emoji: 👨\u200d")))
+    (done,), _ = svc.step(a.row(svc.encode("👩 and more"), Finish("stop", "\u200d👩")))
+    assert (first.text, done.text) == ("Emoji: 👨\u200d", "")
+
+
+def test_engine_stop_string_that_began_in_sent_text_on_the_fast_path_too(svc) -> None:
+    """Plain streaming rows skip Request.feed; what they send is kept all the same."""
+    a = Req()
+    svc.step(a.row(svc.encode("Answer: 42 ST")))
+    svc.step(a.row(svc.encode("O")))
+    (done,), _ = svc.step(a.row(svc.encode("P tail"), Finish("stop", "STOP")))
+    assert done.text == ""
+
+
+def test_engine_stop_string_wholly_in_text_already_sent_is_past_recall(svc) -> None:
+    """An occurrence that ended in sent text is not the one the engine matched now."""
     a = Req()
     (first,), _ = svc.step(a.row(svc.encode("Yes END")))
     (done,), _ = svc.step(a.row(svc.encode(" more"), Finish("stop", "END")))

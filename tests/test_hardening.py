@@ -7,15 +7,21 @@ against the oracle. docs/reliability.md and docs/security.md state each guarante
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import socket
 import stat
+import statistics
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -27,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from conftest import oracle, vocab
 from detokd.config import Config, to_toml
 from detokd.process import DetokdProcess, ipc_config
-from utils import Engine, Req, Sink, make_ids, metric, metrics_port, scrape, wait_until
+from utils import Engine, Req, Sink, http_get, make_ids, metric, metrics_port, scrape, wait_until
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
@@ -515,7 +521,556 @@ def test_a_signal_ends_the_process_within_the_shutdown_grace_even_when_the_loop_
     assert "not stopped within shutdown_grace_s = 1.0 s" in d.log()
 
 
-# --------------------------------------------------------------------------- 8. memory that grows across frames
+# --------------------------------------------------------------------------- 8. slow HTTP clients
+
+
+class SlowClients:
+    """`n` clients of an HTTP port, each sending a request that never ends a byte per
+    round (every `every` s), and connecting again whenever the server closes it: `n`
+    connections always trying to hang on. Non-blocking, on one thread."""
+
+    REQUEST = b"GET /health HTTP/1.1\r\nHost: detokd\r\nX-Slow: " + b"a" * 1_000_000
+
+    def __init__(self, port: int, n: int, every: float = 0.25) -> None:
+        self.port, self.every = port, every
+        self.socks: list[socket.socket] = [self._connect() for _ in range(n)]
+        self.sent = [0] * n  # bytes of REQUEST each connection has sent
+        self.through = [False] * n  # whether client i ever got a connection through
+        self.rounds = self.reconnects = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _connect(self) -> socket.socket:
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", self.port))  # in progress; sends fail with EAGAIN until it is through
+        return s
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            for i, s in enumerate(self.socks):
+                try:
+                    self.sent[i] += s.send(self.REQUEST[self.sent[i] : self.sent[i] + 1])
+                    self.through[i] = True
+                except BlockingIOError:  # still connecting (the server's backlog is full)
+                    pass
+                except OSError:  # closed by the server: come back
+                    s.close()
+                    self.socks[i], self.sent[i] = self._connect(), 0
+                    self.reconnects += 1
+            self.rounds += 1
+            self.stopping.wait(self.every)
+
+    def __enter__(self) -> SlowClients:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        for s in self.socks:
+            s.close()
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _health_s(port: int) -> float | None:
+    """Seconds a /health round trip took if it answered 200 (a refused or cut one: None)."""
+    t0 = time.perf_counter()
+    try:
+        ok = http_get(port, "/health", timeout=5)[0] == 200
+    except OSError:  # urllib's errors and a connection the port closed
+        return None
+    return time.perf_counter() - t0 if ok else None
+
+
+def _health_among(port: int, slow: SlowClients, samples: int = 20) -> list[float]:
+    """/health round trips while the slow clients keep at it: the first within a generous
+    deadline, then `samples` more in a row, every one answered (the latencies, sorted)."""
+    wait_until(lambda: all(slow.through), 60, "every slow client to get a connection through")
+    times = [wait_until(lambda: _health_s(port), 15, "/health 200 among the slow clients", 0.05)]
+    reconnects = slow.reconnects
+    for _ in range(samples):  # one a round: each meets the slow clients' latest bytes
+        wait_until(lambda r=slow.rounds: slow.rounds > r, 10, "a round of the slow clients")
+        times.append(_health_s(port))
+    assert None not in times, times
+    assert slow.reconnects > reconnects  # they went on meanwhile, and were cut off
+    return sorted(times)
+
+
+def test_slow_http_clients_cannot_take_detokd_down(tmp_path, zctx):
+    """Under LimitNOFILE=1024, 1,024 clients dribble a request that never ends into the
+    metrics port and come back whenever they are cut off. /health answers 200 every time
+    among them, detokd holds at most 64 of them (its fds show it), and a scheduler that
+    connects then is served exactly. Before, each held a thread and an fd until the fds
+    ran out: /health stopped answering and the scheduler's connection aborted detokd
+    inside libzmq ("Too many open files", exit -6)."""
+    from detokd.http import MAX_CONNECTIONS
+
+    r = Req("after-the-flood", make_ids(random.Random(8), 200))
+    expected = r.expected()  # (the oracle loads now, not among the slow clients)
+    d = DetokdProcess(ipc_config(tmp_path, metrics_port=0), folder=tmp_path)
+    d.spawn()
+    try:
+        resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (1024, 1024))  # soft = hard: no raising it
+        sink = Sink(zctx, d.workers[0])
+        d.wait_ready()
+        port = metrics_port(d)
+        fds = _fds(d.pid)
+        with SlowClients(port, 1024) as slow:
+            times = _health_among(port, slow)
+            held = _fds(d.pid) - fds
+            assert held <= MAX_CONNECTIONS + 1, held  # (+1: a newcomer accepted, not yet closed)
+            eng = Engine(zctx, d.input)
+            eng.rows([r.row(100, finish=False)])
+            eng.rows([r.row(100)])
+            sink.wait(lambda: sink.ended(r.rid), 20, "the request sent among the slow clients")
+            assert sink.text(r.rid) == expected
+            m = scrape(port)
+        assert d.returncode is None
+        assert metric(m, "detokd_http_dropped_total", reason="full") > 0
+        print(f"/health among 1,024 slow clients: median {statistics.median(times) * 1000:.1f} ms, "
+              f"max {times[-1] * 1000:.1f} ms over {len(times)}; {held} connections held; "
+              f"dropped {metric(m, 'detokd_http_dropped_total', reason='full'):.0f} full, "
+              f"{metric(m, 'detokd_http_dropped_total', reason='deadline'):.0f} deadline")
+        assert d.stop() == 0
+    finally:
+        d.kill()
+
+
+def test_slow_http_clients_cannot_take_the_supervisor_down(tmp_path):
+    """The same flood on the supervisor's status port (LimitNOFILE=1024): /health and
+    /status answer among it, and a shard killed then is restarted. Before, the status
+    port's threads took every fd, and the restart's Popen failed (EMFILE in os.pipe):
+    the supervisor died, and with it every shard."""
+    from test_launch import SLEEPER, SUPERVISOR, Supervised, _get, _pid
+
+    sup = Supervised([PY, "-c", SUPERVISOR, str(tmp_path), "2", SLEEPER, "5", "5"], tmp_path / "supervisor.log")
+    try:
+        resource.prlimit(sup.pid, resource.RLIMIT_NOFILE, (1024, 1024))
+        port = sup.status_port()
+        pids = [wait_until(lambda i=i: _pid(tmp_path, i), 30, f"shard {i}'s pid") for i in (0, 1)]
+        with SlowClients(port, 1024) as slow:
+            times = _health_among(port, slow)
+            code, body = _get(port, "/status")
+            assert code == 200 and json.loads(body)["http_dropped"]["full"] > 0, body
+            os.kill(pids[1], signal.SIGKILL)
+            wait_until(lambda: _pid(tmp_path, 1) not in (None, pids[1]), 30, "shard 1 restarted among the slow clients")
+            assert sup.poll() is None and _pid(tmp_path, 0) == pids[0]
+        print(f"supervisor /health among 1,024 slow clients: median {statistics.median(times) * 1000:.1f} ms, "
+              f"max {times[-1] * 1000:.1f} ms over {len(times)}")
+        sup.send_signal(signal.SIGTERM)
+        out, _ = sup.communicate(timeout=15)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert sup.returncode == 0, out
+
+# --------------------------------------------------------------------------- 8. round 2 (issue 18)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def test_a_register_address_that_names_another_destination_than_its_glob_says_is_refused(detokd, zctx, tmp_path):
+    # ZMQ reads `tcp://A;B` as source A, destination B, and fnmatch's `*` spans `;`,
+    # dots and slashes: as strings both escapes below match register_allow.
+    (tmp_path / "engine").mkdir()
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"], register_enabled=True,
+        register_allow=["tcp://127.0.0.1:*", f"ipc://{tmp_path}/engine/*"],
+    )
+    w0 = Sink(zctx, d.workers[0])
+    elsewhere = Sink(zctx, f"tcp://127.0.0.2:{_free_port('127.0.0.2')}")
+    outside = Sink(zctx, f"ipc://{tmp_path}/outside.sock")
+    allowed = Sink(zctx, f"tcp://127.0.0.1:{_free_port('127.0.0.1')}")
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "register", "worker": 1, "address": f"tcp://127.0.0.1:0;{elsewhere.address[len('tcp://'):]}"})
+    eng.send({"type": "register", "worker": 2, "address": f"ipc://{tmp_path}/engine/../outside.sock"})
+    eng.send({"type": "register", "worker": 3, "address": allowed.address})
+    rng = random.Random(18)
+    reqs = [Req(f"e{w}", make_ids(rng, 30), worker=w) for w in (1, 2, 3)]
+    eng.rows([q.row(30) for q in reqs])
+    w0.wait(lambda: w0.ended("e1") and w0.ended("e2"), 20, "worker 0 to hear the refused workers' rows fail")
+    allowed.wait(lambda: allowed.ended("e3"), 20, "the plainly allowed worker's rows")
+    assert w0.errors("e1") == w0.errors("e2") == ["bad_start"]  # workers 1 and 2 were never added
+    assert allowed.text("e3") == reqs[2].expected()
+    assert elsewhere.messages == outside.messages == 0
+    assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="register_refused") == 2
+    wait_until(lambda: "refused: it holds ';'" in d.log() and "refused: an ipc address must be a normalised absolute path" in d.log(),
+               20, "both refusals logged")  # by the log's writer thread
+
+
+def test_an_over_cap_start_for_another_schedulers_live_rid_tells_its_sender_nothing_of_that_request(detokd, zctx):
+    # Scheduler B cannot guess how far A's request is: the row B's worker gets counts
+    # only B's own request (0 ids), and A's worker learns its request was failed.
+    d = detokd(workers=2, max_stop_strings=2)
+    w0, w1 = Sink(zctx, d.workers[0]), Sink(zctx, d.workers[1])
+    d.wait_ready()
+    a, b = Engine(zctx, d.input), Engine(zctx, d.input)
+    victim = Req("v", make_ids(random.Random(19), 20), worker=0)
+    a.rows([victim.row(7, finish=False)])
+    w0.wait(lambda: w0.rows("v"), 20, "A's first row")
+    b.rows([{"rid": "v", "ids": [100], "start": {"worker": 1, "stop": ["x", "y", "z"]}, "meta": "b's"}])  # 3 stop strings: over the cap
+    w1.wait(lambda: w1.rows("v"), 20, "B's worker to hear of B's row")
+    w0.wait(lambda: len(w0.rows("v")) == 2, 20, "A's worker to hear its request failed")
+    (told_b,) = w1.rows("v")
+    assert (told_b["error"], told_b["n_ids"], told_b["meta"]) == ("rid_collision", 0, "b's")
+    assert (w0.rows("v")[-1]["error"], w0.rows("v")[-1]["n_ids"]) == ("rid_collision", 7)
+
+
+def _refused_at_start(tmp_path: Path, cfg: Config) -> tuple[int, str]:
+    """Start `detokd serve` on cfg, which must exit before it is ready: (exit code, log).
+    Not ready within 60 s, or ready: the test fails (and detokd is killed)."""
+    d = DetokdProcess(cfg, folder=tmp_path).spawn()
+    try:
+        d.wait_ready(60)
+    except Exception:  # NotReady: exited (or hung, then killed: returncode -9)
+        return d.proc.wait(10), d.log()
+    d.kill()
+    raise AssertionError(f"detokd started on a config it should refuse:\n{d.log()}")
+
+
+def test_with_curve_on_every_tcp_socket_uses_it_or_start_up_names_the_one_without_a_key(tmp_path, zctx):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in ("detokd", "w0"):
+        zmq.auth.create_certificates(keys, name)
+    pair = lambda name: zmq.auth.load_certificate(keys / f"{name}.key_secret")  # noqa: E731
+    w0, w0_address = _tcp_pull(zctx, pair("w0"))
+    w1, w1_address = _tcp_pull(zctx, None)
+    zmq.auth.create_certificates(keys, "sched")
+    zmq.auth.create_certificates(keys, "stranger")
+    (tmp_path / "allowed").mkdir()
+    shutil.copy(keys / "sched.key", tmp_path / "allowed")
+    base = msgspec.structs.replace(
+        ipc_config(tmp_path), input="tcp://127.0.0.1:*", workers=[w0_address, w1_address], metrics_port=0,
+        curve_secret_key=str(keys / "detokd.key_secret"), curve_worker_keys=[str(keys / "w0.key")],
+        curve_clients=str(tmp_path / "allowed"),
+    )
+    code, log = _refused_at_start(tmp_path, base)
+    assert code == 2 and f"worker 1 ({w1_address}) is tcp and has no CURVE key" in log
+    fb = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+    code, log = _refused_at_start(tmp_path, msgspec.structs.replace(base, feedback=fb, curve_plaintext=["worker.1"]))
+    assert code == 2 and f"feedback ({fb}) is tcp and has no CURVE key" in log
+    # A deliberate exception is served, and said at start; a tcp register would be plaintext: refused.
+    w2 = Sink(zctx, f"tcp://127.0.0.1:{_free_port('127.0.0.1')}")
+    cfg = msgspec.structs.replace(
+        base, curve_plaintext=["worker.1"], register_enabled=True, register_allow=["tcp://127.0.0.1:*"],
+    )
+    d = DetokdProcess(cfg, folder=tmp_path).start()
+    try:
+        # READY=1 may come before the log's writer thread has written the line.
+        serving = wait_until(lambda: re.search(r"serving: input (tcp://\S+) \(CURVE\)", d.log()), 20, "the serving line")
+        address = serving.group(1)
+        assert "CURVE is on but worker 1 is connected in plaintext (curve_plaintext)" in d.log()
+        from detokd.client import SchedulerClient
+        from detokd.core.records import Finish
+
+        sched = SchedulerClient(address, context=zctx, curve_server_key=pair("detokd")[0], curve_keypair=pair("sched"))
+        sched.register(2, w2.address)
+        ids = make_ids(random.Random(20), 30)
+        for w in (0, 1, 2):
+            sched.begin(f"c{w}", ids, worker=w, finish=Finish("length"))
+        sched.flush()
+        texts = {}
+        for sock in (w0, w1):
+            rows = []
+            while len([r for r in rows if r["finish"] is not None or r["error"] is not None]) < 2:  # its own and c2's
+                rows += dec(sock.recv())["rows"]
+            texts[sock] = {r["rid"]: (r["text"], r["error"]) for r in rows}
+        expected = oracle(vocab("deepseek"), [], ids, True)
+        assert texts[w0]["c0"] == texts[w1]["c1"] == (expected, None)
+        assert texts[w0]["c2"][1] == texts[w1]["c2"][1] == "bad_start"  # worker 2 was never added
+        assert w2.messages == 0
+        wait_until(lambda: "refused: CURVE is on and a registered tcp worker would be plaintext" in d.log(), 20, "the refusal logged")
+        # A client whose key is not allowed, and one without CURVE: refused, counted, logged.
+        stranger = SchedulerClient(address, context=zctx, curve_server_key=pair("detokd")[0], curve_keypair=pair("stranger"))
+        wait_until(lambda: "WARNING detokd.auth: CURVE client refused: Unknown key" in d.log(), 20, "the stranger's refusal logged")
+        refused = metric(scrape(metrics_port(d)), "detokd_curve_refused_total")
+        assert refused >= 1  # again at each reconnect
+        plain = SchedulerClient(address, context=zctx)
+        wait_until(lambda: "WARNING detokd.auth: CURVE handshake failed" in d.log(), 20, "the plain client's failure logged")
+        assert metric(scrape(metrics_port(d)), "detokd_curve_refused_total") > refused
+        stranger.close(0), plain.close(0), sched.close(0)
+        assert d.stop() == 0  # the handshake watch ends with the input
+    finally:
+        d.kill()
+        w0.close(0), w1.close(0)
+
+
+def test_a_worker_moved_by_register_gets_every_row_queued_for_its_old_address(detokd, zctx, tmp_path):
+    # Worker 1's first rows are queued for an address nobody has bound (the worker is
+    # moving); the worker then registers where it listens now. Those rows must follow it.
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"], register_enabled=True, register_replace=True,
+        register_allow=[f"ipc://{tmp_path}/moving-*"],
+    )
+    w0 = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    v = vocab("deepseek")
+    first = v.backend.encode(" one two three four five", add_special_tokens=False).ids
+    then = v.backend.encode(" six seven eight nine ten", add_special_tokens=False).ids
+    req = Req("m", first + then, worker=1)
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "register", "worker": 1, "address": f"ipc://{tmp_path}/moving-old.sock"})
+    while req.pos < len(first):
+        eng.rows([req.row(1)])
+    new = Sink(zctx, f"ipc://{tmp_path}/moving-new.sock")
+    eng.send({"type": "register", "worker": 1, "address": new.address})
+    while not req.done:
+        eng.rows([req.row(1)])
+    eng.rows([{"rid": "fence", "ids": [100], "start": {}, "finish": {"reason": "length"}}])
+    w0.wait(lambda: w0.ended("fence"), 20, "detokd to take every frame")
+    new.wait(lambda: new.ended("m"), 20, "the moved worker's rows")
+    assert new.text("m") == oracle(v, [], first + then, True) and not new.errors("m")
+    assert [r["n_ids"] for r in new.rows("m")] == list(range(1, len(first + then) + 1))
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_worker_dropped_total", worker="1") == 0 and not any(k for k in m if k[0] == "detokd_errors_total")
+
+
+SQUATTER = """
+import os, sys, zmq
+os.setgroups([]); os.setgid(65534); os.setuid(65534)  # imports done as root; the bind is nobody's
+s = zmq.Context().socket(zmq.PULL)
+s.bind(sys.argv[1])
+print("bound", flush=True)
+s.setsockopt(zmq.RCVTIMEO, int(sys.argv[2]))
+try:
+    print("received", len(s.recv()), flush=True)
+except zmq.Again:
+    print("nothing", flush=True)
+"""
+
+
+def test_an_ipc_path_another_user_could_take_is_refused_at_start(tmp_path, zctx):
+    # A folder anyone may write without the sticky bit: anyone could replace a socket.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    code, log = _refused_at_start(tmp_path, msgspec.structs.replace(ipc_config(tmp_path), workers=[f"ipc://{shared}/w0.sock"]))
+    assert code == 2 and f"worker 0 ipc://{shared}/w0.sock: {shared} is writable by every user and not sticky" in log
+    # /tmp's kind (sticky): another uid bound the worker's path first.
+    sticky = Path(tempfile.mkdtemp(prefix="detokd-sticky-", dir="/tmp"))
+    try:
+        os.chmod(sticky, 0o1777)
+        address = f"ipc://{sticky}/w0.sock"
+        squatter = subprocess.Popen([PY, "-c", SQUATTER, address, "5000"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert squatter.stdout.readline() == "bound\n"
+            assert os.stat(sticky / "w0.sock").st_uid == 65534
+            cfg = msgspec.structs.replace(ipc_config(tmp_path), workers=[address])
+            code, log = _refused_at_start(tmp_path, cfg)
+            assert code == 2 and f"{sticky}/w0.sock in {sticky}, which every user can write, belongs to uid 65534" in log
+            assert squatter.stdout.readline() == "nothing\n"
+        finally:
+            squatter.kill()
+            squatter.wait()
+        # A path not bound yet in such a folder: served, and said.
+        (sticky / "w0.sock").unlink()
+        with DetokdProcess(cfg, folder=tmp_path) as d:
+            wait_until(lambda: f"worker 0 {address}: {sticky} is writable by every user: another user could bind" in d.log(),
+                       20, "the warning")
+    finally:
+        shutil.rmtree(sticky)
+
+
+def test_every_register_change_and_refusal_is_counted_and_logged_or_said_suppressed(detokd, zctx, tmp_path):
+    # 10 lines per template per 10 s: a burst of registers loses lines, never the count.
+    d = detokd(
+        workers=1, args=["--metrics-port", "0"], register_enabled=True, register_replace=True,
+        register_allow=[f"ipc://{tmp_path}/reg-*"],
+    )
+    w0 = Sink(zctx, d.workers[0])
+    a, b = Sink(zctx, f"ipc://{tmp_path}/reg-a.sock"), Sink(zctx, f"ipc://{tmp_path}/reg-b.sock")
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    for i in range(16):  # worker 1 added, then moved 15 times
+        eng.send({"type": "register", "worker": 1, "address": (a, b)[i % 2].address})
+    for i in range(12):
+        eng.send({"type": "register", "worker": 2, "address": f"ipc://{tmp_path}/elsewhere-{i}.sock"})
+    eng.rows([{"rid": "fence", "ids": [100], "start": {}, "finish": {"reason": "length"}}])
+    w0.wait(lambda: w0.ended("fence"), 20, "detokd to take every register")
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_register_changes_total") == 16
+    assert metric(m, "detokd_errors_total", kind="register_refused") == 12
+
+    def said(line: str, template: str) -> int:
+        """Lines of a template in the log plus the counts its suppression lines give."""
+        log = d.log()
+        return len(re.findall(line, log)) + sum(map(int, re.findall(rf"(\d+) similar messages suppressed in \d+ s: '{re.escape(template)}'", log)))
+
+    # worker 0's own line at start shares the template of a change.
+    wait_until(lambda: said(r"INFO detokd\.delivery: worker \d at '", "worker %d at %r%s") == 1 + 16, 30, "every change told")
+    wait_until(lambda: said(r"WARNING detokd\.delivery: register of worker 2 at '[^']*' refused", "register of worker %d at %r refused: %s") == 12,
+               30, "every refusal told")
+
+
+# --------------------------------------------------------------------------- 9. stopping: the queue, the log's locks
+
+
+def _queue_behind_a_stall(d, zctx, stall: float, frames: list[dict]) -> None:
+    """Stall the loop, queue `frames` in detokd's input while it is stalled, and return
+    once all of them have left the sender (they are then detokd's: its I/O thread reads
+    them into the socket's queue while the loop sleeps)."""
+    eng = Engine(zctx, d.input)
+    eng.send({"type": "control", "op": f"debug_stall:{stall}"})
+    wait_until(lambda: "debug_stall: blocking the loop" in d.log(), 20, "the loop to stall")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, -1)
+    push.connect(d.input)
+    for msg in frames:
+        push.send(enc(msg))
+    push.close()
+    ctx.term()  # returns once every frame was written to detokd's connection
+    eng.close()
+
+
+def _exit_code(d, within: float) -> int:
+    try:
+        return wait_until(lambda: d.proc.poll() is not None and (d.proc.returncode,), within, "detokd to exit")[0]
+    except AssertionError:
+        d.kill()
+        raise
+
+
+def test_frames_queued_when_sigterm_comes_are_all_answered_exactly(detokd, zctx):
+    """900 finishing requests wait in detokd's input while the loop is stalled; SIGTERM
+    comes. Before, the loop ended after the frame in hand: 0 answered, no error, exit 0."""
+    d = detokd(workers=1, debug_ops=True)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    rng = random.Random(18)
+    reqs = [Req(f"q{i}", make_ids(rng, rng.randrange(1, 24))) for i in range(900)]
+    expected = {r.rid: r.expected() for r in reqs}
+    _queue_behind_a_stall(d, zctx, 2.0, [{"type": "tokens", "rows": [r.row(len(r.ids))]} for r in reqs])
+    d.proc.send_signal(signal.SIGTERM)
+    assert _exit_code(d, 30) == 0
+    w.wait(lambda: all(w.ended(rid) for rid in expected), 20, "an answer for every queued request")
+    assert {rid: w.text(rid) for rid in expected} == expected
+    assert not any(w.errors(rid) for rid in expected)
+    assert "stopping: 900 queued frame(s) answered (0 row(s) with shutdown)" in d.log()
+
+
+def test_rows_queued_past_the_decoding_share_of_the_grace_get_shutdown_errors_never_silence(detokd, zctx):
+    """The frame in hand (a 6 s stall) outlasts half of shutdown_grace_s (8 s): the 200
+    requests queued behind it are read and each answered with one `shutdown` row to its
+    worker, meta echoed; the process still exits 0 within the grace."""
+    d = detokd(workers=2, debug_ops=True)
+    sinks = [Sink(zctx, a) for a in d.workers]
+    d.wait_ready()
+    rng = random.Random(19)
+    reqs = [Req(f"late{i}", make_ids(rng, 8), worker=i % 2) for i in range(200)]
+    _queue_behind_a_stall(d, zctx, 6.0, [{"type": "tokens", "rows": [r.row(8, meta={"n": i})]} for i, r in enumerate(reqs)])
+    d.proc.send_signal(signal.SIGTERM)
+    assert _exit_code(d, 30) == 0
+    for i, r in enumerate(reqs):
+        w = sinks[r.worker]
+        rows = w.wait(lambda: w.rows(r.rid), 20, f"the answer to {r.rid}")
+        assert [(x["error"], x["text"], x["meta"]) for x in rows] == [("shutdown", "", {"n": i})]
+        assert not sinks[1 - r.worker].rows(r.rid)
+    assert "no time left to decode" in d.log()
+    assert "stopping: 200 queued frame(s) answered (200 row(s) with shutdown)" in d.log()
+
+
+def _storm(pid: int, seconds: float) -> int:
+    """SIGTERM every ~0.1 ms for `seconds` (or until the process is gone): signals that
+    arrive while a handler runs, each between two bytecodes of whatever ran."""
+    sent, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        sent += 1
+        time.sleep(0.0001)
+    return sent
+
+
+def test_a_sigterm_storm_while_the_log_is_busy_ends_the_process_within_the_grace_with_status_3(detokd, zctx):
+    """The loop logs all the time (rows whose rids are beyond max_rid_len, each a
+    rate-limited warning: the filter's lock is taken per row) when a SIGTERM storm
+    comes: the second signal ends the process at once, status 3."""
+    d = detokd(workers=1, shutdown_grace_s=2.0)
+    Sink(zctx, d.workers[0])
+    d.wait_ready()
+    frame = enc({"type": "tokens", "rows": [{"rid": "x" * 1100, "ids": [1]} for _ in range(500)]})
+    done = threading.Event()
+
+    def flood() -> None:  # until the end: the loop is logging when the signals come
+        push = zctx.socket(zmq.PUSH)
+        push.connect(d.input)
+        while not done.is_set():
+            try:
+                push.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                done.wait(0.001)
+        push.close(0)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        wait_until(lambda: d.log().count("beyond the cap on rid") >= 10, 30, "the log to be busy")
+        _storm(d.pid, 1.0)
+        assert _exit_code(d, 2.0 + 5) == 3
+    finally:
+        done.set()
+        flooder.join(5)
+    assert "second signal 15 while stopping: exiting now" in d.log()
+
+
+# The loop, logging on detokd.server's logger (a multipart frame), sits inside that
+# logger's rate-limit filter's lock, as the loop of the incident was when the signals
+# came. Nothing else is changed: the rest is `detokd serve`.
+HOLDS_THE_LOG_LOCK = r"""
+import os, sys, time
+from detokd import cli, logs
+plain = logs.RateLimitFilter.filter
+def filter(self, record):
+    if str(record.msg).startswith("multipart message"):
+        with self.lock:
+            os.write(2, b"test: the loop holds the filter's lock\n")
+            time.sleep(120)
+    return plain(self, record)
+logs.RateLimitFilter.filter = filter
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["one-sigterm", "two-sigterms-2ms-apart"])
+def test_signals_while_the_loop_holds_the_log_filters_lock_end_the_process_within_the_grace(tmp_path, zctx, signals):
+    """Before, the grace timer's log call waited for ever on the plain lock the loop
+    held, and a second signal's handler, which logged too, nested inside the loop's own
+    log call and waited on it as well: SIGTERM and shutdown_grace_s were ignored (a
+    storm of thousands escaped by RecursionError; two signals, as the supervisor sent,
+    did not). Now the handler only sets a flag and the grace watch's last words have a
+    bounded time: one SIGTERM ends the process when the grace is over, a second at once,
+    both with status 3."""
+    cfg = ipc_config(tmp_path, shutdown_grace_s=2.0, log_level="info")
+    d = DetokdProcess(cfg, folder=tmp_path, command=[PY, "-c", HOLDS_THE_LOG_LOCK])
+    Sink(zctx, cfg.workers[0])
+    try:
+        d.start()
+        eng = Engine(zctx, cfg.input)
+        eng.multipart([b"a", b"b"])
+        wait_until(lambda: "test: the loop holds the filter's lock" in d.log(), 20, "the loop inside the lock")
+        for k in range(signals):
+            if k:
+                time.sleep(0.002)
+            d.proc.send_signal(signal.SIGTERM)
+        assert _exit_code(d, 2.0 + 5) == 3
+    finally:
+        d.kill()
+
+
+# --------------------------------------------------------------------------- 10. memory that grows across frames
 
 SPACES = 69933  # deepseek's id with the longest text: 128 spaces (5 bytes on the wire, 128 characters out)
 
@@ -627,7 +1182,7 @@ def test_the_feedback_queue_is_bounded_in_bytes_and_its_drops_are_counted(detokd
     assert got + dropped == frames * per
 
 
-# --------------------------------------------------------------------------- 9. every message type's caps
+# --------------------------------------------------------------------------- 11. every message type's caps
 
 
 def test_abort_and_embeddings_messages_have_the_caps_of_a_tokens_message(detokd, zctx):
@@ -662,7 +1217,7 @@ def test_abort_and_embeddings_messages_have_the_caps_of_a_tokens_message(detokd,
     assert metric(m, "detokd_aborts_total") == 0
 
 
-# --------------------------------------------------------------------------- 10. an open byte-fallback run
+# --------------------------------------------------------------------------- 12. an open byte-fallback run
 
 
 @pytest.mark.parametrize("codec", ["window", "auto"])

@@ -342,3 +342,76 @@ def test_a_supervisor_port_that_cannot_work_is_one_line_and_exit_2(tmp_path: Pat
         capture_output=True, text=True, env=ENV, timeout=60,
     )
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# A shard that is its own executable file (so one shard's spawn can fail for real: the
+# test takes the file's execute bit away), records every SIGTERM it gets, and on the
+# first lingers 0.5 s (a second SIGTERM in that time is recorded too) before exiting 0.
+LINGERER = r"""
+import os, signal, sys, time
+d, i = sys.argv[1], sys.argv[2]
+terms = os.path.join(d, "terms.%d" % os.getpid())
+stopping = []
+def on_term(*a):
+    with open(terms, "a") as f:
+        f.write("TERM\n")
+    stopping.append(time.monotonic())
+signal.signal(signal.SIGTERM, on_term)
+tmp = os.path.join(d, "pid.%s.%d" % (i, os.getpid()))
+open(tmp, "w").write(str(os.getpid()))
+os.replace(tmp, os.path.join(d, "pid." + i))
+while not stopping or time.monotonic() < stopping[0] + 0.5:
+    time.sleep(0.01)
+sys.exit(0)
+"""
+
+EXEC_SUPERVISOR = r"""
+import os, sys
+from detokd import logs
+from detokd.launch import run_shards
+logs.setup("info")  # as `detokd serve --shards` does: its writer is one more thread
+d = sys.argv[1]
+rc = run_shards(
+    lambda i: [os.path.join(d, "shard-%d" % i), d, str(i)], 2, restart_delay=0.05, max_delay=0.4,
+    max_restarts=50, stop_timeout=5.0, command=[], status_port=0,
+)
+print("supervisor rc", rc, flush=True)
+sys.exit(rc)
+"""
+
+
+def test_a_shard_that_cannot_be_spawned_backs_off_while_the_supervisor_and_its_siblings_live_on(tmp_path: Path) -> None:
+    """Shard 1's executable loses its execute bit and shard 1 is killed: every restart
+    fails in Popen (EACCES). Before, the supervisor died of it (exit 1) and the kernel's
+    PR_SET_PDEATHSIG hit each shard with SIGTERM once per exiting supervisor thread.
+    Now each failed spawn is one more backoff; shard 0 keeps its process; shard 1 runs
+    again once it can; on SIGTERM each shard gets one SIGTERM and ends its own way."""
+    for i in range(2):
+        exe = tmp_path / f"shard-{i}"
+        exe.write_text(f"#!{sys.executable}\n{LINGERER}")
+        exe.chmod(0o755)
+    sup = Supervised([sys.executable, "-c", EXEC_SUPERVISOR, str(tmp_path)], tmp_path / "supervisor.log")
+    try:
+        port = sup.status_port()
+        pid0, pid1 = (_wait(lambda i=i: _pid(tmp_path, i), what=f"shard {i} pid") for i in range(2))
+        (tmp_path / "shard-1").chmod(0o644)
+        os.kill(pid1, signal.SIGKILL)
+        _wait(lambda: sup.output().count("shard 1 could not be started") >= 3, 30, "three failed spawns of shard 1")
+        assert sup.poll() is None, sup.output()
+        s0, s1 = _status(port)
+        assert (s0["state"], s0["pid"]) == ("running", pid0) and alive(pid0)
+        assert s1["state"] == "backoff" and s1["consecutive_failures"] >= 4  # the kill, then each failed spawn
+        (tmp_path / "shard-1").chmod(0o755)
+        new1 = _wait(lambda: (p := _pid(tmp_path, 1)) not in (None, pid1) and p, 30, "shard 1 running again")
+        sup.send_signal(signal.SIGTERM)
+        out, _ = sup.communicate(timeout=30)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    delays = [float(x) for x in re.findall(r"shard 1 could not be started \(.*Permission denied.*\); restart in ([\d.]+) s", out)]
+    assert delays[:3] == [0.1, 0.2, 0.4], out  # after the kill's 0.05: each failed spawn doubles the backoff
+    assert "shard 0 (pid" not in out and "Traceback" not in out, out
+    assert sup.returncode == 0, out
+    for pid in (pid0, new1):
+        assert (tmp_path / f"terms.{pid}").read_text() == "TERM\n", f"shard pid {pid} got more or less than one SIGTERM"
+        assert not alive(pid)

@@ -213,3 +213,37 @@ def test_300_reset_scrapes_write_a_bounded_number_of_stderr_bytes(detokd) -> Non
     # At most 10 lines per template per window, each short.
     assert len(lines) <= 10 * spells and len(grown) <= 200 * 10 * spells, grown
     assert resets, grown  # the resets did make request errors (else this test tests nothing)
+
+
+def test_a_suppressed_spell_is_said_even_if_its_template_never_logs_again() -> None:
+    # In-process, on a clock of the test's: the limiter itself (the process-level test
+    # is test_hardening.py::test_every_register_change_and_refusal_is_counted_...).
+    from detokd.logs import RateLimitFilter
+
+    now = [100.0]
+    limiter = RateLimitFilter(burst=10, period=10.0, clock=lambda: now[0])
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    handler.addFilter(limiter)
+    logger = logging.getLogger("detokd.test-suppressed")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        for i in range(16):
+            logger.info("worker %d at %r", 1, f"addr-{i}")
+        assert len(seen) == 10
+        limiter.report()  # its period is not over: nothing yet
+        assert len(seen) == 10
+        now[0] += 10.0
+        limiter.report()
+        assert [(r.levelno, r.getMessage()) for r in seen[10:]] == [(logging.INFO, "6 similar messages suppressed in 10 s: 'worker %d at %r'")]
+        limiter.report()  # said once
+        logger.warning("register of %r refused", "x")
+        for _ in range(12):
+            logger.warning("register of %r refused", "x")
+        limiter.report(force=True)  # at shutdown, whatever the period
+        assert seen[-1].getMessage() == "3 similar messages suppressed in 0 s: 'register of %r refused'" and seen[-1].levelno == logging.WARNING
+    finally:
+        logger.removeHandler(handler)

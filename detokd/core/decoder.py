@@ -39,6 +39,7 @@ log = logging.getLogger("detokd.core.decoder")
 
 REPLACEMENT = "\ufffd"
 PENDING_BYTES = 3  # the most bytes of an unfinished UTF-8 character
+_utf8_decode = codecs.utf_8_decode
 # An open ByteFallback run is held whole until it ends (its text is all or nothing), so
 # it is bounded: 64 Ki pieces is 21,845 three-byte characters none of which has a piece.
 MAX_OPEN_RUN = 1 << 16
@@ -46,7 +47,6 @@ MAX_OPEN_RUN = 1 << 16
 
 class RunTooLong(ValueError):
     """An open byte-fallback run past MAX_OPEN_RUN: the request cannot be served exactly."""
-_utf8_decode = codecs.utf_8_decode
 
 
 class Decoder(Protocol):
@@ -175,6 +175,64 @@ class ByteDecoder(PromptDecoder):
         return self._emit(text)
 
 
+class WordRelease:
+    """A decoder that, while a character is split across ids, sends the text since its
+    last whole step only as SGLang's detokenizer sends it: all of it when it ends in a
+    CJK ideograph, else up to its last space (sglang.utils.find_printable_text). The
+    same text in the end, never sooner than SGLang's; so a stop string an engine checks
+    in token space, and misses the start of beside a split character, reaches the client
+    no further than it does through SGLang's own detokenizer. Mixed into a decoder class
+    that says when a character is `split`.
+    """
+
+    __slots__ = ()  # the concrete classes hold dirty and released
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.dirty = ""  # text since the last step that ended on a whole character
+        self.released = 0  # how much of it went out
+
+    def step(self, ids: list[int]) -> str:
+        text = super().step(ids)
+        if self.split():
+            dirty = self.dirty + text
+            n = _printable(dirty)
+            out = dirty[self.released : n] if n > self.released else ""
+            self.dirty, self.released = dirty, max(n, self.released)
+            return out
+        if self.dirty:  # the split character completed: the rest goes out with it
+            text = self.dirty[self.released :] + text
+            self.dirty, self.released = "", 0
+        return text
+
+    def finish(self) -> str:
+        text = self.dirty[self.released :] + super().finish()
+        self.dirty, self.released = "", 0
+        return text
+
+
+class WordByteDecoder(WordRelease, ByteDecoder):
+    __slots__ = ("dirty", "released")
+
+    def split(self) -> bool:
+        return bool(self.pending)
+
+
+# CJK ideograph blocks, as SGLang's detokenizer tells them (unified, extensions A-E,
+# compatibility ideographs and their supplement).
+_CJK = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+        (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+
+
+def _printable(text: str) -> int:
+    """How much of `text`, followed by a split character, SGLang's detokenizer sends."""
+    if text:
+        c = ord(text[-1])
+        if any(lo <= c <= hi for lo, hi in _CJK):
+            return len(text)
+    return text.rfind(" ") + 1
+
+
 def _whole(b: bytes) -> str | None:
     try:
         return b.decode("utf-8")
@@ -187,7 +245,8 @@ class ByteCodec:
 
     name = "bytes"
 
-    def __init__(self, vocab: Vocab) -> None:
+    def __init__(self, vocab: Vocab, release: str = "char") -> None:
+        self.decoder = WordByteDecoder if release == "word" else ByteDecoder
         alphabet = byte_level_alphabet()
         id_bytes: list[bytes] = []
         for tok in vocab.tokens:
@@ -207,10 +266,12 @@ class ByteCodec:
 
     def new(self, tail: list[int], skip_special: bool) -> ByteDecoder:
         if skip_special:
-            d = ByteDecoder(self.bytes_skip_special, self.text_skip_special)
+            d = self.decoder(self.bytes_skip_special, self.text_skip_special)
         else:
-            d = ByteDecoder(self.bytes_keep_special, self.text_keep_special)
+            d = self.decoder(self.bytes_keep_special, self.text_keep_special)
         d._prime(tail)
+        if isinstance(d, WordRelease):  # the prompt's text is never sent, held or not
+            d.dirty, d.released = "", 0
         return d
 
     def verify_tokens(self) -> list[int]:
@@ -285,12 +346,22 @@ class PieceDecoder(PromptDecoder):
         return self._emit(self._close_run() if self.run is not None else "")
 
 
+class WordPieceDecoder(WordRelease, PieceDecoder):
+    __slots__ = ("dirty", "released")
+
+    def split(self) -> bool:
+        """An open byte run that is no whole UTF-8 yet (where the tokenizer's decode ends
+        in U+FFFD, as SGLang's detokenizer tells a split character)."""
+        return self.run is not None and _whole(bytes(self.run)) is None
+
+
 class PieceCodec:
     """Decoders that render each token alone, given only whether it comes first."""
 
     name = "pieces"
 
-    def __init__(self, vocab: Vocab) -> None:
+    def __init__(self, vocab: Vocab, release: str = "char") -> None:
+        self.decoder = WordPieceDecoder if release == "word" else PieceDecoder
         types = vocab.decoder_types()
         dec = vocab.backend.decoder
         anchor = "a"  # a plain token to stand before each one, making it "not first"
@@ -320,8 +391,10 @@ class PieceCodec:
         self.next_skip_special = [None if i in vocab.special else p for i, p in enumerate(nxt)]
 
     def new(self, tail: list[int], skip_special: bool) -> PieceDecoder:
-        d = PieceDecoder(self, skip_special)
+        d = self.decoder(self, skip_special)
         d._prime(tail)
+        if isinstance(d, WordRelease):  # the prompt's text is never sent, held or not
+            d.dirty, d.released = "", 0
         return d
 
 
@@ -454,8 +527,10 @@ class WindowCodec:
 # --- choosing a codec ----------------------------------------------------------------------
 
 
-def make_codec(vocab: Vocab, prefer: str = "auto") -> Codec:
-    """The fastest codec that reproduces this tokenizer's decode exactly."""
+def make_codec(vocab: Vocab, prefer: str = "auto", release: str = "char") -> Codec:
+    """The fastest codec that reproduces this tokenizer's decode exactly. `release`:
+    "word" sends the text before a character split across ids as SGLang's detokenizer
+    does (WordRelease; the window codec, for tokenizers no fast codec fits, ignores it)."""
     if prefer == "window":
         return WindowCodec(vocab)
     types = vocab.decoder_types()
@@ -463,9 +538,9 @@ def make_codec(vocab: Vocab, prefer: str = "auto") -> Codec:
     if vocab.cleanup:
         candidate = None  # transformers' clean-up is not per-token: only the window is exact
     elif types == ["ByteLevel"]:
-        candidate = ByteCodec(vocab)
+        candidate = ByteCodec(vocab, release)
     elif types and set(types) <= {"Replace", "ByteFallback", "Fuse", "Strip", "Metaspace", "WordPiece"}:
-        candidate = PieceCodec(vocab)
+        candidate = PieceCodec(vocab, release)
     if candidate is not None:
         bad = self_check(vocab, candidate)
         if bad is None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from msgspec import Raw
+
 from ..metrics import Stats
 from . import records as r
 from .decoder import Codec, RunTooLong
 from .outbox import Outbox
 from .records import OutRow, Row, error_row
-from .request import Request
+from .request import SENT_TAIL, Request
 from .stops import StopScanner, build_cost, make_room
 from .table import RequestTable, Tombstones
 
@@ -83,6 +85,7 @@ class Detokenizer:
         self.stats = stats
         self.limits = limits
         self.overloaded = False  # set by the loop's RSS guard: new requests and held text that grows are refused
+        self.closing = False  # set by the loop when shutdown leaves no time to decode: rows get `shutdown`
         self.stop_chars_left = limits.frame_stop_chars  # this frame's budget for building stop automata
 
     def tokens(self, rows: list[Row], most_ids: int | None = None) -> None:
@@ -96,6 +99,9 @@ class Detokenizer:
         if len(rows) > limits.rows:
             self.stats.bad_frames += 1
             log.warning("tokens frame of %d rows dropped: max_rows is %d", len(rows), limits.rows)
+            return
+        if self.closing:
+            self._shut(rows)
             return
         self.stop_chars_left = limits.frame_stop_chars
         if most_ids is None or most_ids > limits.frame_ids:
@@ -147,6 +153,8 @@ class Detokenizer:
                     self._internal(row, st)
                     continue
             st.outbox.append(OutRow(rid, text, None, seq, row.meta, None))
+            if text:  # kept for an engine stop string that begins in it (Request.sent)
+                st.sent = (st.sent + text)[-SENT_TAIL:]
         stats = self.stats
         stats.rows += len(rows)
         stats.tokens += n_tok
@@ -289,29 +297,34 @@ class Detokenizer:
         if why == "rid":
             self.stats.error(r.TOO_LARGE)
             return
+        meta = r.NIL if why == "meta" else row.meta
+        if st is not None and row.start is not None and row.start.worker != st.worker:
+            # Another scheduler's live rid: a collision first, so the sender's worker
+            # hears nothing of that request (its n_ids, its later rows' meta).
+            self._collision(row, st, meta)
+            return
         worker = st.worker if st is not None else None
         if row.start is not None and self.outbox.known(row.start.worker):
             worker = row.start.worker
         if worker is not None:
             self.dead.add(rid, worker, r.TOO_LARGE)
-        meta = r.NIL if why == "meta" else row.meta
         self._error(rid, worker, r.TOO_LARGE, meta, st.n_ids if st is not None else 0)
-        if st is not None and worker != st.worker:
-            self._error(rid, st.worker, r.TOO_LARGE, r.NIL, st.n_ids)
 
-    def _collision(self, row: Row, st: Request) -> None:
+    def _collision(self, row: Row, st: Request, meta: Raw | None = None) -> None:
         """Two schedulers started one rid for two workers: neither can be served
         without the other never hearing of its request, so both are told and the
-        state is dropped (later rows of the rid are unknown to every worker)."""
+        state is dropped (later rows of the rid are unknown to every worker). Each
+        row carries only its own request's state: the newcomer's n_ids is 0."""
         rid, other = row.rid, row.start.worker
+        meta = row.meta if meta is None else meta
         log.warning("rid %r started for worker %d while live for worker %d: rid_collision", rid, other, st.worker)
         self.table.pop(rid)
         self.dead.discard(rid)
         self._error(rid, st.worker, r.RID_COLLISION, r.NIL, st.n_ids)
         if self.outbox.known(other):
-            self._error(rid, other, r.RID_COLLISION, row.meta, 0)
+            self._error(rid, other, r.RID_COLLISION, meta, 0)
         else:
-            self._error(rid, None, r.BAD_START, row.meta, 0)
+            self._error(rid, None, r.BAD_START, meta, 0)
 
     def _refuse_new(self, row: Row, start: r.Start) -> None:
         worker = start.worker if self.outbox.known(start.worker) else None
@@ -340,6 +353,25 @@ class Detokenizer:
             self.outbox.broadcast(row)
         else:
             self.outbox.add(worker, row)
+
+    def _shut(self, rows: list[Row]) -> None:
+        """Rows read while stopping, once there is no time left to decode: each fails its
+        request with `shutdown` (to its worker, or every worker), never silence. Rows of
+        a request detokd stopped itself are swallowed as ever; a rid beyond max_rid_len
+        gets no row."""
+        self.stats.rows += len(rows)
+        for row in rows:
+            rid = row.rid
+            st = self.table.pop(rid)
+            if (st is not None and st.stopped) or len(rid) > self.limits.rid_len:
+                continue
+            if st is not None:
+                worker = st.worker
+            elif row.start is not None and self.outbox.known(row.start.worker):
+                worker = row.start.worker
+            else:
+                worker = None
+            self._error(rid, worker, r.SHUTDOWN, row.meta, st.n_ids if st is not None else 0)
 
     def bad_rows(self, rids: list[str]) -> None:
         """Rows that failed the schema: their request, if live, is failed too. A rid

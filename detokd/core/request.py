@@ -15,9 +15,13 @@ from .decoder import Decoder
 from .records import Finish, OutRow, Start, StoppedRow
 from .stops import StopScanner, trim_engine_stop
 
+# Characters of sent text a request keeps: an engine's stop string of up to SENT_TAIL + 1
+# characters is trimmed exactly wherever it began (stops.trim_engine_stop).
+SENT_TAIL = 128
+
 
 class Request:
-    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "held", "stopped", "slow", "decoder")
+    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "held", "stopped", "slow", "decoder", "sent")
 
     def __init__(self, worker: int, outbox: list[OutRow], start: Start, decoder: Decoder, stops: StopScanner | None) -> None:
         self.worker = worker
@@ -31,6 +35,7 @@ class Request:
         self.parts: list[str] | None = None if start.stream else []
         self.held = 0  # bytes parts holds (each str and its list slot): a running sum, for the cap
         self.stopped = False  # detokd matched a stop string and finished the request
+        self.sent = ""  # the last SENT_TAIL characters sent
         # Rows of a plain streaming request take the dispatcher's fast path.
         self.slow = stops is not None or not start.stream
 
@@ -59,7 +64,9 @@ class Request:
             else:
                 text = "".join(self.parts) + text
         if found is None and finish is not None:
-            text = trim_engine_stop(text, finish.matched, self.keep_stop)
+            text = trim_engine_stop(self.sent, text, finish.matched, self.keep_stop)
+        elif text:
+            self.sent = (self.sent + text)[-SENT_TAIL:]
         return text, finish, stopped
 
     def _decode(self, ids: list[int], final: bool) -> tuple[str, str | None, int]:

@@ -200,17 +200,23 @@ class StopScanner:
         return held
 
 
-def trim_engine_stop(text: str, matched: str | int | None, keep: bool) -> str:
-    """Cut unsent text at the engine's matched stop string: its last occurrence.
+def trim_engine_stop(sent: str, text: str, matched: str | int | None, keep: bool) -> str:
+    """What of the unsent `text` goes out when the engine stopped on `matched`: the part
+    before its last occurrence (through it, with `keep`). `sent` is the tail of the text
+    already sent.
 
-    The engine stopped right after the occurrence that ended the request, so it is
-    the last one; an earlier occurrence (in text the engine did not check, such as
-    a reasoning section) stays. Only text not yet sent can be cut: a request that
-    wants a stop string spanning rows trimmed exactly declares it in Start.stop.
+    The engine stopped right after the occurrence that ended the request, so it is the
+    last one; an earlier occurrence (in text the engine did not check, such as a
+    reasoning section) stays. It may have begun in sent text (an engine holds a row back
+    while its text could begin a stop string, but not always: SGLang checks in token
+    space and misses a tail ending in part of a character), so it is searched in the
+    last len(matched) - 1 sent characters too; when it began there, nothing more is sent.
     """
     if not isinstance(matched, str) or not matched:
         return text
-    at = text.rfind(matched)
+    before = sent[max(0, len(sent) - len(matched) + 1) :]
+    at = (before + text).rfind(matched)
     if at < 0:
         return text
-    return text[: at + len(matched)] if keep else text[:at]
+    end = at + len(matched) if keep else at
+    return text[: max(0, end - len(before))]

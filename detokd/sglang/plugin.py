@@ -10,7 +10,9 @@ returned as ([proc], ["detokenizer"]), so SGLang records its pid in all_child_pi
 watches it with SubprocessWatchdog and kills it with the process tree. Replacing the
 launch method rather than run_detokenizer_process keeps the spawn target a plain,
 picklable module function. Any SGLang feature detokd does not serve keeps SGLang's own
-detokenizer, with a warning naming the feature.
+detokenizer, with a warning naming the feature; so does a tokenizer detokd cannot
+decode exactly as SGLang does, which only the process can tell (it loads SGLang's
+tokenizer): the launch waits for its verdict before it returns.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import os
 from typing import Any, Callable
 
 ENV = "DETOKD_SGLANG"
+# How long the launch waits for detokd's process to load SGLang's tokenizer (the import of
+# SGLang in a spawned process takes most of it; a hub download could take longer).
+VERDICT_TIMEOUT_S = 600
 TARGET = "sglang.srt.entrypoints.engine.Engine._launch_detokenizer_subprocesses"
 # SGLang's plugin logger: what detokd did shows up beside SGLang's own plugin lines.
 logger = logging.getLogger("sglang.srt.plugins")
@@ -85,10 +90,33 @@ def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_arg
                         run_detokenizer_process_func=run_detokenizer_process_func)
     import multiprocessing as mp  # SGLang's module, so its start method (spawn) applies
 
-    proc = mp.Process(target=run_detokenizer_process, args=(server_args, port_args))
+    reader, writer = mp.Pipe(duplex=False)
+    proc = mp.Process(target=run_detokenizer_process, args=(server_args, port_args, writer))
     proc.start()
+    writer.close()  # the child's copy is the only writer left: its death reads as EOF
+    refusal = await_refusal(reader, proc)
+    if refusal is not None:
+        proc.join(30)
+        logger.warning("detokd: keeping SGLang's own detokenizer: %s", refusal)
+        return original(cls, server_args=server_args, port_args=port_args,
+                        run_detokenizer_process_func=run_detokenizer_process_func)
     _announce()
     return [proc], ["detokenizer"]
+
+
+def await_refusal(reader, proc, timeout: float = VERDICT_TIMEOUT_S) -> str | None:
+    """None once detokd's process says it serves; otherwise why it does not."""
+    try:
+        if not reader.poll(timeout):
+            proc.kill()
+            return f"detokd's detokenizer did not load SGLang's tokenizer within {timeout:.0f} s"
+        verdict = reader.recv()
+    except EOFError:
+        proc.join(5)
+        return f"detokd's detokenizer exited (code {proc.exitcode}) before it loaded SGLang's tokenizer"
+    finally:
+        reader.close()
+    return None if verdict.serves else f"detokd cannot decode SGLang's tokenizer exactly: {verdict.detail}"
 
 
 def _announce() -> None:

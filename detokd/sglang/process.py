@@ -7,9 +7,16 @@ TokenizerManager (port_args.tokenizer_ipc_name) or, with several HTTP workers, t
 worker each row names, dies with its parent, and on a failure tells the parent with
 SIGQUIT as SGLang's detokenizer does (SGLang's watchdog reads a clean exit as fine).
 
-Settings come from SGLang (tokenizer, IPC encoding, worker count, tool-call parser,
-SGLANG_DETOKENIZER_MAX_STATES); DETOKD_CONFIG may name a detokd TOML file for the rest
-(metrics_port, log_level, caps...), DETOKD_METRICS_PORT sets just the metrics port.
+Settings come from SGLang, read where SGLang's own detokenizer reads them (its runtime
+context, resolved: the tokenizer, the HTTP worker count, the tool-call parser), and from
+its environment (IPC encoding, SGLANG_DETOKENIZER_MAX_STATES); DETOKD_CONFIG may name a
+detokd TOML file for the rest (metrics_port, log_level, caps...), DETOKD_METRICS_PORT
+sets just the metrics port.
+
+Started by the plugin with a `verdict` pipe, the process first loads SGLang's tokenizer
+and checks detokd's tables against it (detokd.sglang.vocab), and says on the pipe
+whether it serves; only then does it bind. A refusal leaves SGLang's addresses free for
+SGLang's own detokenizer, which the plugin then starts.
 """
 
 from __future__ import annotations
@@ -20,22 +27,33 @@ import signal
 import stat
 
 from .. import __version__
+from dataclasses import dataclass
+
 from ..config import Config, load
 from ..server import Server
-from ..tokenizer import load as load_tokenizer
+from ..tokenizer import Vocab, of
 from ..wire.sglang import GPT_OSS_CALL, SglangDialect
-from . import schema
+from . import schema, vocab as sglang_vocab
 
 log = logging.getLogger("detokd.sglang")
 
 
-def config(server_args, port_args) -> Config:
+@dataclass(frozen=True)
+class Verdict:
+    """What the process tells the plugin once it has SGLang's tokenizer: whether it serves."""
+
+    serves: bool
+    detail: str  # the tokenizer's fingerprint, or why detokd does not serve it
+
+
+def config(port_args, tokenizer_path: str) -> Config:
     """detokd's Config for SGLang's arguments: SGLang's addresses and tokenizer over
     DETOKD_CONFIG's settings (or the defaults)."""
     overrides = {
         "input": port_args.detokenizer_ipc_name,
         "workers": [port_args.tokenizer_ipc_name],
-        "tokenizer": server_args.tokenizer_path,
+        "tokenizer": tokenizer_path,
+        "release": "word",  # as SGLang's own detokenizer releases text before a split character
         "max_states": int(os.environ.get("SGLANG_DETOKENIZER_MAX_STATES", 1 << 16)),
         "metrics_port": int(os.environ["DETOKD_METRICS_PORT"]) if os.environ.get("DETOKD_METRICS_PORT") else None,
     }
@@ -58,12 +76,24 @@ def take_reserved_path(address: str) -> None:
         os.unlink(path)
 
 
-def dialect_factory(server_args, vocab, use_pickle: bool | None = None):
-    """Builds the SGLang dialect for a Server, from SGLang's own settings."""
+def sglangs_vocab(server_args) -> tuple[Vocab, sglang_vocab.Fingerprint]:
+    """SGLang's own tokenizer as detokd's Vocab, checked against it (detokd.tokenizer.TokenizerError if
+    detokd cannot decode exactly as it does), with the fingerprint both share."""
+    from sglang.srt.runtime_context import get_serving
+
+    tokenizer = sglang_vocab.sglangs_tokenizer(server_args)
+    vocab = of(tokenizer, get_serving().tokenizer_path)
+    return vocab, sglang_vocab.check(vocab, tokenizer)
+
+
+def dialect_factory(vocab, use_pickle: bool | None = None):
+    """Builds the SGLang dialect for a Server, from SGLang's own (resolved) settings."""
     from sglang.srt.parser.response_template import tool_close_token_ids
+    from sglang.srt.runtime_context import get_serving
 
     ipc = schema.codec(use_pickle)
-    parser = getattr(server_args, "tool_call_parser", None)
+    serving = get_serving()
+    parser = serving.tool_call_parser
     keep = set(tool_close_token_ids(parser, vocab.hf)) if parser else set()
     if parser == "gpt-oss":
         keep.add(GPT_OSS_CALL)
@@ -71,15 +101,16 @@ def dialect_factory(server_args, vocab, use_pickle: bool | None = None):
     def make(core, delivery, collector, stats, cfg) -> SglangDialect:
         return SglangDialect(
             core, delivery, collector, stats,
-            ipc=ipc, vocab_size=core.size, http_workers=server_args.tokenizer_worker_num > 1,
+            ipc=ipc, vocab_size=core.size, http_workers=serving.tokenizer_worker_num > 1,
             keep_stop_ids=frozenset(keep),
         )
 
     return make
 
 
-def run_detokenizer_process(server_args, port_args) -> None:
-    """SGLang's detokenizer process, served by detokd."""
+def run_detokenizer_process(server_args, port_args, verdict=None) -> None:
+    """SGLang's detokenizer process, served by detokd. `verdict`: the plugin's end of a
+    pipe, told a Verdict before anything binds."""
     from sglang.srt.runtime_context import publish
     from sglang.srt.utils import configure_logger, kill_itself_when_parent_died
 
@@ -91,14 +122,22 @@ def run_detokenizer_process(server_args, port_args) -> None:
     configure_logger(server_args)
     publish(server_args, role="detokenizer")
     parent = psutil.Process().parent()
+    told = verdict is None  # whether the plugin knows detokd serves
     try:
-        cfg = config(server_args, port_args)
+        vocab, fingerprint = sglangs_vocab(server_args)
+        log.info("detokd decodes with SGLang's tokenizer %s (%s)", vocab.name, fingerprint)
+        if verdict is not None:
+            verdict.send(Verdict(True, f"{vocab.name} ({fingerprint})"))
+            told = True
+        cfg = config(port_args, vocab.name)
         take_reserved_path(cfg.input)
-        vocab = load_tokenizer(cfg.tokenizer)
-        server = Server(cfg, vocab, dialect=dialect_factory(server_args, vocab))
+        server = Server(cfg, vocab, dialect=dialect_factory(vocab))
         log.info("detokd %s serves SGLang's detokenizer (schema %s, %s IPC)", __version__, schema.SCHEMA, server.dialect.ipc.name)
         server.run()
-    except Exception:
+    except Exception as exc:
+        if not told:  # nothing is bound: the plugin starts SGLang's own detokenizer instead
+            verdict.send(Verdict(False, f"{type(exc).__name__}: {exc}"))
+            return
         log.exception("detokd's SGLang detokenizer failed")
         parent.send_signal(signal.SIGQUIT)
         raise

@@ -29,6 +29,7 @@ from ..core.records import (  # noqa: F401 (v1's rows and error words, re-export
     OVERLOADED,
     RID_COLLISION,
     SEQUENCE_GAP,
+    SHUTDOWN,
     TOO_LARGE,
     UNKNOWN_RID,
     WORKER_STALLED,

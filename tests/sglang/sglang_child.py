@@ -1,8 +1,11 @@
 """A fresh SGLang process for the plugin tests (plugin state is process-global).
 
-usage: sglang_child.py loader [mismatch]   -> load_plugins(); is the launch method replaced?
-       sglang_child.py launch MODEL_DIR    -> launch the detokenizer through SGLang's launch
-                                              function, talk to it, kill it, watch SGLang see it.
+usage: sglang_child.py loader [mismatch]       -> load_plugins(); is the launch method replaced?
+       sglang_child.py launch ORACLE ARGS...   -> SGLang's server args from its own command-line
+           parser (ARGS as after `python -m sglang.launch_server`), then launch the detokenizer
+           through SGLang's launch function, talk to it, kill it, watch SGLang see it. ORACLE
+           is the tokenizer folder whose decode the answer must equal.
+       sglang_child.py orphan ORACLE ARGS...   -> the same, then die without a word.
 Prints one JSON line; the warnings SGLang's plugin logger got are in it.
 """
 
@@ -54,7 +57,7 @@ def loader(mismatch: bool) -> dict:
             "logs": logs.records}
 
 
-def launch(model_dir: str, orphan: bool = False) -> dict:
+def launch(oracle_dir: str, argv: list[str], orphan: bool = False) -> dict:
     from array import array
 
     import zmq
@@ -62,14 +65,14 @@ def launch(model_dir: str, orphan: bool = False) -> dict:
     from sglang.srt.managers import io_struct
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import publish
-    from sglang.srt.server_args import PortArgs, ServerArgs
+    from sglang.srt.server_args import PortArgs, prepare_server_args
     from sglang.srt.utils.watchdog import SubprocessWatchdog
     from transformers import AutoTokenizer
 
     logs = capture()
     load_plugins()
-    # What Engine._launch_subprocesses does before it launches the detokenizer.
-    server_args = ServerArgs(model_path=model_dir, tokenizer_path=model_dir, device="cpu")
+    # What launch_server and Engine._launch_subprocesses do before they launch the detokenizer.
+    server_args = prepare_server_args(argv)
     server_args.resolve_once()
     _set_envs_and_config(server_args)
     publish(server_args, role="tokenizer")
@@ -79,18 +82,18 @@ def launch(model_dir: str, orphan: bool = False) -> dict:
     )
     if orphan:
         # SGLang dies abruptly once its detokenizer answered: no teardown of its children.
-        out = talk_and_kill(procs, names, port_args, model_dir, logs, kill=False)
+        out = talk_and_kill(procs, names, port_args, oracle_dir, logs, kill=False)
         out["pid"] = procs[0].pid
         print("RESULT " + json.dumps(out), flush=True)
         os._exit(0)
     try:
-        return talk_and_kill(procs, names, port_args, model_dir, logs)
+        return talk_and_kill(procs, names, port_args, oracle_dir, logs)
     finally:
         for p in procs:
             p.kill()
 
 
-def talk_and_kill(procs, names, port_args, model_dir: str, logs: Captured, kill: bool = True) -> dict:
+def talk_and_kill(procs, names, port_args, oracle_dir: str, logs: Captured, kill: bool = True) -> dict:
     from array import array
 
     import psutil
@@ -107,7 +110,12 @@ def talk_and_kill(procs, names, port_args, model_dir: str, logs: Captured, kill:
     to_tokenizer.bind(port_args.tokenizer_ipc_name)
     to_detokenizer = ctx.socket(zmq.PUSH)
     to_detokenizer.connect(port_args.detokenizer_ipc_name)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    if oracle_dir.endswith(".json"):  # a tiktoken file: SGLang reads those with its own class
+        from sglang.srt.tokenizer.tiktoken_tokenizer import TiktokenTokenizer
+
+        tok = TiktokenTokenizer(oracle_dir)
+    else:
+        tok = AutoTokenizer.from_pretrained(oracle_dir)
     ids = tok.encode("Hello from the scheduler, ünïcode ✓", add_special_tokens=False)
     n = 1
     io_struct.sock_send(to_detokenizer, io_struct.BatchTokenIDOutput(
@@ -149,5 +157,8 @@ def talk_and_kill(procs, names, port_args, model_dir: str, logs: Captured, kill:
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    result = loader(sys.argv[2:] == ["mismatch"]) if mode == "loader" else launch(sys.argv[2], orphan=mode == "orphan")
+    if mode == "loader":
+        result = loader(sys.argv[2:] == ["mismatch"])
+    else:
+        result = launch(sys.argv[2], sys.argv[3:], orphan=mode == "orphan")
     print("RESULT " + json.dumps(result), flush=True)

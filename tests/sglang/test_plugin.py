@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ def plugin_path(tmp_path_factory) -> Path:
     return d
 
 
-def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None, timeout: float = 240) -> dict:
+def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None, timeout: float = 480) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("DETOKD_SGLANG", "SGLANG_PLUGINS")}
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_path), str(ROOT)])
     env["HF_HUB_OFFLINE"] = "1"
@@ -92,16 +91,44 @@ def test_on_a_schema_mismatch_the_method_stays_and_the_warning_names_the_field(p
     assert "BatchStrOutput" in warning and "'time_stats'" in warning
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """A model folder SGLang's server args resolve offline: a real tokenizer, a tiny config."""
+def config_only(d: Path) -> Path:
+    """A tiny model config SGLang's server args resolve offline (no weights are read)."""
     from transformers import Qwen2Config
 
-    d = tmp_path_factory.mktemp("model")
-    shutil.copytree(zoo.build("qwen2"), d, dirs_exist_ok=True)
     Qwen2Config(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                 num_attention_heads=2, num_key_value_heads=1, vocab_size=151936).to_json_file(d / "config.json")
-    return str(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A model folder holding its tokenizer (a real Qwen2 one, not detokd's default)."""
+    d = tmp_path_factory.mktemp("model")
+    shutil.copytree(zoo.build("qwen2"), d, dirs_exist_ok=True)
+    return str(config_only(d))
+
+
+@pytest.fixture(scope="module")
+def bare_model_dir(tmp_path_factory) -> str:
+    """A model folder without a tokenizer: SGLang must be told one with --tokenizer-path."""
+    return str(config_only(tmp_path_factory.mktemp("bare-model")))
+
+
+@pytest.fixture(scope="module")
+def tiktoken_file(tmp_path_factory) -> str:
+    """A tokenizer SGLang decodes with a class of its own (TiktokenTokenizer, for a
+    `--tokenizer-path` ending in .json) and detokd cannot: no Hugging Face fast backend.
+    Every byte a token, one merge, SGLang's three special tokens."""
+    path = tmp_path_factory.mktemp("tiktoken") / "tokenizer.json"
+    regular = [{"bytes": [b], "token": b} for b in range(256)] + [{"bytes": list(b"he"), "token": 256}]
+    special = [{"bytes": list(t.encode()), "token": 257 + k} for k, t in enumerate(["<|pad|>", "<|separator|>", "<|eos|>"])]
+    path.write_text(json.dumps({"regular_tokens": regular, "special_tokens": special, "word_split": "V1"}))
+    return str(path)
+
+
+def launch(plugin_path: Path, oracle: str, *sglang_args: str, mode: str = "launch", detokd_sglang: str | None = "1") -> dict:
+    """The detokenizer launched from SGLang's own command-line arguments (`--device cpu` added)."""
+    return run_child(plugin_path, mode, oracle, *sglang_args, "--device", "cpu", detokd_sglang=detokd_sglang)
 
 
 def assert_answers_and_dies_seen(result: dict) -> None:
@@ -111,25 +138,39 @@ def assert_answers_and_dies_seen(result: dict) -> None:
     assert result["death_seen"] is True and result["exitcode"] == -9
 
 
+def assert_detokds(result: dict) -> None:
+    assert result["sglangs_own"] is False, warnings_of(result)
+    infos = [msg for level, msg in result["logs"] if "replaced SGLang's detokenizer" in msg]
+    assert len(infos) == 1 and "sglang-0.5.23" in infos[0]
+
+
 def test_sglangs_own_detokenizer_starts_answers_and_its_death_is_seen_without_the_plugin(plugin_path, model_dir):
-    result = run_child(plugin_path, "launch", model_dir)
+    result = launch(plugin_path, model_dir, "--model-path", model_dir, detokd_sglang=None)
     assert result["sglangs_own"] is True
     assert_answers_and_dies_seen(result)
 
 
-HAVE_PROCESS = importlib.util.find_spec("detokd.sglang.process") is not None
+def test_a_plain_model_path_launch_decodes_with_the_models_own_tokenizer(plugin_path, model_dir):
+    """`--model-path` alone, as most deployments launch SGLang: server_args.tokenizer_path
+    stays None and SGLang resolves the tokenizer in its runtime context. The model's
+    tokenizer (Qwen2) is not detokd's packaged default, so any other would garble."""
+    result = launch(plugin_path, model_dir, "--model-path", model_dir)
+    assert_detokds(result)
+    assert_answers_and_dies_seen(result)
 
 
-def test_with_the_plugin_the_detokenizer_sglang_launches_is_detokds_once_it_exists(plugin_path, model_dir):
-    result = run_child(plugin_path, "launch", model_dir, detokd_sglang="1")
-    if HAVE_PROCESS:
-        assert result["sglangs_own"] is False
-        infos = [msg for level, msg in result["logs"] if "replaced SGLang's detokenizer" in msg]
-        assert len(infos) == 1 and "sglang-0.5.23" in infos[0]
-    else:
-        # Until the process module lands the plugin must fall back, and say why.
-        assert result["sglangs_own"] is True
-        assert any("detokd.sglang.process" in w for w in warnings_of(result))
+def test_a_tokenizer_path_beside_a_bare_model_folder_is_the_tokenizer_detokd_decodes_with(plugin_path, bare_model_dir):
+    mistral = str(zoo.build("mistral_v3"))
+    result = launch(plugin_path, mistral, "--model-path", bare_model_dir, "--tokenizer-path", mistral)
+    assert_detokds(result)
+    assert_answers_and_dies_seen(result)
+
+
+def test_a_tokenizer_detokd_cannot_decode_as_sglang_does_keeps_sglangs_own_with_a_warning(plugin_path, bare_model_dir, tiktoken_file):
+    result = launch(plugin_path, tiktoken_file, "--model-path", bare_model_dir, "--tokenizer-path", tiktoken_file)
+    assert result["sglangs_own"] is True
+    (warning,) = [w for w in warnings_of(result) if "detokd" in w]
+    assert "keeping SGLang's own detokenizer" in warning and "fast (tokenizers) backend" in warning
     assert_answers_and_dies_seen(result)
 
 
@@ -137,7 +178,7 @@ def test_detokds_process_dies_with_sglang(plugin_path, model_dir):
     """SGLang killed without a word (os._exit, no teardown of its children): the
     detokenizer it started goes too (prctl PDEATHSIG, as SGLang's own), never an orphan
     holding SGLang's addresses."""
-    result = run_child(plugin_path, "orphan", model_dir, detokd_sglang="1")
+    result = launch(plugin_path, model_dir, "--model-path", model_dir, mode="orphan")
     assert result["sglangs_own"] is False and result["output_strs"] == result["expected"]
     pid = result["pid"]
     deadline = time.monotonic() + 30
