@@ -127,7 +127,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Bytes of stop automata alive at once (cached, or held by live requests): a start
     # with a new stop list beyond it gets "overloaded" (unused cached ones go first).
     max_stop_bytes: Cap = Limits.stop_bytes
-    # Above this resident size new requests are refused ("overloaded"); off when unset.
+    # Bytes of text a stream=false request holds until its finishing row (its strs as
+    # Python stores them, 1-4 bytes a character, and ~57 a row); beyond, "too_large".
+    max_held_text_bytes: Cap = Limits.held_text
+    # Above this resident size new requests are refused ("overloaded"), and so is a live
+    # request's held text that grows (stream=false); off when unset.
     max_rss_mb: Annotated[int, Meta(ge=1)] | None = None
 
 

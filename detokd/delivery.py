@@ -1,7 +1,8 @@
 """Delivery: every outbound socket, and what happens when a peer stops reading.
 
 Each worker gets its own PUSH socket and its own queue, bounded in bytes, and so does
-the scheduler's feedback address (in messages: its rows are small). Sends never block:
+the scheduler's feedback address (its `stopped` rows echo rids: a message of them can be
+megabytes). Sends never block:
 a worker that stops reading fills its own queue and only its requests fail
 (`worker_stalled`), while every other worker is served as before (SGLang #29366
 fanned out one message per request and stalled everyone behind one slow peer). The
@@ -36,7 +37,7 @@ from .sockets import Curve, ipc_folder_problem, register_address_problem
 
 log = logging.getLogger("detokd.delivery")
 
-FEEDBACK_HWM = 1000  # stopped messages queued for the scheduler (per row a rid, the stop string, two counts)
+FEEDBACK = -1  # the feedback queue's index among the backlogged: no worker's
 MAX_OWED = 65536  # error rows kept per worker for when it has room again
 MAX_OWED_BYTES = 16 << 20  # and their bytes: rids are the peer's strings, of any length
 
@@ -129,13 +130,13 @@ class Delivery:
         self.backlogged: dict[int, Worker] = {}
         self.stats = stats
         self.workers: dict[int, Worker] = {}
-        self.feedback: zmq.Socket | None = None
+        self.feedback: Worker | None = None  # the scheduler's `stopped` messages, queued as a worker's
         try:
             for i, address in enumerate(workers):
                 if not self.place(i, address):
                     raise ValueError(f"cannot connect to worker {i} at {address}")
             if feedback:
-                self.feedback = self._connect(feedback, curve.feedback if curve else None, FEEDBACK_HWM)
+                self.feedback = Worker(FEEDBACK, feedback, self._connect(feedback, curve.feedback if curve else None))
         except (ValueError, zmq.ZMQError):
             self.close()
             raise
@@ -199,7 +200,7 @@ class Delivery:
     def known(self, index: int) -> bool:
         return index in self.workers
 
-    def _connect(self, address: str, server_key: bytes | None = None, hwm: int | None = None, *, immediate: bool = False) -> zmq.Socket:
+    def _connect(self, address: str, server_key: bytes | None = None, *, immediate: bool = False) -> zmq.Socket:
         """A PUSH socket connected to `address`. `immediate` (ZMQ_IMMEDIATE, for
         workers): ZMQ queues a frame only on a completed connection, so frames for a
         peer not (yet) there wait in the backlog, bounded in bytes and ours to move
@@ -211,7 +212,7 @@ class Delivery:
                 s.setsockopt(zmq.IMMEDIATE, 1)
             if server_key is not None:
                 self.curve.connect_to(s, server_key)
-            s.setsockopt(zmq.SNDHWM, hwm or self.hwm)
+            s.setsockopt(zmq.SNDHWM, self.hwm)
             s.setsockopt(zmq.LINGER, self.linger_ms)
             s.connect(address)
         except zmq.ZMQError:
@@ -226,7 +227,10 @@ class Delivery:
         backlog while ZMQ's is full. False when there is no such worker or the backlog
         has no room for the frame (it is lost and counted)."""
         w = self.workers.get(index)
-        if w is None or w.socket is None:
+        return w is not None and self._queue(w, frame)
+
+    def _queue(self, w: Worker, frame: bytes) -> bool:
+        if w.socket is None:
             return False
         if w.backlog:
             self._drain(w)
@@ -299,12 +303,9 @@ class Delivery:
                 log.warning("worker %d's queue is full: %d rows lost, their requests failed", index, len(rows))
                 self._owe(self.workers[index], lost(index, rows))
         stopped = self.outbox.take_stopped()
-        if stopped and self.feedback is not None:
-            try:
-                self.feedback.send(encode_stopped(stopped), zmq.NOBLOCK)
-            except zmq.Again:
-                self.stats.error("feedback_dropped")
-                log.warning("feedback queue full: %d stopped rows lost", len(stopped))
+        if stopped and self.feedback is not None and not self._queue(self.feedback, encode_stopped(stopped)):
+            self.stats.feedback_dropped += len(stopped)
+            log.warning("feedback queue full: %d stopped rows lost (the scheduler generates until its own stop)", len(stopped))
 
     def _owe(self, w: Worker, rows: list[OutRow]) -> None:
         for row in rows:
@@ -333,6 +334,8 @@ class Delivery:
             w.index: WorkerFigures(w.sent, w.dropped, self.has_room(w), len(w.owed), len(w.backlog), w.backlog_bytes)
             for w in self.workers.values()
         }
+        if self.feedback is not None:
+            self.stats.feedback_backlog_bytes = self.feedback.backlog_bytes
 
     def close(self) -> None:
         """Give backlogged frames up to linger_ms to enter ZMQ's queues, which then get
@@ -351,6 +354,6 @@ class Delivery:
             if w.socket is not None:
                 w.socket.close(linger=linger)
                 w.socket = None
-        if self.feedback is not None:
-            self.feedback.close(linger=linger)
-            self.feedback = None
+        if self.feedback is not None and self.feedback.socket is not None:
+            self.feedback.socket.close(linger=linger)
+            self.feedback.socket = None

@@ -58,6 +58,8 @@ class Stats:
         self.ready = False  # set once the tokenizer is loaded and every socket bound
         self.overloaded = False  # RSS above max_rss_mb: new requests refused
         self.overload_transitions = 0
+        self.feedback_dropped = 0  # stopped rows lost to a full feedback queue
+        self.feedback_backlog_bytes = 0
         # Security events (docs/security.md); refused registers are errors{kind="register_refused"}.
         self.register_changes = 0  # registers that added or moved a worker
         self.curve_refused = 0  # CURVE handshakes the input refused (the authenticator's threads bump it)
@@ -90,6 +92,7 @@ class _Collector:
             ("gc_collected", s.gc_collected, "unreachable objects the periodic collection freed (cycles)"),
             ("clamped_ids", s.clamped_ids, "out-of-vocabulary ids decoded as id 0, as SGLang's detokenizer does (sglang dialect)"),
             ("overload_transitions", s.overload_transitions, "times the RSS guard turned on or off"),
+            ("feedback_dropped", s.feedback_dropped, "stopped rows lost to a full feedback queue"),
             ("register_changes", s.register_changes, "registers that added a worker or moved one"),
             ("curve_refused", s.curve_refused, "CURVE handshakes the input refused: a key not allowed, or no CURVE with detokd's key (each reconnect counts)"),
         ):
@@ -99,6 +102,10 @@ class _Collector:
             errors.add_metric([kind], n)
         yield errors
         yield GaugeMetricFamily("detokd_live_requests", "request states held", value=s.live)
+        yield GaugeMetricFamily(
+            "detokd_feedback_backlog_bytes", "bytes waiting behind the feedback socket's ZMQ queue (at most send_queue_bytes)",
+            value=s.feedback_backlog_bytes,
+        )
         yield GaugeMetricFamily("detokd_overloaded", "1 while RSS is above max_rss_mb (new requests refused)", value=1 if s.overloaded else 0)
         sent = CounterMetricFamily("detokd_worker_messages", "text messages queued per worker", labels=["worker"])
         dropped = CounterMetricFamily("detokd_worker_dropped", "messages lost to a full worker queue", labels=["worker"])

@@ -203,7 +203,7 @@ class Server:
                 rows=cfg.max_rows, frame_ids=cfg.max_frame_ids, frame_stop_chars=cfg.max_frame_stop_chars,
                 row_ids=cfg.max_row_ids, rid_len=cfg.max_rid_len, meta_bytes=cfg.max_meta_bytes,
                 wire_prompt_tail=cfg.max_wire_prompt_tail, stop_strings=cfg.max_stop_strings,
-                stop_chars=cfg.max_stop_chars, stop_bytes=cfg.max_stop_bytes,
+                stop_chars=cfg.max_stop_chars, stop_bytes=cfg.max_stop_bytes, held_text=cfg.max_held_text_bytes,
             ),
         )
         self.collector = Collector(self.stats)
@@ -312,6 +312,8 @@ class Server:
         if self.input.getsockopt(zmq.RCVMORE):
             self._drop_multipart()
             return
+        if self.max_rss is not None:  # per frame, not per turn: a turn may be 256 frames of held text
+            self._guard_rss(time.monotonic())
         dialect = self.dialect
         try:
             if not dialect.handle(frame):
@@ -331,7 +333,8 @@ class Server:
         log.warning("multipart message of %d frames dropped: the protocol is one frame per message", parts)
 
     def _guard_rss(self, now: float) -> None:
-        """max_rss_mb: above it new requests are refused ("overloaded"), live ones go on."""
+        """max_rss_mb: above it new requests are refused ("overloaded"), and so is the
+        held text of a live stream=false request that grows; streaming ones go on."""
         if now - self.rss_checked < RSS_EVERY:
             return
         self.rss_checked = now

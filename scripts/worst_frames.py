@@ -24,6 +24,19 @@ few honest requests (their text checked against Vocab.reference):
                     automaton apiece, never shared; max_frame_stop_chars lets the first
                     be built, the rest get too_large); with --distinct-starts N only N
                     of them, and a full frame's figures extrapolated from their cost
+* abort_mass        an abort of max_rows rids of max_rid_len characters, each a live
+                    request's (a frame of as many starts comes first, unmeasured)
+* abort_over        an abort of one-byte rids (empty strings) filling the frame: 60 M of
+                    them, beyond max_rows (a bad frame, refused from its length header)
+* embeddings_mass   max_rows embeddings rows with rids as long as the frame allows,
+                    forwarded to the worker
+* register_huge     a register whose address fills the frame (refused: register is off)
+* control_huge      a control whose op fills the frame (an unknown op)
+* window_byte_run   codec = "window" on mistral_v3: max_rows one-id rows of one request,
+                    an open byte-fallback run ("中" as <0xE4><0xB8><0xAD>, never closed)
+
+Every message type is covered. abort, register and control have no answer: their
+"handled" time is the probe's.
 
 For each: (a) seconds from the send until the worker got the frame's answer, and until
 the answer to a probe request sent right after it (its text checked against the
@@ -32,7 +45,7 @@ every non-200 answer; (c) detokd's VmHWM / VmRSS before and after; (d) on anothe
 detokd, SIGTERM ~100 ms after the same frame was sent: seconds until it exited, and its
 exit status (3: the shutdown grace ran out).
 
-    python scripts/worst_frames.py                               # ~70 s, docs/bench/worst.json
+    python scripts/worst_frames.py                               # ~150 s (12 scenarios), docs/bench/worst.json
     python scripts/worst_frames.py --quick --json /tmp/worst.json  # seconds
     python scripts/worst_frames.py --only malformed,mass_start
 
@@ -74,7 +87,7 @@ import zmq  # noqa: E402
 from detokd.config import Config  # noqa: E402
 from detokd.process import DetokdProcess, ipc_config  # noqa: E402
 from detokd.tokenizer import Vocab, load  # noqa: E402
-from detokd.wire.native import NIL, Finish, Row, Start, Tokens, encode  # noqa: E402
+from detokd.wire.native import NIL, Abort, Control, EmbeddingRow, Embeddings, Finish, Register, Row, Start, Tokens, encode  # noqa: E402
 
 CAPS = Config()  # the defaults every scenario runs at
 SEND_MS = 60_000  # detokd takes no input for a minute: give up
@@ -212,11 +225,57 @@ def stop_distinct(scale: Scale, vocab: Vocab) -> Frame:
     return Frame(tokens(rows), n, n, note, per_start if partial else 0)
 
 
+def abort_rids(scale: Scale) -> list[str]:
+    width = min(CAPS.max_rid_len, (scale.frame_bytes - 32) // scale.rows - 16)  # the setup's starts fit too
+    return [padded_rid("A-", i, width) for i in range(scale.rows)]
+
+
+def abort_setup(scale: Scale, vocab: Vocab) -> bytes:
+    """abort_mass's rids started, so the abort frees live requests."""
+    return tokens([Row(rid, [], start=Start()) for rid in abort_rids(scale)])
+
+
+def abort_mass(scale: Scale, vocab: Vocab) -> Frame:
+    rids = abort_rids(scale)
+    return Frame(encode(Abort(rids)), len(rids), 0, f"{len(rids)} rids of {len(rids[0])} chars, each live")
+
+
+def abort_over(scale: Scale, vocab: Vocab) -> Frame:
+    n = scale.frame_bytes - 32  # an empty str is one byte: 0xa0
+    data = msgspec.msgpack.encode({"type": "abort", "rids": []})[:-1] + b"\xdd" + n.to_bytes(4, "big") + b"\xa0" * n
+    return Frame(data, n, 0, f"{n} empty rids (max_rows is {CAPS.max_rows})")
+
+
+def embeddings_mass(scale: Scale, vocab: Vocab) -> Frame:
+    per_row = (scale.frame_bytes - 32) // scale.rows
+    width = min(CAPS.max_rid_len, per_row - len(encode(EmbeddingRow("", 0, msgspec.Raw(b"\x91\x01")))) - 3)
+    rows = [EmbeddingRow(padded_rid("E-", i, width), 0, msgspec.Raw(b"\x91\x01")) for i in range(scale.rows)]
+    return Frame(encode(Embeddings(rows)), len(rows), 0, f"{len(rows)} rows, rids of {width} chars")
+
+
+def register_huge(scale: Scale, vocab: Vocab) -> Frame:
+    address = "ipc://" + "r" * (scale.frame_bytes - 64)
+    return Frame(encode(Register(0, address)), 1, 0, f"an address of {len(address)} chars")
+
+
+def control_huge(scale: Scale, vocab: Vocab) -> Frame:
+    op = "x" * (scale.frame_bytes - 64)
+    return Frame(encode(Control(op)), 1, 0, f"an op of {len(op)} chars")
+
+
+def window_byte_run(scale: Scale, vocab: Vocab) -> Frame:
+    token = {t: i for i, t in enumerate(vocab.tokens) if t}
+    run = [token[f"<0x{b:02X}>"] for b in "中".encode()] * (scale.rows // 3)
+    rows = [Row("B-0", [i], seq=k, start=Start() if k == 0 else None) for k, i in enumerate(run)]
+    return Frame(tokens(rows), len(rows), len(rows), f"{len(rows)} one-id rows of one open byte run")
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
     build: object  # (Scale, Vocab) -> Frame
     settings: dict = field(default_factory=dict)  # config keys beyond the defaults
+    setup: object = None  # (Scale, Vocab) -> bytes: a frame sent (and answered) before the measured one
 
 
 def scenarios(scale: Scale) -> list[Scenario]:
@@ -226,7 +285,14 @@ def scenarios(scale: Scale) -> list[Scenario]:
         Scenario("longest_token", longest_token),
         Scenario("malformed", malformed),
         Scenario("stop_holdback", stop_holdback),
-    ] + ([Scenario("stop_distinct", stop_distinct)] if scale.distinct_starts else [])
+    ] + ([Scenario("stop_distinct", stop_distinct)] if scale.distinct_starts else []) + [
+        Scenario("abort_mass", abort_mass, setup=abort_setup),
+        Scenario("abort_over", abort_over),
+        Scenario("embeddings_mass", embeddings_mass),
+        Scenario("register_huge", register_huge),
+        Scenario("control_huge", control_huge),
+        Scenario("window_byte_run", window_byte_run, {"codec": "window", "tokenizer": "mistral_v3"}),
+    ]
 
 
 # --------------------------------------------------------------------------- peers
@@ -237,7 +303,7 @@ class OutRowLite(msgspec.Struct):
     never decoded (this process's GIL is the /health poller's too)."""
 
     rid: str
-    text: msgspec.Raw
+    text: msgspec.Raw = msgspec.Raw(b"\xa0")  # "": an embeddings row has none
     finish: msgspec.Raw = NIL
     n_ids: int = 0
     meta: msgspec.Raw = NIL
@@ -349,7 +415,7 @@ class Target:
     def __init__(self, ctx: zmq.Context, root: str, name: str, settings: dict) -> None:
         self.folder = tempfile.mkdtemp(prefix=f"{name[:12]}-", dir=root)
         self.settings = settings
-        cfg = ipc_config(self.folder, tokenizer="deepseek", metrics_port=0, log_level="info", **settings)
+        cfg = ipc_config(self.folder, **{"tokenizer": "deepseek", "metrics_port": 0, "log_level": "info", **settings})
         self.sink = Sink(ctx, cfg.workers[0])
         self.proc = DetokdProcess(cfg, folder=self.folder).spawn()
         self.engine = ctx.socket(zmq.PUSH)
@@ -557,6 +623,10 @@ def run_scenario(sc: Scenario, pair: tuple[Target, Target], vocab: Vocab, scale:
         for t in pair:
             t.ready()
             warm_up(t, vocab)
+            if sc.setup is not None:
+                before = len(t.sink.since(0))
+                t.send(sc.setup(scale, vocab))
+                t.sink.wait(lambda t=t: len(t.sink.since(0)) > before, ANSWER_WAIT_S, "the setup frame's answer")
         out.update(handle(measured, frame, vocab, sc.name))
         measured.close()
         out["exit_after_normal_stop"] = measured.proc.returncode
@@ -637,10 +707,10 @@ def main(argv: list[str] | None = None) -> int:
         # the tokenizer); each waits idle until its scenario, so none is starting while
         # another is measured.
         pairs = [(Target(ctx, root, sc.name, sc.settings), Target(ctx, root, sc.name, sc.settings)) for sc in chosen]
-        vocab = load("deepseek")
+        vocabs = {name: load(name) for name in {sc.settings.get("tokenizer", "deepseek") for sc in chosen}}
         for sc, pair in zip(chosen, pairs):
             print(f"{sc.name} ...", flush=True)
-            results.append(run_scenario(sc, pair, vocab, scale))
+            results.append(run_scenario(sc, pair, vocabs[sc.settings.get("tokenizer", "deepseek")], scale))
     ctx.destroy(linger=0)
     report = {**meta(args), "wall_s": round(time.monotonic() - started, 1), "scenarios": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from conftest import ALL, fast_codec, oracle, vocab, window_codec
 from detokd.core.decoder import (
+    MAX_OPEN_RUN,
     REPLACEMENT,
     ByteCodec,
     ByteDecoder,
@@ -29,6 +30,7 @@ from detokd.core.decoder import (
     PieceCodec,
     PieceDecoder,
     PromptDecoder,
+    RunTooLong,
     WindowCodec,
     WindowDecoder,
     byte_level_alphabet,
@@ -584,3 +586,66 @@ def test_piece_decoder_holds_only_the_open_byte_run(name: str) -> None:
     sent += d.step(ok)
     assert held_state(d) == 0 and sent == oracle(vocab(name), [], run + ok, False)
     assert sent.startswith("ü" * 500)
+
+
+# --- cost: an open byte-fallback run on the window codec ---------------------------------------
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["keep", "skip"])
+@pytest.mark.parametrize("name", SENTENCEPIECE)
+def test_window_codec_work_is_linear_in_an_open_byte_run(name: str, skip: bool) -> None:
+    """One-id rows of a byte-fallback run that stays open: the cut steps back over the
+    whole run, so decoding the window each row cost the run again, O(run) a row and
+    O(run^2) a run (6,000 rows: ~10 s on mistral_v3). Rows that only extend the run
+    now decode nothing; the row that ends it decodes the run once."""
+    v = vocab(name)
+    word = encode(name, " ok then")
+    for n in (1500, 6000):
+        counted = CountingVocab(v)
+        codec = WindowCodec(counted)
+        run = byte_tokens(name, "中".encode() * (n // 3))
+        d = codec.new([], skip)
+        sent = "".join(d.step([i]) for i in run)
+        assert counted.ids <= 2 * codec.window  # the rows before the run was open
+        sent += "".join(d.step([i]) for i in word) + d.finish()
+        assert counted.ids <= 2 * len(word) * (len(run) + codec.window)  # the run decoded a few times, not once a row
+        assert sent == oracle(v, [], run + word, skip)
+
+
+@pytest.mark.parametrize("name", SENTENCEPIECE)
+def test_window_codec_work_per_id_does_not_grow_with_the_runs(name: str) -> None:
+    """Runs of byte pieces between words, in one-id rows: the ids decoded per id stay
+    the same when the runs get longer or more numerous (the window is cut after each)."""
+    v = vocab(name)
+    word = encode(name, " ok")
+
+    def per_id(length: int, runs: int) -> float:
+        counted = CountingVocab(v)
+        ids = (byte_tokens(name, "中".encode() * (length // 3)) + word) * runs
+        d = WindowCodec(counted).new([], True)
+        sent = "".join(d.step([i]) for i in ids) + d.finish()
+        assert sent == oracle(v, [], ids, True)
+        return counted.ids / len(ids)
+
+    base = per_id(60, 20)
+    for length, runs in ((60, 80), (600, 8), (3000, 2)):
+        assert per_id(length, runs) <= base * 1.5, (length, runs)
+
+
+@pytest.mark.parametrize("kind", CODECS)
+@pytest.mark.parametrize("name", SENTENCEPIECE)
+def test_an_open_byte_run_is_bounded(name: str, kind: str) -> None:
+    """An open run is held whole until it ends (all or nothing), so it is bounded: a run
+    of MAX_OPEN_RUN pieces is served exactly, one that goes on past it (and past the
+    window codec's window) raises RunTooLong, which the dispatcher answers too_large."""
+    v, codec = vocab(name), codec_for(name, kind)
+    run = byte_tokens(name, "中".encode() * (MAX_OPEN_RUN // 3))
+    word = encode(name, " ok")
+    d = codec.new([], True)
+    sent = d.step(run) + "".join(d.step([i]) for i in word) + d.finish()
+    assert sent == oracle(v, [], run + word, True)
+    d = codec.new([], True)
+    d.step(run)
+    with pytest.raises(RunTooLong):
+        for _ in range(64):
+            d.step(byte_tokens(name, "中".encode()))

@@ -1068,3 +1068,182 @@ def test_signals_while_the_loop_holds_the_log_filters_lock_end_the_process_withi
         assert _exit_code(d, 2.0 + 5) == 3
     finally:
         d.kill()
+
+
+# --------------------------------------------------------------------------- 10. memory that grows across frames
+
+SPACES = 69933  # deepseek's id with the longest text: 128 spaces (5 bytes on the wire, 128 characters out)
+
+
+def _fence(eng: Engine, w: Sink, rid: str, v) -> None:
+    """A request sent last and answered: every frame before it was handled."""
+    ids = make_ids(random.Random(rid), 20)
+    eng.rows([{"rid": rid, "ids": ids, "start": {}, "finish": {"reason": "length"}}])
+    w.wait(lambda: w.ended(rid), 60, f"the fence {rid}")
+    assert w.text(rid) == oracle(v, [], ids, True)
+
+
+def test_a_stream_false_requests_held_text_is_capped_and_freed(detokd, zctx):
+    # stream=false keeps every row's text for the finishing row. Each row here is within
+    # every cap (65,536 ids in 328 KB, 8 MiB of text), and the text was held across
+    # frames without a bound: 30 of them held ~250 MB.
+    d = detokd(workers=1, args=["--metrics-port", "0"])
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    assert v.decode([SPACES], True) == " " * 128
+    small = make_ids(random.Random(13), 200)  # a stream=false request within the cap
+    eng.rows([{"rid": "small", "ids": small[:100], "start": {"stream": False}}])
+    eng.rows([{"rid": "small", "ids": small[100:], "seq": 100, "finish": {"reason": "length"}}])
+    _fence(eng, w, "warm", v)
+    base = _rss_mb(d.pid)
+    row = [SPACES] * 65536
+    eng.rows([{"rid": "big", "ids": row, "start": {"stream": False}}])
+    for k in range(1, 30):
+        eng.rows([{"rid": "big", "ids": row, "seq": k * len(row)}])
+    _fence(eng, w, "fence", v)
+    grown = _rss_mb(d.pid) - base
+    assert [r["text"] for r in w.rows("small")] == ["", oracle(v, [], small, True)]
+    assert w.rows("big")[0]["text"] == "" and not w.rows("big")[0]["error"]  # 8 MiB held
+    assert w.errors("big") == ["too_large"] * 29  # 16 MiB and more > max_held_text_bytes; then its tombstone
+    assert grown < 64, grown  # one row's text at a time; it held 251 MB; 28 MB measured now
+    assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="too_large") == 29
+
+
+def test_above_max_rss_a_live_request_whose_held_text_grows_is_failed(detokd, zctx):
+    # 64 stream=false requests, each within max_held_text_bytes, grow by 8 MB a frame
+    # together; the RSS guard only refused new requests, so they grew RSS by 223 MB, the
+    # limit being 64 MB up. Now the rows that grow held text past the limit fail their
+    # request (12 MB grown at the end); a streaming request beside them goes on exactly.
+    probe = detokd(workers=1)
+    probe.wait_ready()
+    base = _rss_mb(probe.pid)
+    probe.kill()
+    d = detokd(workers=1, args=["--metrics-port", "0"], max_rss_mb=int(base) + 64)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    held = [f"h{i}" for i in range(64)]
+    streamed = make_ids(random.Random(14), 30 * 4)
+    row = [SPACES] * 1000  # 128,000 characters; 30 rows: 3.84 MB, within max_held_text_bytes
+    for k in range(30):
+        rows = [{"rid": rid, "ids": row, "seq": k * len(row), **({"start": {"stream": False}} if k == 0 else {})} for rid in held]
+        s = {"rid": "s", "ids": streamed[4 * k : 4 * k + 4], "seq": 4 * k, **({"start": {}} if k == 0 else {})}
+        eng.rows(rows + [{**s, **({"finish": {"reason": "length"}} if k == 29 else {})}])
+    w.wait(lambda: w.ended("s"), 60, "the streaming request to finish")
+    assert w.text("s") == oracle(v, [], streamed, True) and not w.errors("s")
+    for rid in held:
+        assert w.errors(rid)[:1] == ["overloaded"], (rid, w.errors(rid))
+    assert _rss_mb(d.pid) - base < 64 + 64  # the limit, and what came in before the guard read RSS again
+    m = scrape(port)
+    # Their text freed, RSS may fall below the limit again: the guard turned on at least once.
+    assert metric(m, "detokd_overload_transitions_total") >= 1 and metric(m, "detokd_errors_total", kind="too_large") == 0
+
+
+def test_the_feedback_queue_is_bounded_in_bytes_and_its_drops_are_counted(detokd, zctx):
+    # The scheduler binds its feedback address and does not read `stopped` (4,000 rows of
+    # 1,000-character rids a message, 4 MB; 120 MB in all). The feedback socket queued
+    # 1,000 messages of any size; now it queues as a worker's does: send_hwm messages and
+    # a backlog of send_queue_bytes, the rest lost and counted.
+    d = detokd(workers=1, feedback=True, args=["--metrics-port", "0"], send_hwm=4, send_queue_bytes=8 << 20)
+    w = Sink(zctx, d.workers[0])
+    scheduler = Sink(zctx, d.feedback, read=False, rcvhwm=1)
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    ids = v.backend.encode("Hello world, again", add_special_tokens=False).ids
+    _fence(eng, w, "warm", v)
+    base = _rss_mb(d.pid)
+    frames, per = 30, 4000
+    for f in range(frames):
+        eng.rows([{"rid": f"{f:02d}-{i:04d}-" + "x" * 990, "ids": ids, "start": {"stop": ["world"]}, "finish": {"reason": "length"}}
+                  for i in range(per)])
+    _fence(eng, w, "fence", v)
+    grown = _rss_mb(d.pid) - base
+    first = f"00-0000-{'x' * 990}"
+    assert w.text(first) == oracle(v, [], ids, True).split("world")[0] and w.rows(first)[-1]["finish"]["matched"] == "world"
+    m = scrape(port)
+    dropped = metric(m, "detokd_feedback_dropped_total")
+    assert dropped > 0 and dropped % per == 0
+    assert (8 << 20) - (5 << 20) < metric(m, "detokd_feedback_backlog_bytes") <= 8 << 20  # full: one more message would not fit
+    assert grown < 80, grown  # ~40 MB measured (ZMQ's 4, the backlog, buffers, the allocator); it held 175 MB
+    assert "feedback queue full" in d.log()
+    # The scheduler reads: what was queued arrives, and with what was lost it is every row.
+    scheduler.sock.setsockopt(zmq.RCVTIMEO, 20000)
+    got = 0
+    while got + dropped < frames * per:
+        msg = dec(scheduler.sock.recv())
+        assert msg["type"] == "stopped" and all(r["matched"] == "world" for r in msg["rows"])
+        got += len(msg["rows"])
+    assert got + dropped == frames * per
+
+
+# --------------------------------------------------------------------------- 11. every message type's caps
+
+
+def test_abort_and_embeddings_messages_have_the_caps_of_a_tokens_message(detokd, zctx):
+    # An abort of 60 M rids (57 MiB) held the loop 12.8 s; neither abort nor embeddings
+    # had a cap on rows, rid length or meta. Now: more than max_rows rows or rids, the
+    # message is a bad frame (refused from its length header, before it is read); a rid
+    # beyond max_rid_len gets no row; meta beyond max_meta_bytes gets too_large.
+    d = detokd(workers=1, args=["--metrics-port", "0"], max_rows=4, max_rid_len=32, max_meta_bytes=64)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    ids = make_ids(random.Random(15), 12)
+    eng.rows([{"rid": "live", "ids": ids[:4], "start": {}}])
+    eng.send({"type": "abort", "rids": ["live", "a", "b", "c", "d"]})  # 5 rids: dropped whole, live goes on
+    eng.send({"type": "abort", "rids": ["r" * 33]})  # names no request: counted
+    eng.send({"type": "embeddings", "rows": [{"rid": f"many{i}", "data": [i]} for i in range(5)]})  # a bad frame
+    eng.send({"type": "embeddings", "rows": [
+        {"rid": "e" * 33, "data": [1]},  # no row at all
+        {"rid": "fat", "data": [2], "meta": "m" * 70},  # too_large, not forwarded
+        {"rid": "e" * 32, "data": [3], "meta": "m" * 60},  # at every cap: forwarded
+    ]})
+    eng.rows([{"rid": "live", "ids": ids[4:], "seq": 4, "finish": {"reason": "length"}}])
+    w.wait(lambda: w.ended("live") and w.ended("fat"), 20, "live's end and fat's error")
+    assert w.text("live") == oracle(v, [], ids, True) and not w.errors("live")
+    assert w.errors("fat") == ["too_large"] and not w.embedded.get("fat")
+    assert [r["data"] for r in w.embedded["e" * 32]] == [[3]]
+    assert not any(w.embedded.get(rid) or w.rows(rid) for rid in ("e" * 33, *(f"many{i}" for i in range(5))))
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_bad_frames_total") == 2
+    assert metric(m, "detokd_errors_total", kind="too_large") == 3  # the long rids of the abort and the embedding, fat
+    assert metric(m, "detokd_aborts_total") == 0
+
+
+# --------------------------------------------------------------------------- 12. an open byte-fallback run
+
+
+@pytest.mark.parametrize("codec", ["window", "auto"])
+def test_an_open_byte_run_is_served_exactly_in_one_id_rows_and_bounded(detokd, zctx, codec):
+    # mistral_v3 renders a run of <0xXX> pieces all or nothing, so detokd holds it until
+    # it ends. The window codec decoded the whole run again each row (a frame of 6,000
+    # one-id rows held the loop ~10 s: measured by scripts/worst_frames.py, not here); and
+    # a run that never ends was held without a bound. Now one-id rows are exact, and a
+    # run past 64 Ki pieces fails its request with too_large.
+    d = detokd(workers=1, tokenizer="mistral_v3", codec=codec, args=["--metrics-port", "0"])
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    v = vocab("mistral_v3")
+    piece = {t: i for i, t in enumerate(v.tokens) if t}
+    han = [piece[f"<0x{b:02X}>"] for b in "中".encode()]
+    word = v.backend.encode("and then", add_special_tokens=False).ids
+    run = han * 2000
+    eng.rows([{"rid": "exact", "ids": [i], "seq": k, **({"start": {}} if k == 0 else {})} for k, i in enumerate(run)])
+    eng.rows([{"rid": "exact", "ids": word, "seq": len(run), "finish": {"reason": "length"}}])
+    eng.rows([{"rid": "long", "ids": han * 21845, "start": {}}])  # 65,535 pieces: held
+    eng.rows([{"rid": "long", "ids": han, "seq": 65535 + 3 * k} for k in range(16)])  # past the bound
+    w.wait(lambda: w.ended("exact") and w.ended("long"), 120, "both requests' ends")
+    assert w.text("exact") == oracle(v, [], run + word, True) and not w.errors("exact")
+    assert "".join(r["text"] for r in w.rows("exact")[:-1]) == ""  # nothing of the open run went early
+    rows = w.rows("long")
+    assert rows[0]["text"] == "" and rows[0]["error"] is None
+    assert w.errors("long") and set(w.errors("long")) == {"too_large"}  # from the row past it on
+    assert "beyond the cap on open byte run" in d.log()

@@ -114,6 +114,7 @@ class Sink:
         self.ctx, self.address, self.rcvhwm = ctx, address, rcvhwm
         self.cond = threading.Condition()
         self.by_rid: dict[str, list[dict]] = collections.defaultdict(list)
+        self.embedded: dict[str, list[dict]] = collections.defaultdict(list)  # embeddings rows by rid
         self.messages = 0
         self.kinds: collections.Counter = collections.Counter()
         self.stopping = False
@@ -153,9 +154,9 @@ class Sink:
                 with self.cond:
                     self.messages += 1
                     self.kinds[msg["type"]] += 1
-                    if msg["type"] == "text":
-                        for row in msg["rows"]:
-                            self.by_rid[row["rid"]].append(row)
+                    rows = self.by_rid if msg["type"] == "text" else self.embedded
+                    for row in msg["rows"]:
+                        rows[row["rid"]].append(row)
                     self.cond.notify_all()
         finally:
             s.close(linger=0)

@@ -40,6 +40,13 @@ log = logging.getLogger("detokd.core.decoder")
 REPLACEMENT = "\ufffd"
 PENDING_BYTES = 3  # the most bytes of an unfinished UTF-8 character
 _utf8_decode = codecs.utf_8_decode
+# An open ByteFallback run is held whole until it ends (its text is all or nothing), so
+# it is bounded: 64 Ki pieces is 21,845 three-byte characters none of which has a piece.
+MAX_OPEN_RUN = 1 << 16
+
+
+class RunTooLong(ValueError):
+    """An open byte-fallback run past MAX_OPEN_RUN: the request cannot be served exactly."""
 
 
 class Decoder(Protocol):
@@ -331,6 +338,8 @@ class PieceDecoder(PromptDecoder):
             if self.run is not None:
                 out.append(self._close_run())
             out.append(piece)
+        if self.run is not None and len(self.run) > MAX_OPEN_RUN:
+            raise RunTooLong(len(self.run))
         return self._emit("".join(out))
 
     def finish(self) -> str:
@@ -425,6 +434,14 @@ class WindowDecoder:
         if not ids:
             return ""
         codec = self.codec
+        if codec.byte_runs and self._in_run(ids):
+            # Byte pieces that extend an open run the cut below already steps back over:
+            # nothing before the run can be committed yet either, so decoding now would
+            # only cost the whole run again, per row (quadratic in the run's length).
+            self.ids.extend(ids)
+            if len(self.ids) > codec.window + MAX_OPEN_RUN:
+                raise RunTooLong(len(self.ids))
+            return ""
         self.ids.extend(ids)
         decode = codec.vocab.decode
         text = decode(self.ids, self.skip_special)
@@ -448,7 +465,17 @@ class WindowDecoder:
         self._trim()
         return out
 
+    def _in_run(self, ids: list[int]) -> bool:
+        """Whether `ids` are all byte pieces and the window's last `hold` ids are too:
+        then the last step's cut stood at the run's start, and this one's would too."""
+        is_byte, window, hold = self.codec.is_byte, self.ids, self.codec.hold
+        if len(window) < hold or not all([is_byte[i] for i in window[-hold:]]):
+            return False
+        return all([is_byte[i] for i in ids])
+
     def finish(self) -> str:
+        if self.codec.byte_runs and self.ids and self.codec.is_byte[self.ids[-1]]:
+            self.text = self.codec.vocab.decode(self.ids, self.skip_special)  # rows taken by _in_run
         out = self.text[self.committed :]
         self.committed = len(self.text)
         return out

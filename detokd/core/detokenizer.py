@@ -16,7 +16,7 @@ from msgspec import Raw
 
 from ..metrics import Stats
 from . import records as r
-from .decoder import Codec
+from .decoder import Codec, RunTooLong
 from .outbox import Outbox
 from .records import OutRow, Row, error_row
 from .request import SENT_TAIL, Request
@@ -49,6 +49,9 @@ class Limits:
     wire_prompt_tail: int = 65536
     stop_strings: int = 256
     stop_chars: int = 4096
+    # Bytes of text a stream=false request holds for its finishing row (~4M tokens of
+    # prose); every other request's state is bounded by the caps above.
+    held_text: int = 16 << 20
 
 
 def _over_budget(rows: list[Row], budget: int) -> int | None:
@@ -81,7 +84,7 @@ class Detokenizer:
         self.max_tail = max_prompt_tail
         self.stats = stats
         self.limits = limits
-        self.overloaded = False  # set by the loop's RSS guard: new requests are refused
+        self.overloaded = False  # set by the loop's RSS guard: new requests and held text that grows are refused
         self.closing = False  # set by the loop when shutdown leaves no time to decode: rows get `shutdown`
         self.stop_chars_left = limits.frame_stop_chars  # this frame's budget for building stop automata
 
@@ -143,6 +146,9 @@ class Detokenizer:
             if text is None:
                 try:
                     text = st.step(ids)
+                except RunTooLong:
+                    self._too_large(row, st, "open byte run")
+                    continue
                 except Exception:
                     self._internal(row, st)
                     continue
@@ -156,6 +162,8 @@ class Detokenizer:
     def _guarded(self, row: Row) -> None:
         try:
             self._row(row)
+        except RunTooLong:
+            self._too_large(row, self.table.get(row.rid), "open byte run")
         except Exception:
             self._internal(row, self.table.get(row.rid))
 
@@ -202,7 +210,15 @@ class Detokenizer:
             self._fail(rid, st, r.BAD_IDS, row)
             return
         self.stats.tokens += len(ids)
+        held = st.held
         text, finish, stopped = st.feed(rid, ids, row.finish)
+        if st.held != held and finish is None:  # stream=false text kept for the finishing row
+            if st.held > self.limits.held_text:
+                self._too_large(row, st, "held text")
+                return
+            if self.overloaded:  # the RSS guard: a live request that keeps growing is failed
+                self._fail(rid, st, r.OVERLOADED, row)
+                return
         if stopped is not None:
             self.stats.stops += 1
             self.outbox.stopped.append(stopped)
@@ -400,8 +416,23 @@ class Detokenizer:
 
     # --- the other messages -------------------------------------------------------------
 
+    def too_large_embedding(self, rid: str, worker: int) -> None:
+        """An embeddings row beyond max_rid_len (no row, as in `_too_large`) or
+        max_meta_bytes (a `too_large` row to its worker, meta not echoed)."""
+        log.warning("embeddings row of rid %r beyond the caps: too_large", rid[:64])
+        if len(rid) > self.limits.rid_len or not self.outbox.known(worker):
+            self.stats.error(r.TOO_LARGE)
+        else:
+            self._error(rid, worker, r.TOO_LARGE, r.NIL, 0)
+
     def abort(self, rids: list[str]) -> None:
+        """At most max_rows rids (the dialect's decoder); a rid beyond max_rid_len
+        names no request (none can start) and is counted, as a tokens row's."""
+        rid_len = self.limits.rid_len
         for rid in rids:
+            if len(rid) > rid_len:
+                self.stats.error(r.TOO_LARGE)
+                continue
             if self.table.pop(rid) is not None:
                 self.stats.aborts += 1
             self.dead.discard(rid)

@@ -9,6 +9,8 @@ path steps the decoder itself).
 
 from __future__ import annotations
 
+from sys import getsizeof
+
 from .decoder import Decoder
 from .records import Finish, OutRow, Start, StoppedRow
 from .stops import StopScanner, trim_engine_stop
@@ -19,7 +21,7 @@ SENT_TAIL = 128
 
 
 class Request:
-    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "stopped", "slow", "decoder", "sent")
+    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "held", "stopped", "slow", "decoder", "sent")
 
     def __init__(self, worker: int, outbox: list[OutRow], start: Start, decoder: Decoder, stops: StopScanner | None) -> None:
         self.worker = worker
@@ -31,6 +33,7 @@ class Request:
         self.stops = stops
         self.keep_stop = start.no_stop_trim
         self.parts: list[str] | None = None if start.stream else []
+        self.held = 0  # bytes parts holds (each str and its list slot): a running sum, for the cap
         self.stopped = False  # detokd matched a stop string and finished the request
         self.sent = ""  # the last SENT_TAIL characters sent
         # Rows of a plain streaming request take the dispatcher's fast path.
@@ -56,6 +59,7 @@ class Request:
         if self.parts is not None:  # stream=false: everything comes in the finishing row
             if finish is None:
                 self.parts.append(text)
+                self.held += getsizeof(text) + 8
                 text = ""
             else:
                 text = "".join(self.parts) + text
