@@ -12,9 +12,10 @@ first row's decode_ids are the prompt context (decode_ids[:read_offset], at most
 prompt ids) followed by output ids, as SGLang's scheduler builds them. A rid detokd ended
 itself (a tombstone: evicted, say) instead gets an abort finish reason, which SGLang's
 TokenizerManager turns into an error for the client (SGLang's own detokenizer raised and
-died there, #2812). Stop strings never reach the detokenizer: SGLang's scheduler withholds
-a row while the text could begin one, and trims on finish are SGLang's rules (the matched
-stop token is dropped unless no_stop_trim or a tool-call closing token). Where detokd
+died there, #2812). SGLang's scheduler matches stop strings itself and withholds a row
+while the text could begin one (missing a prefix beside a split character: the core's
+engine-stop trim finds those in the text already sent); trims on finish are SGLang's
+rules (the matched stop token is dropped unless no_stop_trim or a tool-call closing token). Where detokd
 differs from SGLang on purpose, docs/sglang.md says so.
 """
 
