@@ -212,7 +212,7 @@ class Server:
         # message template gets a bounded rate and a bounded length. logs.setup (the
         # CLI) limits every record at its handler; these hold where another program
         # owns the logging (SGLang's detokenizer process).
-        for name in ("detokd.server", "detokd.core", "detokd.delivery", "detokd.auth", f"detokd.wire.{self.dialect.name}"):
+        for name in ("detokd.server", "detokd.core", "detokd.delivery", "detokd.auth", type(self.dialect).__module__):  # a dialect logs as its module
             logger = logging.getLogger(name)
             if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
                 logger.addFilter(RateLimitFilter())
