@@ -217,7 +217,9 @@ def test_a_curve_input_serves_key_holders_and_nobody_else(tmp_path, zctx):
     )
     d = DetokdProcess(cfg, folder=tmp_path).start()
     try:
-        address = re.search(r"serving: input (tcp://\S+) \(CURVE\)", d.log()).group(1)
+        # The line is written by the log's own thread: it may follow READY by a moment.
+        serving = wait_until(lambda: re.search(r"serving: input (tcp://\S+) \(CURVE\)", d.log()), 20, "the serving line")
+        address = serving.group(1)
         # No CURVE at all, and CURVE with a key not on the allow-list: neither gets through.
         plain = zctx.socket(zmq.PUSH)
         plain.setsockopt(zmq.LINGER, 0)
