@@ -226,6 +226,12 @@ class Engine:
         self.sock.close(linger=0)
 
 
+def logged(d, text: str, timeout: float = 20.0) -> None:
+    """Wait for `text` in a running detokd's log: its writer thread writes a line a moment
+    after the event (the loop never waits on stderr), so an answer may come first."""
+    wait_until(lambda: text in d.log(), timeout, f"{text!r} in the log")
+
+
 def metrics_port(d) -> int:
     """The port detokd serves /health and /metrics on (it was told port 0: a free one)."""
     m = wait_until(lambda: re.search(r"health and metrics on port (\d+)", d.log()), 30, "the metrics port in the log")
