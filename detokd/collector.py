@@ -14,7 +14,7 @@ import gc
 import logging
 import time
 
-from .metrics import Stats
+from .core.stats import Stats
 
 log = logging.getLogger("detokd.collector")
 

@@ -32,7 +32,7 @@ import zmq
 from .core.bounded import BoundedMap
 from .core.outbox import Outbox
 from .core.records import OutRow
-from .metrics import Stats, WorkerFigures
+from .core.stats import Stats, WorkerFigures
 from .sockets import Curve, ipc_folder_problem, register_address_problem
 
 log = logging.getLogger("detokd.delivery")

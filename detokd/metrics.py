@@ -1,80 +1,27 @@
-"""What the loop publishes, and the /health and /metrics endpoint that reads it.
+"""The /health and /metrics endpoint, over what the loop publishes.
 
-The loop only bumps plain integers on `Stats`; the HTTP thread reads them when
-scraped. It never calls into the loop's state, so a saturated or stuck loop cannot
-stop /health from answering (with 503 once the loop has not turned for
-`health_timeout` seconds).
+The loop only bumps plain integers on `Stats` (detokd.core.stats); the HTTP thread
+reads them when scraped. It never calls into the loop's state, so a saturated or
+stuck loop cannot stop /health from answering (with 503 once the loop has not turned
+for `health_timeout` seconds).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
-from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from . import logs
+from .core.stats import BUCKETS, Stats
 from .http import Endpoint, Reply
 
 log = logging.getLogger("detokd.metrics")
 
-# Step latency buckets in seconds: a healthy step is tens of microseconds.
-BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
-
-class WorkerFigures(NamedTuple):
-    sent: int  # messages queued
-    dropped: int  # messages lost to a full queue
-    writable: bool  # the queue has room now
-    owed: int  # error rows waiting for it to have room
-    backlog: int  # messages waiting behind ZMQ's queue
-    backlog_bytes: int
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.frames = 0
-        self.bad_frames = 0
-        self.rows = 0
-        self.tokens = 0
-        self.started = 0
-        self.stops = 0
-        self.aborts = 0
-        self.evictions = 0
-        self.gc_collected = 0  # objects the periodic collection freed: cycles someone made
-        self.clamped_ids = 0  # out-of-vocabulary ids a dialect mapped to 0 (SGLang's rule)
-        self.errors: dict[str, int] = {}
-        self.live = 0
-        self.workers: dict[int, WorkerFigures] = {}
-        # The bounded memories, entries and bytes: name -> (entries, bytes).
-        self.memory: dict[str, tuple[int, int]] = {}
-        self.step_counts = [0] * (len(BUCKETS) + 1)
-        self.step_sum = 0.0
-        self.step_max = 0.0
-        self.last_turn = time.monotonic()
-        self.ready = False  # set once the tokenizer is loaded and every socket bound
-        self.overloaded = False  # RSS above max_rss_mb: new requests refused
-        self.overload_transitions = 0
-        self.feedback_dropped = 0  # stopped rows lost to a full feedback queue
-        self.feedback_backlog_bytes = 0
-        # Security events (docs/security.md); refused registers are errors{kind="register_refused"}.
-        self.register_changes = 0  # registers that added or moved a worker
-        self.curve_refused = 0  # CURVE handshakes the input refused (the authenticator's threads bump it)
-
-    def error(self, kind: str) -> None:
-        self.errors[kind] = self.errors.get(kind, 0) + 1
-
-    def step(self, seconds: float) -> None:
-        self.step_counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-        self.step_sum += seconds
-        if seconds > self.step_max:
-            self.step_max = seconds
-
-
-class _Collector:
+class _StatsCollector:
     def __init__(self, stats: Stats) -> None:
         self.stats = stats
 
@@ -97,7 +44,10 @@ class _Collector:
             ("curve_refused", s.curve_refused, "CURVE handshakes the input refused: a key not allowed, or no CURVE with detokd's key (each reconnect counts)"),
         ):
             yield CounterMetricFamily(f"detokd_{name}", doc, value=value)
-        errors = CounterMetricFamily("detokd_errors", "error rows sent, by kind", labels=["kind"])
+        errors = CounterMetricFamily(
+            "detokd_errors", "errors by kind: error rows sent (docs/protocol.md), and the refused or malformed "
+            "registers and failures inside a frame that have no row", labels=["kind"],
+        )
         for kind, n in sorted(s.errors.items()):
             errors.add_metric([kind], n)
         yield errors
@@ -160,7 +110,7 @@ class MetricsServer:
 
     def __init__(self, stats: Stats, host: str, port: int, health_timeout: float) -> None:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(stats))
+        registry.register(_StatsCollector(stats))
 
         def health() -> Reply:
             if not stats.ready:

@@ -25,14 +25,14 @@ import zmq
 from . import logs, readiness, sockets
 from .collector import Collector
 from .config import Config, ConfigError, check
-from .core import stops
 from .core.decoder import make_codec
 from .core.detokenizer import Detokenizer, Limits
 from .core.outbox import Outbox
 from .core.records import INTERNAL, SHUTDOWN
+from .core.stats import Stats
 from .delivery import Delivery, RegisterPolicy
 from .logs import RateLimitFilter
-from .metrics import MetricsServer, Stats
+from .metrics import MetricsServer
 from .tokenizer import Vocab, load
 from .wire.native import NativeDialect
 
@@ -362,8 +362,8 @@ class Server:
         self.stats.live = len(core.table)
         self.stats.memory = {
             "tombstones": (len(core.dead), core.dead.nbytes),
-            "stop_automata": (len(stops.cache), stops.cache.nbytes),
-            "stop_automata_alive": (stops.alive.count, stops.alive.nbytes),
+            "stop_automata": (len(core.automata.cache), core.automata.cache.nbytes),
+            "stop_automata_alive": (core.automata.alive, core.automata.alive_bytes),
         }
         self.delivery.publish()
 

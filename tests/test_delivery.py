@@ -16,7 +16,7 @@ from conftest import fast_codec, vocab
 from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery, RegisterPolicy
-from detokd.metrics import Stats
+from detokd.core.stats import Stats
 from detokd.wire import native as P
 from utils import wait_until
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import cut, fast_codec, first_stop, oracle, vocab
 from detokd.wire import native as p
-from detokd.metrics import Stats
+from detokd.core.stats import Stats
 from detokd.wire.native import Finish, OutRow, Row, Start
 from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox

@@ -17,8 +17,33 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import cut, first_stop
-from detokd.core import stops as stops_module
-from detokd.core.stops import CACHE_BYTES, StopAutomaton, StopScanner, automaton, trim_engine_stop
+from detokd.core.stops import CACHE_BYTES, STATE_BYTES, StopAutomata, StopAutomaton, StopScanner, trim_engine_stop
+
+AUTOMATA = StopAutomata(budget=1 << 40)  # the unit and property tests' own, never full
+
+
+def scanner(stops: list[str], keep: bool) -> StopScanner:
+    return StopScanner(AUTOMATA.get(stops), keep)
+
+
+class CountingScanner(StopScanner):
+    """A scanner that counts its work, for the cost tests: characters scanned, and
+    characters built into text to send."""
+
+    __slots__ = ("scanned", "copied")
+
+    def __init__(self, stops: list[str], keep: bool) -> None:
+        super().__init__(AUTOMATA.get(stops), keep)
+        self.scanned = self.copied = 0
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        self.scanned += len(text)
+        return super().feed(text)
+
+    def _sent(self, start: int, text: str, n: int) -> str:
+        self.copied += n
+        return super()._sent(start, text, n)
+
 
 # --- the rules, naively ---------------------------------------------------------------------
 
@@ -34,7 +59,7 @@ def pending(text: str, stops: list[str]) -> str:
 
 def scan(stops: list[str], chunks: list[str], keep: bool) -> tuple[list[str], str | None, str]:
     """Feed chunks until a stop completes: (texts sent per chunk, the stop, what flush gives)."""
-    sc = StopScanner(stops, keep)
+    sc = scanner(stops, keep)
     sent = []
     for chunk in chunks:
         text, found = sc.feed(chunk)
@@ -65,14 +90,14 @@ def test_a_stop_split_across_chunks_is_found_and_never_sent() -> None:
 
 def test_only_a_possible_beginning_of_a_stop_is_held_back() -> None:
     """Not a fixed max_len - 1 characters: "hello" could begin no stop string."""
-    sc = StopScanner(["<|im_end|>"], False)
+    sc = scanner(["<|im_end|>"], False)
     assert sc.feed("hello") == ("hello", None) and sc.held == ""
     assert sc.feed(" <|im") == (" ", None) and sc.held == "<|im"
     assert sc.feed("_start|>") == ("<|im_start|>", None) and sc.held == ""
 
 
 def test_the_held_tail_is_the_longest_one_that_could_still_become_a_stop() -> None:
-    sc = StopScanner(["abcd", "bcx"], False)
+    sc = scanner(["abcd", "bcx"], False)
     assert sc.feed("zabc") == ("z", None) and sc.held == "abc"
     # "abcd" can no longer complete, but "bcx" just did.
     assert sc.feed("x") == ("a", "bcx")
@@ -100,7 +125,7 @@ def test_stops_of_multibyte_characters() -> None:
 
 
 def test_flush_gives_back_a_held_tail_that_never_completed() -> None:
-    sc = StopScanner(["</answer>"], False)
+    sc = scanner(["</answer>"], False)
     assert sc.feed("x </ans") == ("x ", None)
     assert sc.flush() == "</ans"
     assert sc.held == "" and sc.state == 0
@@ -111,8 +136,16 @@ def test_empty_stop_strings_are_ignored() -> None:
 
 
 def test_requests_with_the_same_stop_list_share_one_automaton() -> None:
-    assert automaton(["a", "b"]) is automaton(["a", "b"])
-    assert StopScanner(["x!"], False).ac is StopScanner(["x!"], True).ac
+    automata = StopAutomata(budget=1 << 30)
+    assert automata.get(["a", "b"]) is automata.get(["a", "b"])
+    assert automata.cost(["a", "b"]) == 0 and automata.cost(["a", "c"]) == 2
+
+
+def test_two_detokenizers_keep_their_automata_and_budgets_apart() -> None:
+    one, two = StopAutomata(budget=1 << 30), StopAutomata(budget=1 << 30)
+    a = one.get(["apart"])
+    assert two.cost(["apart"]) == 5 and two.get(["apart"]) is not a
+    assert (one.alive, one.alive_bytes) == (two.alive, two.alive_bytes) == (1, a.nbytes)
 
 
 # --- properties -------------------------------------------------------------------------------
@@ -168,7 +201,7 @@ def test_sent_text_is_always_a_prefix_of_the_final_text(case) -> None:
 @given(streams())
 def test_held_back_is_exactly_the_longest_tail_that_may_begin_a_stop(case) -> None:
     stops, chunks, keep = case
-    sc = StopScanner(stops, keep)
+    sc = scanner(stops, keep)
     fed = sent = ""
     for chunk in chunks:
         text, found = sc.feed(chunk)
@@ -187,7 +220,7 @@ def test_each_step_scans_only_its_new_characters() -> None:
     """Over a long stream that keeps almost matching, each feed scans its own characters
     and no more: never the text before them, nor the held tail again."""
     stops = ["<|im_end|>", "<|endoftext|>", "\n\nUser:", "a" * 40 + "!"]
-    sc = StopScanner(stops, False)
+    sc = CountingScanner(stops, False)
     unit = "text <|im_en, " + "a" * 39 + " and \n\nUser, 你好 👍🏽 <|endoftext"
     total = 0
     for k in range(20_000):
@@ -206,7 +239,7 @@ def test_a_long_held_stop_prefix_costs_each_step_only_its_new_characters() -> No
     almost all of it, and no step copies it (building held + text per step was
     quadratic: 3M characters over 30,000 ids took 5.7 s)."""
     stop = "ab" * 100_000
-    sc = StopScanner([stop, "zz"], False)
+    sc = CountingScanner([stop, "zz"], False)
     fed = 0
     for k in range(0, len(stop) - 1, 7):
         chunk = stop[k : min(k + 7, len(stop) - 1)]
@@ -225,7 +258,7 @@ def test_what_a_scanner_builds_is_what_it_sends_for_every_split() -> None:
     stops = ["abcabd", "bca", "d" * 30]
     text = ("abcab" + "d" * 29 + "x") * 50 + "abcabd"
     for step in (1, 2, 3, 7, 31, len(text)):
-        sc = StopScanner(stops, True)
+        sc = CountingScanner(stops, True)
         sent = ""
         for k in range(0, len(text), step):
             out, found = sc.feed(text[k : k + step])
@@ -239,45 +272,45 @@ def test_what_a_scanner_builds_is_what_it_sends_for_every_split() -> None:
 def test_the_automaton_cache_is_bounded_in_bytes() -> None:
     """Ten finished requests with one long stop string each must not pin their
     automata forever (ten of 500,000 characters held 1.39 GB)."""
+    automata = StopAutomata(budget=1 << 40)
     for k in range(10):
-        a = automaton([f"{k}" + "x" * 60_000])
+        a = automata.get([f"{k}" + "x" * 60_000])
         assert a.nbytes > CACHE_BYTES // 5
-        assert stops_module.cache.nbytes <= CACHE_BYTES
-    assert len(stops_module.cache) < 10
-    assert automaton(["9" + "x" * 60_000]) is a  # the newest is still shared
+        assert automata.cache.nbytes <= CACHE_BYTES
+    assert len(automata.cache) < 10
+    assert automata.get(["9" + "x" * 60_000]) is a  # the newest is still shared
 
 
-def test_an_automaton_bigger_than_the_cache_is_built_but_not_kept(monkeypatch) -> None:
-    monkeypatch.setattr(stops_module.cache, "max_bytes", 50_000)
+def test_an_automaton_bigger_than_the_cache_is_built_but_not_kept() -> None:
+    automata = StopAutomata(budget=1 << 30, cache_bytes=50_000)
     big = ["Q" * 1000]
-    sc = StopScanner(big, False)
-    assert big[0] not in {s for key in stops_module.cache for s in key}
+    sc = StopScanner(automata.get(big), False)
+    assert len(automata.cache) == 0 and automata.alive == 1
     assert sc.feed("a" + "Q" * 1000) == ("a", big[0])
 
 
 def test_an_automaton_is_counted_alive_while_a_request_holds_it_after_the_cache_let_it_go() -> None:
-    alive = stops_module.alive
-    n0, b0 = alive.count, alive.nbytes
-    sc = StopScanner(["alive-" + "z" * 500], False)
-    assert (alive.count, alive.nbytes) == (n0 + 1, b0 + sc.ac.nbytes)
-    stops_module.cache.pop(("alive-" + "z" * 500,))
-    assert (alive.count, alive.nbytes) == (n0 + 1, b0 + sc.ac.nbytes)  # the request still holds it
+    automata = StopAutomata(budget=1 << 30)
+    sc = StopScanner(automata.get(["alive-" + "z" * 500]), False)
+    assert (automata.alive, automata.alive_bytes) == (1, sc.ac.nbytes)
+    automata.cache.pop(("alive-" + "z" * 500,))
+    assert (automata.alive, automata.alive_bytes) == (1, sc.ac.nbytes)  # the request still holds it
     del sc
-    assert (alive.count, alive.nbytes) == (n0, b0)  # freed with its last holder, counted out
+    assert (automata.alive, automata.alive_bytes) == (0, 0)  # freed with its last holder, counted out
 
 
 def test_make_room_lets_cached_automata_go_oldest_first_but_not_what_requests_hold() -> None:
-    stops_module.cache.clear()
-    b0 = stops_module.alive.nbytes  # automata other tests' objects still hold
-    held = StopScanner(["held-" + "h" * 300], False)
-    old, new = automaton(["old-" + "o" * 300]), automaton(["new-" + "n" * 300])
+    automata = StopAutomata(budget=0)
+    held = StopScanner(automata.get(["held-" + "h" * 300]), False)
+    old, new = automata.get(["old-" + "o" * 300]), automata.get(["new-" + "n" * 300])
     size = old.nbytes
     del old, new  # now only the cache holds them
-    budget = stops_module.alive.nbytes + stops_module.STATE_BYTES * 301 - size + 1  # one of the two must go
-    assert stops_module.make_room(300, budget)
-    assert ("old-" + "o" * 300,) not in stops_module.cache and ("new-" + "n" * 300,) in stops_module.cache
-    assert not stops_module.make_room(300, b0 + held.ac.nbytes)  # only what a request holds is left: no room
-    assert ("held-" + "h" * 300,) not in stops_module.cache and stops_module.alive.nbytes == b0 + held.ac.nbytes
+    automata.budget = automata.alive_bytes + STATE_BYTES * 301 - size + 1  # one of the two must go
+    assert automata.make_room(300)
+    assert ("old-" + "o" * 300,) not in automata.cache and ("new-" + "n" * 300,) in automata.cache
+    automata.budget = held.ac.nbytes
+    assert not automata.make_room(300)  # only what a request holds is left: no room
+    assert len(automata.cache) == 0 and automata.alive_bytes == held.ac.nbytes
 
 
 @pytest.mark.parametrize("kind", ["one long", "cjk", "many short", "overlapping"])

@@ -16,7 +16,7 @@ from detokd.collector import Collector
 from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery
-from detokd.metrics import Stats
+from detokd.core.stats import Stats
 from detokd.wire import native as P
 
 enc = msgspec.msgpack.encode

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from msgspec import Raw
 
-from ..metrics import Stats
+from .stats import Stats
 from . import records as r
 from .decoder import Codec, RunTooLong
 from .outbox import Outbox
 from .records import OutRow, Row, error_row
 from .request import SENT_TAIL, Request
-from .stops import StopScanner, build_cost, make_room
+from .stops import StopAutomata, StopScanner
 from .table import RequestTable, Tombstones
 
 log = logging.getLogger("detokd.core")
@@ -87,6 +87,7 @@ class Detokenizer:
         self.overloaded = False  # set by the loop's RSS guard: new requests and held text that grows are refused
         self.closing = False  # set by the loop when shutdown leaves no time to decode: rows get `shutdown`
         self.stop_chars_left = limits.frame_stop_chars  # this frame's budget for building stop automata
+        self.automata = StopAutomata(limits.stop_bytes)
 
     def tokens(self, rows: list[Row], most_ids: int | None = None) -> None:
         """One engine step. The common row (a live, plain streaming request's next ids)
@@ -242,17 +243,17 @@ class Detokenizer:
         decoder = self.codec.new(tail, start.skip_special_tokens)
         stops = None
         if any(start.stop):
-            built = build_cost(start.stop)
+            built = self.automata.cost(start.stop)
             if built > self.stop_chars_left:
                 self._too_large(row, None, "stop characters per frame")
                 return None
-            if built and not make_room(built, self.limits.stop_bytes):
+            if built and not self.automata.make_room(built):
                 log.warning("stop automata fill max_stop_bytes = %d: a new stop list is refused (overloaded)",
                             self.limits.stop_bytes)
                 self._refuse_new(row, start)
                 return None
             self.stop_chars_left -= built
-            stops = StopScanner(start.stop, start.no_stop_trim)
+            stops = StopScanner(self.automata.get(start.stop), start.no_stop_trim)
         st = Request(start.worker, self.outbox.to(start.worker), start, decoder, stops)
         for old_rid, old in self.table.put(rid, st):
             self.stats.evictions += 1

@@ -69,7 +69,6 @@ class StopAutomaton:
         # Its memory, estimated: a state is a small dict and a slot in five lists (and
         # ints past the small-int cache); the stop strings themselves; the wide chars.
         self.nbytes = STATE_BYTES * len(goto) + WIDE_CHAR_BYTES * wide + sum(sys.getsizeof(s) for s in set(spells))
-        _alive(self)
 
     def spell(self, state: int) -> str:
         """The text a state stands for: the longest tail of the text scanned that is a
@@ -92,75 +91,65 @@ WIDE_CHAR_BYTES = 80
 CACHE_ENTRIES = 1024
 CACHE_BYTES = 64 << 20
 
-# Least recently used first out, bounded in bytes as well: a few requests with huge
-# stop strings must not pin gigabytes of automata after they end.
-cache: BoundedMap[tuple[str, ...], StopAutomaton] = BoundedMap(CACHE_ENTRIES, CACHE_BYTES, lambda key, a: a.nbytes)
 
+class StopAutomata:
+    """The automata of one Detokenizer. Requests of a deployment share a handful of stop
+    lists, so each is built once and cached, least recently used first out, bounded in
+    entries and bytes: a few requests with huge stop strings must not pin gigabytes of
+    automata after they end. An automaton bigger than the whole cache is built for its
+    request and not kept.
 
-class Alive:
-    """Every automaton alive, cached or held by a live request (a request keeps its own
-    after the cache let it go): their count and estimated bytes. An automaton is freed
-    the moment its last holder lets go (it has no cycles); its finalizer counts it out."""
+    `alive` and `alive_bytes` count every automaton built here that is still alive,
+    cached or held by a live request after the cache let it go (an automaton has no
+    cycles: it is freed, and counted out, when its last holder lets go). `make_room`
+    keeps them within `budget` bytes."""
 
-    count = 0
-    nbytes = 0
+    def __init__(self, budget: int, entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES) -> None:
+        self.budget = budget
+        self.cache: BoundedMap[tuple[str, ...], StopAutomaton] = BoundedMap(entries, cache_bytes, lambda key, a: a.nbytes)
+        self.alive = 0
+        self.alive_bytes = 0
 
+    def cost(self, stops: list[str]) -> int:
+        """What `get(stops)` would build, in characters: 0 when it is cached."""
+        return 0 if tuple(stops) in self.cache else sum(map(len, stops))
 
-alive = Alive()
+    def make_room(self, chars: int) -> bool:
+        """Whether an automaton of `chars` characters fits beside those alive within the
+        budget, after letting cached ones go, oldest first (one a live request holds
+        stays alive, uncached). False when it does not fit even then."""
+        need = STATE_BYTES * (chars + 1)
+        while self.alive_bytes + need > self.budget and len(self.cache):
+            self.cache.pop(self.cache.oldest()[0])  # no reference kept here: a free one goes at once
+        return self.alive_bytes + need <= self.budget
 
+    def get(self, stops: list[str]) -> StopAutomaton:
+        key = tuple(stops)
+        a = self.cache.get(key)
+        if a is None:
+            a = StopAutomaton(key)
+            self.alive += 1
+            self.alive_bytes += a.nbytes
+            weakref.finalize(a, self._gone, a.nbytes)
+            self.cache.put(key, a)
+        else:
+            self.cache.refresh(key)
+        return a
 
-def _alive(a: StopAutomaton) -> None:
-    alive.count += 1
-    alive.nbytes += a.nbytes
-    weakref.finalize(a, _gone, a.nbytes)
-
-
-def _gone(nbytes: int) -> None:
-    alive.count -= 1
-    alive.nbytes -= nbytes
-
-
-def build_cost(stops: list[str]) -> int:
-    """What `automaton(stops)` would build, in characters: 0 when it is cached."""
-    return 0 if tuple(stops) in cache else sum(map(len, stops))
-
-
-def make_room(chars: int, budget: int) -> bool:
-    """Whether an automaton of `chars` characters fits beside those alive within
-    `budget` bytes, after letting cached ones go, oldest first (one a live request
-    holds stays alive, uncached). False when it does not fit even then."""
-    need = STATE_BYTES * (chars + 1)
-    while alive.nbytes + need > budget and len(cache):
-        cache.pop(cache.oldest()[0])  # no reference kept here: a free one goes at once
-    return alive.nbytes + need <= budget
-
-
-def automaton(stops: list[str]) -> StopAutomaton:
-    """Requests of one deployment share a handful of stop lists: build each once.
-
-    An automaton bigger than the whole cache is built for its request and not kept.
-    """
-    key = tuple(stops)
-    a = cache.get(key)
-    if a is None:
-        a = StopAutomaton(key)
-        cache.put(key, a)
-    else:
-        cache.refresh(key)
-    return a
+    def _gone(self, nbytes: int) -> None:
+        self.alive -= 1
+        self.alive_bytes -= nbytes
 
 
 class StopScanner:
     """One request's position in its automaton, which spells the text it holds back."""
 
-    __slots__ = ("ac", "state", "keep_stop", "scanned", "copied")
+    __slots__ = ("ac", "state", "keep_stop")
 
-    def __init__(self, stops: list[str], keep_stop: bool) -> None:
-        self.ac = automaton(stops)
+    def __init__(self, ac: StopAutomaton, keep_stop: bool) -> None:
+        self.ac = ac
         self.state = 0
         self.keep_stop = keep_stop  # no_stop_trim: the matched stop stays in the text
-        self.scanned = 0  # characters fed in all, for the cost bound's test
-        self.copied = 0  # characters of the text it built to send, likewise
 
     @property
     def held(self) -> str:
@@ -173,7 +162,6 @@ class StopScanner:
         ac = self.ac
         advance, match = ac.advance, ac.match
         start = state = self.state
-        self.scanned += len(text)
         for k, ch in enumerate(text):
             state = advance(state, ch)
             s = match[state]
@@ -187,7 +175,6 @@ class StopScanner:
     def _sent(self, start: int, text: str, n: int) -> str:
         """The first n characters of (what state `start` held) + text, built once."""
         h = self.ac.depth[start]
-        self.copied += n
         if n <= h:
             return self.ac.spells[start][:n] if n else ""
         if not h:

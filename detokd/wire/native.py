@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ..collector import Collector
     from ..core.detokenizer import Detokenizer
     from ..delivery import Delivery
-    from ..metrics import Stats
+    from ..core.stats import Stats
 
 log = logging.getLogger("detokd.wire.native")
 

@@ -14,7 +14,7 @@ from detokd.collector import Collector
 from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery
-from detokd.metrics import Stats
+from detokd.core.stats import Stats
 from detokd.sglang import schema
 from detokd.sglang.replay import Scripted, accumulate, build_stream, ipc_encoding
 from detokd.sglang.dialect import SglangDialect

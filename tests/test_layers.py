@@ -1,0 +1,91 @@
+"""The package's shape: which part may import which, read from the code itself.
+
+A part is a top-level module or a folder of detokd. Data flows one way, wire dialect ->
+core -> delivery, and each part imports only parts on a lower floor of LAYERS: so no
+import runs back up and there is no cycle between folders. The core imports nothing
+outside itself but the tokenizer: no sockets, no metrics library, no HTTP server.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import detokd
+
+PACKAGE = Path(detokd.__file__).parent
+
+# Lowest floor first. A new module gets a floor here; moving one up or down is a design
+# change, made here on purpose.
+LAYERS = [
+    ["zoo", "readiness"],
+    ["tokenizer"],
+    ["core"],  # table, decoders, stops, request state, the stats record
+    ["logs", "config", "collector"],
+    ["http", "sockets", "process"],
+    ["metrics", "delivery", "launch"],
+    ["wire"],  # the native dialect
+    ["server", "client"],
+    ["sglang", "demo"],  # SGLang's dialect, schema, process and plugin: all of it here
+    ["cli"],
+    ["__main__"],
+]
+FLOOR = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+
+
+def _part(module: str) -> str | None:
+    """detokd.core.stops -> core; detokd -> None (the package's face)."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 and names[0] == "detokd" else None
+
+
+def _imports(path: Path) -> set[str]:
+    """The detokd modules a file imports, relative imports resolved."""
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    package = list(rel.parts[:-1])  # what `.` means here, for a module and an __init__ alike
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module or ""
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.startswith("detokd.")}
+
+
+def test_every_part_of_the_package_has_a_floor():
+    parts = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert parts - {"__init__"} == set(FLOOR)
+
+
+def test_no_import_runs_back_up_a_floor_or_across_one():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = _part("detokd." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts))
+        for target in sorted(_imports(path)):
+            there = _part(target)
+            if here is None or there is None or there == here or there not in FLOOR:
+                continue  # the package's face, a name inside a module, or the part itself
+            if FLOOR[there] >= FLOOR[here]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)} imports {target} (floor {FLOOR[there]} >= {FLOOR[here]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_core_loads_with_no_sockets_metrics_or_http_and_nothing_of_detokd_beyond_the_tokenizer():
+    # Blocked in sys.modules, an import of zmq or prometheus_client raises: the core must
+    # not need them, even indirectly.
+    core = sorted(f"detokd.core.{p.stem}" for p in (PACKAGE / "core").glob("*.py") if p.stem != "__init__")
+    code = (
+        "import sys\n"
+        "for name in ('zmq', 'prometheus_client', 'uvloop', 'http.server'): sys.modules[name] = None\n"
+        f"for m in {core!r}: __import__(m)\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('detokd'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    loaded = set(out.stdout.split())
+    assert set(core) <= loaded
+    assert {_part(m) for m in loaded} <= {None, "core", "tokenizer", "zoo"}, loaded
