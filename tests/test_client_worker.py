@@ -114,9 +114,9 @@ def test_buffering_is_bounded(waddr: str) -> None:
                 d.text(out_row(f"u{i}", f"t{i}", 1))
             d.text(out_row("u4", "!", 2, finish="stop"))
             await until(lambda: w.dropped_rids == 2)
-            await asyncio.sleep(0.05)
-            assert w.buffered_rids == 3 and w.dropped_rids == 2
+            # u4's finishing row came last: once its stream ends, every row has been read.
             assert await w.stream("u4").text() == "t4!"  # the newest survive
+            assert w.dropped_rids == 2 and w.buffered_rids == 2  # u0, u1 dropped; u2, u3 held
             # Many unread rids never grow the buffer past its bound.
             d.text(*[out_row(f"v{i}", "x", 1) for i in range(1000)])
             await until(lambda: w.dropped_rids == 2 + 1000 - 1)
@@ -179,7 +179,8 @@ def test_close_fails_open_streams(waddr: str) -> None:
         w = WorkerClient(waddr)
         s = w.stream("pending")
         waiter = asyncio.ensure_future(s.text())
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # one turn of the loop: the waiter is now waiting on the stream
+        assert not waiter.done()
         await w.aclose()
         with pytest.raises(WorkerClosed):
             await waiter

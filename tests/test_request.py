@@ -1,0 +1,160 @@
+"""Request.feed: one request's text logic, row by row (detokd.core.request).
+
+What each row's text is, with a real tokenizer's decoder and a real stop scanner: the
+stop token's trim, detokd's own stop strings (and the feedback row they make), the
+stream=false buffer, and the trim of a stop string the engine matched, also when it
+began in text already sent. The text is always the oracle's, cut where the rules say.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import cut, fast_codec, oracle, vocab
+from detokd.core.records import Finish, Start, StoppedRow
+from detokd.core.request import SENT_TAIL, Request
+from detokd.core.stops import StopAutomata, StopScanner
+
+NAME = "deepseek"
+AUTOMATA = StopAutomata(budget=1 << 30)
+
+
+def ids_of(text: str) -> list[int]:
+    return vocab(NAME).backend.encode(text, add_special_tokens=False).ids
+
+
+def request(*, stop: list[str] = (), keep: bool = False, stream: bool = True, skip: bool = True) -> Request:
+    start = Start(stop=list(stop), no_stop_trim=keep, stream=stream, skip_special_tokens=skip)
+    scanner = StopScanner(AUTOMATA.get(start.stop), keep) if start.stop else None
+    return Request(0, [], start, fast_codec(NAME).new([], skip), scanner)
+
+
+def play(req: Request, ids: list[int], step: int, finish: Finish | None) -> list[tuple[str, Finish | None, StoppedRow | None]]:
+    """Feed `ids` in rows of `step`, the last one with `finish`; stop at a finish."""
+    out = []
+    for k in range(0, max(len(ids), 1), step):
+        last = k + step >= len(ids)
+        out.append(req.feed("r", ids[k : k + step], finish if last else None))
+        if out[-1][1] is not None:
+            break
+    return out
+
+
+def text(rows) -> str:
+    return "".join(t for t, _, _ in rows)
+
+
+TEXT = "Hello, 世界! Émoji 👩‍👩‍👧 done. Привет."
+
+
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_a_plain_request_streams_the_oracles_text_and_counts_its_ids(step):
+    ids = ids_of(TEXT)
+    req = request()
+    rows = play(req, ids, step, Finish("length"))
+    assert text(rows) == oracle(vocab(NAME), [], ids, True)
+    assert rows[-1][1] == Finish("length") and req.n_ids == len(ids) and not req.stopped
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_stop_token_the_engine_matched_is_not_rendered_unless_no_stop_trim(keep):
+    v = vocab(NAME)
+    eos = v.backend.token_to_id("<｜end▁of▁sentence｜>")
+    ids = ids_of("The end") + [eos]
+    rows = play(request(keep=keep, skip=False), ids, 2, Finish("stop", eos))
+    shown = ids if keep else ids[:-1]
+    assert text(rows) == oracle(v, [], shown, False)
+    assert "end▁of▁sentence" in oracle(v, [], ids, False)  # it would have shown
+
+
+def test_a_stop_token_of_id_0_is_trimmed_too():
+    # SGLang's detokenizer tests the matched id for truth, so id 0 was never trimmed.
+    v = vocab(NAME)
+    ids = ids_of("zero") + [0]
+    assert text(play(request(skip=False), ids, 1, Finish("stop", 0))) == oracle(v, [], ids[:-1], False)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("step", [1, 3])
+def test_detokds_own_stop_string_ends_the_request_on_the_id_that_completed_it(keep, step):
+    stop = "世界"
+    ids = ids_of(TEXT)
+    req = request(stop=[stop], keep=keep)
+    rows = play(req, ids, step, Finish("length"))
+    whole = oracle(vocab(NAME), [], ids, True)
+    assert text(rows) == cut(whole, [stop], keep)[0]
+    _, finish, stopped = rows[-1]
+    assert finish == Finish("stop", stop) and req.stopped
+    # n_ids: the ids it took to complete the stop string, the first id whose text holds its end.
+    n = next(k for k in range(1, len(ids) + 1) if stop in oracle(vocab(NAME), [], ids[:k], True))
+    assert stopped == StoppedRow("r", 0, stop, n)
+
+
+def test_a_held_back_stop_prefix_that_never_completes_goes_out_with_the_finish():
+    ids = ids_of("a partial </ans")
+    rows = play(request(stop=["</answer>"]), ids, 1, Finish("length"))
+    assert text(rows) == oracle(vocab(NAME), [], ids, True)
+    assert "</ans" not in text(rows[:-1]) and rows[-1][0].endswith("</ans")
+
+
+def test_stream_false_sends_nothing_until_the_finishing_row_which_carries_all():
+    ids = ids_of(TEXT)
+    req = request(stream=False)
+    rows = play(req, ids, 2, Finish("length"))
+    assert all(t == "" for t, _, _ in rows[:-1]) and req.held > 0
+    assert rows[-1][0] == oracle(vocab(NAME), [], ids, True)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_an_engine_stop_string_is_cut_at_its_last_occurrence(keep):
+    stop = "done"
+    ids = ids_of("done once, then done")
+    rows = play(request(keep=keep), ids, len(ids), Finish("stop", stop))
+    whole = oracle(vocab(NAME), [], ids, True)
+    at = whole.rfind(stop)
+    assert text(rows) == whole[: at + len(stop) if keep else at]
+
+
+def test_an_engine_stop_string_that_began_in_sent_text_sends_nothing_more():
+    # The engine let the row with "Ем" out before the row that completed "Емоджи" (SGLang
+    # checks in token space); what was sent stays sent, the rest of the stop never goes.
+    head, stop = "Текст: ", "Емоджи"
+    v = vocab(NAME)
+    ids = ids_of(head + stop)
+    k = next(k for k in range(len(ids)) if oracle(v, [], ids[:k], True).startswith(head + "Ем"))
+    req = request()
+    first = req.feed("r", ids[:k], None)[0]
+    assert first.startswith(head + "Ем") and stop not in first
+    assert req.feed("r", ids[k:], Finish("stop", stop)) == ("", Finish("stop", stop), None)
+
+
+def _engine_stop_run(steps: list[int], ids: list[int], stop: str) -> tuple[str, str]:
+    """(text sent before the finishing row, text of the finishing row)."""
+    req, before, k = request(), "", 0
+    for n in steps:
+        if k + n >= len(ids):
+            break
+        before += req.feed("r", ids[k : k + n], None)[0]
+        k += n
+    return before, req.feed("r", ids[k:], Finish("stop", stop))[0]
+
+
+@given(st.lists(st.integers(1, 4), max_size=40), st.sampled_from(["世界", "Émoji", "👧 done", "ет."]))
+def test_for_any_split_the_client_gets_the_oracle_up_to_the_engines_stop_and_never_past_it(steps, stop):
+    """The engine stops on the id that completes its stop string. Whatever the rows
+    before, the text ends where the stop begins, or, when the rows let its first
+    characters out already, where they ended (SENT_TAIL bounds how far back it looks)."""
+    v = vocab(NAME)
+    full = ids_of(TEXT)
+    ids = full[: next(n for n in range(1, len(full) + 1) if stop in oracle(v, [], full[:n], True))]
+    whole = oracle(v, [], ids, True)
+    at = whole.find(stop)
+    assert len(stop) <= SENT_TAIL + 1
+    before, last = _engine_stop_run(steps, ids, stop)
+    assert whole.startswith(before + last)
+    if len(before) <= at:
+        assert before + last == whole[:at]
+    else:  # its start went out with an earlier row: nothing more
+        assert last == "" and len(before) < at + len(stop)
