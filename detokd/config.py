@@ -6,6 +6,7 @@ message that names the key, so no setting is validated by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from typing import Annotated, Literal
@@ -129,10 +130,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_stop_bytes: Cap = Limits.stop_bytes
     # Bytes of text a stream=false request holds until its finishing row (its strs as
     # Python stores them, 1-4 bytes a character, and ~57 a row); beyond, "too_large".
-    max_held_text_bytes: Cap = Limits.held_text
+    max_held_text_bytes: Cap = Limits.held_text_bytes
     # Above this resident size new requests are refused ("overloaded"), and so is a live
     # request's held text that grows (stream=false); off when unset.
     max_rss_mb: Annotated[int, Meta(ge=1)] | None = None
+
+    def limits(self) -> Limits:
+        """The core's caps: each Limits field from its key, max_<field>."""
+        return Limits(**{f.name: getattr(self, "max_" + f.name) for f in dataclasses.fields(Limits)})
 
 
 class ConfigError(ValueError):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from .config import Config
 from .core.bounded import BoundedMap
 from .core.outbox import Outbox
 from .core.records import OutRow
@@ -68,6 +69,15 @@ class RegisterPolicy:
     replace: bool = False
     max_added: int = 16
     tcp_needs_curve: bool = False  # CURVE is on: a registered tcp worker would be plaintext (no key comes in a register)
+
+    @classmethod
+    def of(cls, cfg: Config, curve: bool) -> RegisterPolicy:
+        """The register_* keys; with CURVE on (`curve`), a tcp register is refused unless
+        curve_plaintext names "register"."""
+        return cls(
+            cfg.register_enabled, tuple(cfg.register_allow), cfg.register_replace, cfg.register_max,
+            tcp_needs_curve=curve and "register" not in cfg.curve_plaintext,
+        )
 
     def refusal(self, delivery: Delivery, index: int, address: str) -> str | None:
         """Why this register is refused, or None."""

@@ -26,7 +26,7 @@ from . import logs, readiness, sockets
 from .collector import Collector
 from .config import Config, ConfigError, check
 from .core.decoder import make_codec
-from .core.detokenizer import Detokenizer, Limits
+from .core.detokenizer import Detokenizer
 from .core.outbox import Outbox
 from .core.records import INTERNAL, SHUTDOWN
 from .core.stats import Stats
@@ -125,89 +125,114 @@ def native(core: Detokenizer, delivery: Delivery, collector: Collector, stats: S
 
 
 class Server:
+    """detokd's loop over one input, its workers and one dialect.
+
+    Start-up binds in an order a supervisor can read: health first (it says "starting"
+    during the seconds a tokenizer takes), then the input (an address in use is a config
+    error worth knowing before them), the tokenizer, delivery, and the core with its
+    dialect. Whatever start-up opened is closed again if a later step fails."""
+
     def __init__(self, cfg: Config, vocab: Vocab | None = None, dialect: DialectFactory = native) -> None:
+        check(cfg)
         self.cfg = cfg
         self.stats = Stats()
-        self.metrics = None
-        check(cfg)
+        self.metrics: MetricsServer | None = None
         self.ctx = zmq.Context()
-        self.delivery = None
+        self.delivery: Delivery | None = None
         self.auth = None
         self.refusals = threading.Lock()
-        # Health first, so a supervisor sees "starting" during the seconds a tokenizer
-        # takes; then the input, since an address in use is a config error worth knowing
-        # before them.
         try:
-            if cfg.metrics_port is not None:
-                try:
-                    self.metrics = MetricsServer(self.stats, cfg.metrics_host, cfg.metrics_port, cfg.health_timeout)
-                except OSError as exc:
-                    raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
-                self.metrics.start()
-            sockets.prepare_private([cfg.input, *cfg.workers, cfg.feedback])
-            sockets.check_ipc_folders(
-                [("input", cfg.input), *((f"worker {w}", a) for w, a in enumerate(cfg.workers)), ("feedback", cfg.feedback)]
-            )
-            curve = sockets.Curve.from_config(cfg)
-            if curve is not None:
-                for name in cfg.curve_plaintext:  # config.check refused any other tcp socket without a key
-                    what = "every tcp worker added by register" if name == "register" else name.replace(".", " ")
-                    log.warning("CURVE is on but %s is connected in plaintext (curve_plaintext)", what)
-            self.input = self.ctx.socket(zmq.PULL)
-            self.input.setsockopt(zmq.LINGER, 0)
-            # A bigger message is never read: ZMQ drops the connection of its sender.
-            self.input.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
-            if curve is not None:
-                self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients, self._curve_refused, watch=self.input)
-                curve.serve(self.input)
-            elif sockets.is_loopback_tcp(cfg.input) is False:
-                log.warning(
-                    "input %s is reachable from other hosts and unauthenticated: anyone who reaches it can "
-                    "send rows and register workers; set curve_secret_key (docs/security.md)", cfg.input,
-                )
-            sockets.claim_ipc(cfg.input)
-            try:
-                self.input.bind(cfg.input)
-            except zmq.ZMQError as exc:
-                raise ConfigError(f"cannot bind input {cfg.input}: {exc.strerror}") from exc
-            self.endpoint = self.input.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.bound = self.endpoint + (" (CURVE)" if curve else "")
-            self.vocab = vocab or load(cfg.tokenizer)
-            t0 = time.perf_counter()
-            self.codec = make_codec(self.vocab, cfg.codec, cfg.release)
-            log.info(
-                "tokenizer %s: %d ids, %s codec (built and verified in %.2fs)",
-                cfg.tokenizer, self.vocab.size, self.codec.name, time.perf_counter() - t0,
-            )
-            self.outbox = Outbox()
-            try:
-                self.delivery = Delivery(
-                    self.ctx, self.outbox, list(cfg.workers),
-                    feedback=cfg.feedback, hwm=cfg.send_hwm, queue_bytes=cfg.send_queue_bytes,
-                    linger_ms=cfg.linger_ms, stats=self.stats,
-                    policy=RegisterPolicy(
-                        cfg.register_enabled, tuple(cfg.register_allow), cfg.register_replace, cfg.register_max,
-                        tcp_needs_curve=curve is not None and "register" not in cfg.curve_plaintext,
-                    ),
-                    curve=curve,
-                )
-            except (ValueError, zmq.ZMQError) as exc:
-                raise ConfigError(str(exc)) from exc
+            self._serve_health()
+            curve = self._secure()
+            self._bind_input(curve)
+            self._load_tokenizer(vocab)
+            self._open_delivery(curve)
         except BaseException:
             self.close()
             raise
         self.core = Detokenizer(
             self.codec, self.vocab.size, self.outbox,
-            max_states=cfg.max_states, max_prompt_tail=cfg.max_prompt_tail, stats=self.stats,
-            limits=Limits(
-                rows=cfg.max_rows, frame_ids=cfg.max_frame_ids, frame_stop_chars=cfg.max_frame_stop_chars,
-                row_ids=cfg.max_row_ids, rid_len=cfg.max_rid_len, meta_bytes=cfg.max_meta_bytes,
-                wire_prompt_tail=cfg.max_wire_prompt_tail, stop_strings=cfg.max_stop_strings,
-                stop_chars=cfg.max_stop_chars, stop_bytes=cfg.max_stop_bytes, held_text=cfg.max_held_text_bytes,
-            ),
+            max_states=cfg.max_states, max_prompt_tail=cfg.max_prompt_tail, stats=self.stats, limits=cfg.limits(),
         )
         self.collector = Collector(self.stats)
         self.dialect = dialect(self.core, self.delivery, self.collector, self.stats, cfg)
+        self._limit_log_rates()
+        self.stop_requested_at: float | None = None  # when the first SIGTERM/SIGINT came
+        self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None
+        self.rss_checked = 0.0
+
+    # --- start-up, in order -----------------------------------------------------------
+
+    def _serve_health(self) -> None:
+        cfg = self.cfg
+        if cfg.metrics_port is None:
+            return
+        try:
+            self.metrics = MetricsServer(self.stats, cfg.metrics_host, cfg.metrics_port, cfg.health_timeout)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
+        self.metrics.start()
+
+    def _secure(self) -> sockets.Curve | None:
+        """The private ipc folders, checked; CURVE's keys, if configured."""
+        cfg = self.cfg
+        sockets.prepare_private([cfg.input, *cfg.workers, cfg.feedback])
+        sockets.check_ipc_folders(
+            [("input", cfg.input), *((f"worker {w}", a) for w, a in enumerate(cfg.workers)), ("feedback", cfg.feedback)]
+        )
+        curve = sockets.Curve.from_config(cfg)
+        if curve is not None:
+            for name in cfg.curve_plaintext:  # config.check refused any other tcp socket without a key
+                what = "every tcp worker added by register" if name == "register" else name.replace(".", " ")
+                log.warning("CURVE is on but %s is connected in plaintext (curve_plaintext)", what)
+        return curve
+
+    def _bind_input(self, curve: sockets.Curve | None) -> None:
+        cfg = self.cfg
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.setsockopt(zmq.LINGER, 0)
+        # A bigger message is never read: ZMQ drops the connection of its sender.
+        self.input.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
+        if curve is not None:
+            self.auth = sockets.start_authenticator(self.ctx, cfg.curve_clients, self._curve_refused, watch=self.input)
+            curve.serve(self.input)
+        elif sockets.is_loopback_tcp(cfg.input) is False:
+            log.warning(
+                "input %s is reachable from other hosts and unauthenticated: anyone who reaches it can "
+                "send rows and register workers; set curve_secret_key (docs/security.md)", cfg.input,
+            )
+        sockets.claim_ipc(cfg.input)
+        try:
+            self.input.bind(cfg.input)
+        except zmq.ZMQError as exc:
+            raise ConfigError(f"cannot bind input {cfg.input}: {exc.strerror}") from exc
+        self.endpoint = self.input.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.bound = self.endpoint + (" (CURVE)" if curve else "")
+
+    def _load_tokenizer(self, vocab: Vocab | None) -> None:
+        cfg = self.cfg
+        self.vocab = vocab or load(cfg.tokenizer)
+        t0 = time.perf_counter()
+        self.codec = make_codec(self.vocab, cfg.codec, cfg.release)
+        log.info(
+            "tokenizer %s: %d ids, %s codec (built and verified in %.2fs)",
+            cfg.tokenizer, self.vocab.size, self.codec.name, time.perf_counter() - t0,
+        )
+
+    def _open_delivery(self, curve: sockets.Curve | None) -> None:
+        cfg = self.cfg
+        self.outbox = Outbox()
+        try:
+            self.delivery = Delivery(
+                self.ctx, self.outbox, list(cfg.workers),
+                feedback=cfg.feedback, hwm=cfg.send_hwm, queue_bytes=cfg.send_queue_bytes,
+                linger_ms=cfg.linger_ms, stats=self.stats,
+                policy=RegisterPolicy.of(cfg, curve is not None), curve=curve,
+            )
+        except (ValueError, zmq.ZMQError) as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def _limit_log_rates(self) -> None:
         # What peers send chooses what these log (rids, ops, worker numbers): each
         # message template gets a bounded rate and a bounded length. logs.setup (the
         # CLI) limits every record at its handler; these hold where another program
@@ -216,9 +241,6 @@ class Server:
             logger = logging.getLogger(name)
             if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
                 logger.addFilter(RateLimitFilter())
-        self.stop_requested_at: float | None = None  # when the first SIGTERM/SIGINT came
-        self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None
-        self.rss_checked = 0.0
 
     def _on_signal(self, _signum: int, _frame) -> None:
         """SIGTERM/SIGINT: the loop takes no new frames, answers the queued ones, exits.
@@ -253,7 +275,7 @@ class Server:
                 if not poller.poll(POLL_MS if drain_until is None else 0):
                     if drain_until is not None:
                         break  # nothing queued
-                    self._publish()
+                    self._between_batches()
                     continue
                 if delivery.backlogged:
                     delivery.flush()
@@ -274,7 +296,7 @@ class Server:
                     stats.last_turn = monotonic()
                     if drain_until is None and self.stop_requested_at is not None:
                         break  # the frame in hand is done: stop taking new ones first
-                self._publish()
+                self._between_batches()
                 if empty and drain_until is not None:
                     break
         finally:
@@ -352,12 +374,21 @@ class Server:
         with self.refusals:
             self.stats.curve_refused += 1
 
-    def _publish(self) -> None:
+    def _between_batches(self) -> None:
+        """What a turn ends with, after its frames (or the poll's timeout): each part
+        bounded, none waits."""
+        now = time.monotonic()
         logs.report_suppressed()  # security events are limited in rate, never lost without a count
         if self.max_rss is not None:
-            self._guard_rss(time.monotonic())
-        self.collector.tick(time.monotonic())
+            self._guard_rss(now)
+        self.collector.tick(now)  # the young generations, once a second
+        # Error rows owed to workers whose queues were full, now that they may have room.
         self.delivery.settle(self.dialect.encode_text, self.core.table.__contains__)
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        """What /metrics reads of the core's and delivery's state (counters are bumped as
+        they happen; these are sizes)."""
         core = self.core
         self.stats.live = len(core.table)
         self.stats.memory = {

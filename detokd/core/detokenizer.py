@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from msgspec import Raw
 
-from .stats import Stats
 from . import records as r
 from .decoder import Codec, RunTooLong
 from .outbox import Outbox
 from .records import OutRow, Row, error_row
 from .request import SENT_TAIL, Request
+from .stats import Stats
 from .stops import StopAutomata, StopScanner
 from .table import RequestTable, Tombstones
 
@@ -28,7 +28,8 @@ log = logging.getLogger("detokd.core")
 
 @dataclass(frozen=True)
 class Limits:
-    """What one row may make detokd hold (Config's max_* keys). Rows beyond them get
+    """What one row may make detokd hold: Config's key max_<field> for each field
+    (Config.limits()). Rows beyond them get
     `too_large`; a frame of more than `rows` rows is dropped whole, a bad frame.
 
     Two budgets bound one frame's work, not only its bytes; rows past them get
@@ -51,7 +52,7 @@ class Limits:
     stop_chars: int = 4096
     # Bytes of text a stream=false request holds for its finishing row (~4M tokens of
     # prose); every other request's state is bounded by the caps above.
-    held_text: int = 16 << 20
+    held_text_bytes: int = 16 << 20
 
 
 def _over_budget(rows: list[Row], budget: int) -> int | None:
@@ -214,7 +215,7 @@ class Detokenizer:
         held = st.held
         text, finish, stopped = st.feed(rid, ids, row.finish)
         if st.held != held and finish is None:  # stream=false text kept for the finishing row
-            if st.held > self.limits.held_text:
+            if st.held > self.limits.held_text_bytes:
                 self._too_large(row, st, "held text")
                 return
             if self.overloaded:  # the RSS guard: a live request that keeps growing is failed
