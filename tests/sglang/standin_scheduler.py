@@ -1,0 +1,237 @@
+"""A stand-in for SGLang's scheduler process: SGLang's front end and detokenizer, no model.
+
+`run_standin_scheduler` has the signature of sglang's `run_scheduler_process`, so
+`launch_server(server_args, run_scheduler_process_func=run_standin_scheduler)` starts it
+through SGLang's own launch path. It speaks the scheduler's side of SGLang's IPC: it
+reports ready through the pipe as the real scheduler does, PULLs what the
+TokenizerManager sends, and streams to the detokenizer through SGLang's own output code.
+What it does not have is a model: each request's output ids are a reply chosen by its
+prompt (`reply_ids`), emitted a few per step. Everything between the ids and the client
+is SGLang's own: `Req` (max_new_tokens, stop strings and their hold-back, stop token ids,
+eos, `to_finish` for aborts) and `SchedulerOutputStreamer` (what goes out at each step).
+
+Each finished request is recorded as one JSON line in $STANDIN_LOG (rid, the ids the
+detokenizer decodes them in, the finish): the oracle's input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from array import array
+from typing import Any
+
+# One step every STEP_S while requests run: slow enough that a stream has many rows,
+# fast enough that ~30 requests of ~60 ids end in seconds.
+STEP_S = 0.004
+LOG_ENV = "STANDIN_LOG"
+
+# Replies in many scripts; the prompt picks one with "[reply K]" and its ids per step
+# with "[step N]". A reply ends with eos; past it (ignore_eos) it starts over.
+REPLIES = [
+    "Hello, world! 世界你好 🤖🎉👍🏽 Привет, мир! مرحبا بالعالم. Done.",
+    "Emoji: 👨\u200d👩\u200d👧 family and more, then the answer is 42. END of story.",
+    "古文 𠀀𪚥 龘靐齉爩，服务器在高并发下稳定运行。The server stays up.",
+    "Съешь же ещё этих мягких французских булок, да выпей чаю. STOP here.",
+    "def f(x):\n    return x * 2  # ½ ∑ ∫ → ≠ ≤ ≥\n\n\tTabs and  double  spaces.",
+]
+# Reply 1 carries a special token in its middle (rendered or skipped per request).
+SPECIAL_IN = 1
+
+
+def tag(text: str, name: str, default: int) -> int:
+    m = re.search(rf"\[{name} (\d+)\]", text)
+    return int(m.group(1)) if m else default
+
+
+def reply_ids(tokenizer: Any, prompt_ids: list[int]) -> list[int]:
+    """The ids the model would answer `prompt_ids` with, one cycle of them."""
+    prompt = tokenizer.decode(prompt_ids)
+    k = tag(prompt, "reply", 0) % len(REPLIES)
+    ids = tokenizer.encode(REPLIES[k], add_special_tokens=False)
+    others = [i for i, t in sorted(tokenizer.added_tokens_decoder.items()) if t.special and i != tokenizer.eos_token_id]
+    if k == SPECIAL_IN and others:
+        ids = ids[: len(ids) // 2] + [others[0]] + ids[len(ids) // 2 :]
+    return ids + [tokenizer.eos_token_id]
+
+
+class Standin:
+    """The scheduler's loop, minus the model."""
+
+    def __init__(self, server_args: Any, port_args: Any):
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.managers.scheduler_components.ipc_channels import SchedulerIpcChannels
+        from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+        from sglang.srt.runtime_context import get_model, get_serving
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        from sglang.srt.utils.hf_transformers_utils import get_tokenizer
+
+        self.model_config = ModelConfig.from_server_args(server_args)
+        # The tokenizer as Scheduler.init_tokenizer loads it (Req.tail_str decodes with it).
+        self.tokenizer = get_tokenizer(
+            get_serving().tokenizer_path,
+            tokenizer_mode=get_serving().tokenizer_mode,
+            trust_remote_code=get_model().trust_remote_code,
+            revision=get_model().revision,
+            tokenizer_backend=get_serving().tokenizer_backend,
+        )
+        self.channels = SchedulerIpcChannels.create(
+            port_args=port_args, is_rank_zero=True, skip_tokenizer_init=False,
+            metrics_enabled=False, enable_scripted_runtime=False,
+        )
+        self.streamer = SchedulerOutputStreamer(
+            send_to_detokenizer=self.channels.send_to_detokenizer, tree_cache=None, server_args=server_args,
+            is_generation=True, spec_algorithm=SpeculativeAlgorithm.NONE,
+            disaggregation_mode=DisaggregationMode.NULL, enable_hicache_storage=lambda: False,
+        )
+        self.max_req_len = self.model_config.context_len
+        self.running: dict[str, Any] = {}
+        self.replies: dict[str, tuple[list[int], int]] = {}
+        path = os.environ.get(LOG_ENV)
+        self.log = open(path, "a", buffering=1) if path else None
+
+    def init_info(self) -> dict:
+        """What Scheduler.get_init_info reports."""
+        return {"status": "ready", "max_total_num_tokens": 1 << 20, "max_req_input_len": self.max_req_len - 1,
+                "startup_time": None, "hicache_object_layout": None}
+
+    def serve_forever(self) -> None:
+        import zmq
+        from sglang.srt.managers.io_struct import sock_recv
+
+        sock = self.channels.recv_from_tokenizer
+        while True:
+            if not self.running:
+                sock.poll(100)
+            while True:
+                try:
+                    msg = sock_recv(sock, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
+                self.handle(msg)
+            if self.running:
+                self.step()
+                time.sleep(STEP_S)
+
+    def handle(self, msg: Any) -> None:
+        from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        if isinstance(msg, TokenizedGenerateReqInput):
+            msg.unwrap_pickle_fields()
+            self.admit(msg)
+        elif isinstance(msg, AbortReq):
+            # The real scheduler's "abort method 3": the running request finishes at its next step.
+            for rid, req in self.running.items():
+                if msg.abort_all or rid.startswith(msg.rid):
+                    req.to_finish = FINISH_ABORT(msg.abort_message) if msg.abort_message else FINISH_ABORT()
+
+    def admit(self, recv: Any) -> None:
+        from sglang.srt.managers.schedule_batch import Req
+
+        req = Req(
+            recv.rid, recv.input_text, recv.input_ids, recv.sampling_params,
+            return_logprob=recv.return_logprob, top_logprobs_num=recv.top_logprobs_num,
+            token_ids_logprob=recv.token_ids_logprob, stream=recv.stream,
+            eos_token_ids=self.model_config.hf_eos_token_id, vocab_size=self.model_config.vocab_size,
+            http_worker_ipc=recv.http_worker_ipc, time_stats=recv.time_stats,
+        )
+        req.tokenizer = self.tokenizer
+        sp = req.sampling_params
+        # Scheduler.init_req_max_new_tokens without the KV-memory bound a stand-in lacks.
+        sp.max_new_tokens = max(0, min(sp.max_new_tokens if sp.max_new_tokens is not None else 1 << 30,
+                                       self.max_req_len - len(req.origin_input_ids) - 1))
+        if req.return_logprob:
+            self._init_logprobs(req)
+        prompt = list(recv.input_ids)
+        self.replies[req.rid] = (reply_ids(self.tokenizer, prompt), tag(self.tokenizer.decode(prompt), "step", 1))
+        self.running[req.rid] = req
+
+    def step(self) -> None:
+        """One decode step: each running request gets its next ids, SGLang's Req decides
+        whether it finished, SGLang's streamer decides what goes to the detokenizer."""
+        reqs = list(self.running.values())
+        for req in reqs:
+            if req.finished() or req.to_finish:
+                req.update_finish_state()
+                continue
+            reply, per_step = self.replies[req.rid]
+            start = len(req.output_ids)
+            new = [reply[(start + j) % len(reply)] for j in range(per_step)]
+            req.output_ids.extend(new)
+            if req.return_logprob:
+                self._append_logprobs(req, new, start)
+            req.update_finish_state(len(new))
+        self.streamer.stream_output(reqs, any(r.return_logprob for r in reqs))
+        for req in reqs:
+            if req.finished():
+                del self.running[req.rid]
+                del self.replies[req.rid]
+                self._record(req)
+
+    def _record(self, req: Any) -> None:
+        if self.log is None:
+            return
+        ctx = list(req.origin_input_ids_unpadded[req.surr_offset : req.read_offset]) if req.read_offset is not None else []
+        sp = req.sampling_params
+        self.log.write(json.dumps({
+            "rid": req.rid, "context": ctx, "output_ids": list(req.output_ids_through_stop),
+            "finish": req.finished_reason.to_json(), "prompt_tokens": len(req.origin_input_ids),
+            "skip_special_tokens": sp.skip_special_tokens,
+            "spaces_between_special_tokens": sp.spaces_between_special_tokens,
+            "no_stop_trim": sp.no_stop_trim,
+        }) + "\n")
+
+    # Deterministic logprobs of the right shapes: the TokenizerManager reads them from
+    # the fields the detokenizer forwards.
+    @staticmethod
+    def _init_logprobs(req: Any) -> None:
+        lp = req.logprob
+        n = len(req.origin_input_ids)
+        lp.input_token_logprobs_val = [None] + [-(i + 1) / 16 for i in range(n - 1)]
+        lp.input_token_logprobs_idx = list(req.origin_input_ids)
+        lp.input_top_logprobs_val = [None] + [[-0.5, -1.5] for _ in range(n - 1)]
+        lp.input_top_logprobs_idx = [None] + [[t, 0] for t in list(req.origin_input_ids)[1:]]
+        lp.input_token_ids_logprobs_val = [None] * n
+        lp.input_token_ids_logprobs_idx = [None] * n
+        for name in ("val", "idx"):
+            for kind in ("token", "top", "token_ids"):
+                setattr(lp, f"output_{kind}_logprobs_{name}", [])
+
+    @staticmethod
+    def _append_logprobs(req: Any, new: list[int], start: int) -> None:
+        lp = req.logprob
+        for k, tok in enumerate(new):
+            pos = start + k
+            lp.output_token_logprobs_val.append(-(pos + 1) / 8)
+            lp.output_token_logprobs_idx.append(tok)
+            lp.output_top_logprobs_val.append([-(pos + 1) / 8, -4.0])
+            lp.output_top_logprobs_idx.append([tok, 0])
+            lp.output_token_ids_logprobs_val.append(None)
+            lp.output_token_ids_logprobs_idx.append(None)
+
+
+def run_standin_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, *_, **__):
+    """sglang's run_scheduler_process, with the Standin as the Scheduler."""
+    import signal
+
+    import psutil
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
+
+    load_plugins()
+    publish(server_args, role="scheduler", ranks=SpawnRanks(
+        world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank), dp_rank=dp_rank, gpu_id=gpu_id))
+    parent = psutil.Process().parent()
+    try:
+        standin = Standin(server_args, port_args)
+        pipe_writer.send(standin.init_info())
+        standin.serve_forever()
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        parent.send_signal(signal.SIGQUIT)
