@@ -97,6 +97,10 @@ def dialect_factory(vocab, use_pickle: bool | None = None):
     keep = set(tool_close_token_ids(parser, vocab.hf)) if parser else set()
     if parser == "gpt-oss":
         keep.add(GPT_OSS_CALL)
+    # Read as SGLang resolved them (a deprecated parser name on the command line is not
+    # what its detokenizer uses): said once, so an operator can check.
+    log.info("detokd's settings from SGLang: tool_call_parser=%r (stop ids kept %s), HTTP workers %d, %s IPC",
+             parser, sorted(keep), serving.tokenizer_worker_num, ipc.name)
 
     def make(core, delivery, collector, stats, cfg) -> SglangDialect:
         return SglangDialect(

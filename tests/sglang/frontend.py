@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,55 +21,16 @@ from pathlib import Path
 import psutil
 import requests
 
-from conftest import vocab
-from detokd import zoo
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SERVE = HERE / "serve_standin.py"
-# A chat template for /v1/chat/completions: the messages' contents in order, then the
-# assistant's turn (the stand-in reads its tags from the prompt).
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 # SGLang's crash path waits ~5 s for py-spy and up to 60 s for CUDA core dumps; neither exists here.
 QUIET_CRASH = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
-
-
-def eos_of(name: str) -> int:
-    """The tokenizer's eos, or its first special token when it names none."""
-    v = vocab(name)
-    return v.hf.eos_token_id if v.hf.eos_token_id is not None else sorted(v.special)[0]
-
-
-def model_folder(root: Path, name: str) -> Path:
-    """A weightless model folder whose tokenizer is the packaged tokenizer `name`."""
-    folder = root / f"model-{name}"
-    if folder.exists():
-        return folder
-    folder.mkdir(parents=True)
-    src = zoo.build(name)
-    for f in src.iterdir():
-        if f.is_file():
-            shutil.copy(f, folder / f.name)
-    v = vocab(name)
-    eos = eos_of(name)
-    tc_path = folder / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
-    tc.update(eos_token=v.hf.convert_ids_to_tokens(eos), chat_template=CHAT_TEMPLATE)
-    tc_path.write_text(json.dumps(tc))
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": v.size,
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "max_position_embeddings": 4096, "eos_token_id": eos,
-        "torch_dtype": "float32",
-    }))
-    return folder
-
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
 
 class Frontend:
     """One SGLang server: `detokenizer` is "detokd" (the plugin) or "sglang" (its own)."""
@@ -94,7 +54,7 @@ class Frontend:
         self.proc = subprocess.Popen([sys.executable, str(SERVE), *args], env=env, stdout=self._out,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 600) -> None:
+    def wait_ready(self, timeout: float = 1200) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -58,16 +58,11 @@ def loader(mismatch: bool) -> dict:
 
 
 def launch(oracle_dir: str, argv: list[str], orphan: bool = False) -> dict:
-    from array import array
 
-    import zmq
     from sglang.srt.entrypoints.engine import Engine, _set_envs_and_config
-    from sglang.srt.managers import io_struct
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import PortArgs, prepare_server_args
-    from sglang.srt.utils.watchdog import SubprocessWatchdog
-    from transformers import AutoTokenizer
 
     logs = capture()
     load_plugins()

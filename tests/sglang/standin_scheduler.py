@@ -20,7 +20,6 @@ import json
 import os
 import re
 import time
-from array import array
 from typing import Any
 
 # One step every STEP_S while requests run: slow enough that a stream has many rows,

@@ -19,14 +19,17 @@ import pytest
 import requests
 
 from conftest import vocab
-from frontend import Frontend, model_folder
+from frontend import Frontend
+from models import model_folder, plugin_path  # noqa: F401  (a fixture: this worktree's entry point)
 from standin_scheduler import REPLIES
-from test_plugin import plugin_path  # noqa: F401  (the fixture: this worktree's entry point)
 
 # (tokenizer, encoding): not DeepSeek, detokd's packaged default, so a wrong tokenizer shows.
 CASES = [("qwen2", "pickle"), ("mistral_v3", "msgpack")]
 # Per case: SGLang's own detokenizer, detokd, and detokd as two processes behind SGLang's router.
 RUNS = [("sglang", 1), ("detokd", 1), ("detokd", 2)]
+# The first test starts all six servers (22 processes that import SGLang and torch, ~10 s
+# of CPU each): minutes on two cores, more than pytest's default per-test timeout.
+pytestmark = pytest.mark.timeout(1800)
 
 
 def requests_for(name: str) -> list[dict]:
@@ -136,13 +139,14 @@ def served(plugin_path, tmp_path_factory):  # noqa: F811
                                                         plugin_path=plugin_path, log_dir=root)
         for fe in fes.values():
             fe.wait_ready()
-        out = {}
-        for key, fe in fes.items():
-            mix = requests_for(key[0])
-            with ThreadPoolExecutor(len(mix)) as pool:
-                answers = dict(zip([r["rid"] for r in mix], pool.map(lambda r: call(fe, r), mix)))
-            out[key] = (fe, mix, answers)
-        yield out
+        mixes = {key: requests_for(key[0]) for key in fes}
+        jobs = [(key, r) for key, mix in mixes.items() for r in mix]
+        with ThreadPoolExecutor(len(jobs)) as pool:  # every server's mix at once
+            done = list(pool.map(lambda job: call(fes[job[0]], job[1]), jobs))
+        answers = {key: {} for key in fes}
+        for (key, r), answer in zip(jobs, done):
+            answers[key][r["rid"]] = answer
+        yield {key: (fe, mixes[key], answers[key]) for key, fe in fes.items()}
     finally:
         for fe in fes.values():
             fe.close()

@@ -1,72 +1,110 @@
-"""The detokd SGLang plugin, loaded by SGLang's own plugin loader in fresh processes."""
+"""The detokd SGLang plugin, loaded by SGLang's own plugin loader in fresh processes.
+
+Each case is a child process of its own (plugin state is process-global) that imports
+SGLang, and most start a detokenizer process that imports it too: ~10 s of CPU each. So
+every child of this module starts on first use, two at a time (this machine's cores),
+and each test reads its own child's result.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-import tomllib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from conftest import alive
 from detokd import zoo
+from models import ROOT, entry_points, model_folder, plugin_path  # noqa: F401  (a fixture)
 
-ROOT = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("sglang_child.py")
+CHILD_TIMEOUT = 480
+# The first test waits for its child among all of them: minutes on two cores.
+pytestmark = pytest.mark.timeout(1800)
 
 
-@pytest.fixture(scope="module")
-def plugin_path(tmp_path_factory) -> Path:
-    """A dist-info declaring this worktree's entry point, first on the child's path, so
-    SGLang discovers the plugin through importlib.metadata as a pip install would make it
-    (entry_points() keeps the first distribution of a name, shadowing an older install)."""
-    d = tmp_path_factory.mktemp("dist")
-    info = d / "detokd-0.1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: detokd\nVersion: 0.1.0\n")
-    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["sglang.srt.plugins"]
-    (info / "entry_points.txt").write_text(
-        "[sglang.srt.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items())
-    )
-    return d
-
-
-def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None, timeout: float = 480) -> dict:
+def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("DETOKD_SGLANG", "SGLANG_PLUGINS")}
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_path), str(ROOT)])
     env["HF_HUB_OFFLINE"] = "1"
     if detokd_sglang is not None:
         env["DETOKD_SGLANG"] = detokd_sglang
-    p = subprocess.run([sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True,
+                       timeout=CHILD_TIMEOUT)
     lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"child failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return {**json.loads(lines[-1][len("RESULT "):]), "stderr": p.stderr}
 
 
 def warnings_of(result: dict) -> list[str]:
     return [msg for level, msg in result["logs"] if level == "WARNING"]
 
 
+def tiktoken_file(folder: Path) -> str:
+    """A tokenizer SGLang decodes with a class of its own (TiktokenTokenizer, for a
+    `--tokenizer-path` ending in .json) and detokd cannot: no Hugging Face fast backend.
+    Every byte a token, one merge, SGLang's three special tokens."""
+    path = folder / "tokenizer.json"
+    regular = [{"bytes": [b], "token": b} for b in range(256)] + [{"bytes": list(b"he"), "token": 256}]
+    special = [{"bytes": list(t.encode()), "token": 257 + k} for k, t in enumerate(["<|pad|>", "<|separator|>", "<|eos|>"])]
+    path.write_text(json.dumps({"regular_tokens": regular, "special_tokens": special, "word_split": "V1"}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def children(plugin_path, tmp_path_factory) -> dict[str, Future]:
+    """Every child of this module, by case, started two at a time: {case: its result}.
+    A `launch` child gets SGLang's own command-line arguments (`--device cpu` added) and
+    the tokenizer folder its answer must be the decode of."""
+    root = tmp_path_factory.mktemp("models")
+    qwen2 = str(model_folder(root, "qwen2"))  # the model's own tokenizer: not detokd's default
+    bare = str(model_folder(root, None))
+    mistral = str(zoo.build("mistral_v3"))
+    tiktoken = tiktoken_file(tmp_path_factory.mktemp("tiktoken"))
+    cases = {
+        "loader, unset": (["loader"], None),
+        "loader, false": (["loader"], "false"),
+        "loader, 1": (["loader"], "1"),
+        "loader, True": (["loader"], "True"),
+        "loader, mismatch": (["loader", "mismatch"], "1"),
+        "sglang's own": (["launch", qwen2, "--model-path", qwen2], None),
+        # --model-path only, as most deployments launch SGLang, with a deprecated parser
+        # name that SGLang resolves ("qwen25" -> "qwen") in its runtime context.
+        "model path": (["launch", qwen2, "--model-path", qwen2, "--tool-call-parser", "qwen25"], "1"),
+        "tokenizer path": (["launch", mistral, "--model-path", bare, "--tokenizer-path", mistral], "1"),
+        "tiktoken": (["launch", tiktoken, "--model-path", bare, "--tokenizer-path", tiktoken], "1"),
+        "two processes": (["launch", qwen2, "--model-path", qwen2, "--detokenizer-worker-num", "2"], "1"),
+        "orphan": (["orphan", qwen2, "--model-path", qwen2], "1"),
+    }
+    pool = ThreadPoolExecutor(2)
+    futures = {}
+    for case, (args, detokd_sglang) in cases.items():
+        if args[0] != "loader":
+            args = [*args, "--device", "cpu"]
+        futures[case] = pool.submit(run_child, plugin_path, *args, detokd_sglang=detokd_sglang)
+    yield futures
+    pool.shutdown(cancel_futures=True)
+
+
 def test_the_entry_point_names_the_plugins_register_function():
-    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["sglang.srt.plugins"]
-    assert eps == {"detokd": "detokd.sglang.plugin:register"}
+    assert entry_points() == {"detokd": "detokd.sglang.plugin:register"}
 
 
-def test_without_detokd_sglang_sglangs_loader_leaves_the_launch_method_alone(plugin_path):
-    result = run_child(plugin_path, "loader")
+def test_without_detokd_sglang_sglangs_loader_leaves_the_launch_method_alone(children):
+    result = children["loader, unset"].result()
     messages = [msg for _, msg in result["logs"]]
     assert "Executed general plugin: detokd" in messages  # discovered and run, by SGLang
     assert result["replaced"] is False
     assert not [m for m in messages if m.startswith(("detokd", "Applied"))]
 
 
-def test_a_false_detokd_sglang_leaves_the_launch_method_alone(plugin_path):
-    assert run_child(plugin_path, "loader", detokd_sglang="false")["replaced"] is False
+def test_a_false_detokd_sglang_leaves_the_launch_method_alone(children):
+    assert children["loader, false"].result()["replaced"] is False
 
 
 def test_enabled_is_true_only_for_one_true_yes(monkeypatch):
@@ -78,57 +116,17 @@ def test_enabled_is_true_only_for_one_true_yes(monkeypatch):
 
 
 @pytest.mark.parametrize("value", ["1", "True"])
-def test_with_detokd_sglang_the_launch_method_is_wrapped_around_sglangs_own(plugin_path, value):
-    result = run_child(plugin_path, "loader", detokd_sglang=value)
+def test_with_detokd_sglang_the_launch_method_is_wrapped_around_sglangs_own(children, value):
+    result = children[f"loader, {value}"].result()
     assert result["replaced"] is True and result["wraps_original"] is True
     assert not warnings_of(result)
 
 
-def test_on_a_schema_mismatch_the_method_stays_and_the_warning_names_the_field(plugin_path):
-    result = run_child(plugin_path, "loader", "mismatch", detokd_sglang="1")
+def test_on_a_schema_mismatch_the_method_stays_and_the_warning_names_the_field(children):
+    result = children["loader, mismatch"].result()
     assert result["replaced"] is False
     (warning,) = [w for w in warnings_of(result) if "detokd" in w]
     assert "BatchStrOutput" in warning and "'time_stats'" in warning
-
-
-def config_only(d: Path) -> Path:
-    """A tiny model config SGLang's server args resolve offline (no weights are read)."""
-    from transformers import Qwen2Config
-
-    Qwen2Config(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1, vocab_size=151936).to_json_file(d / "config.json")
-    return d
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """A model folder holding its tokenizer (a real Qwen2 one, not detokd's default)."""
-    d = tmp_path_factory.mktemp("model")
-    shutil.copytree(zoo.build("qwen2"), d, dirs_exist_ok=True)
-    return str(config_only(d))
-
-
-@pytest.fixture(scope="module")
-def bare_model_dir(tmp_path_factory) -> str:
-    """A model folder without a tokenizer: SGLang must be told one with --tokenizer-path."""
-    return str(config_only(tmp_path_factory.mktemp("bare-model")))
-
-
-@pytest.fixture(scope="module")
-def tiktoken_file(tmp_path_factory) -> str:
-    """A tokenizer SGLang decodes with a class of its own (TiktokenTokenizer, for a
-    `--tokenizer-path` ending in .json) and detokd cannot: no Hugging Face fast backend.
-    Every byte a token, one merge, SGLang's three special tokens."""
-    path = tmp_path_factory.mktemp("tiktoken") / "tokenizer.json"
-    regular = [{"bytes": [b], "token": b} for b in range(256)] + [{"bytes": list(b"he"), "token": 256}]
-    special = [{"bytes": list(t.encode()), "token": 257 + k} for k, t in enumerate(["<|pad|>", "<|separator|>", "<|eos|>"])]
-    path.write_text(json.dumps({"regular_tokens": regular, "special_tokens": special, "word_split": "V1"}))
-    return str(path)
-
-
-def launch(plugin_path: Path, oracle: str, *sglang_args: str, mode: str = "launch", detokd_sglang: str | None = "1") -> dict:
-    """The detokenizer launched from SGLang's own command-line arguments (`--device cpu` added)."""
-    return run_child(plugin_path, mode, oracle, *sglang_args, "--device", "cpu", detokd_sglang=detokd_sglang)
 
 
 def assert_answers_and_dies_seen(result: dict) -> None:
@@ -144,41 +142,47 @@ def assert_detokds(result: dict) -> None:
     assert len(infos) == 1 and "sglang-0.5.23" in infos[0]
 
 
-def test_sglangs_own_detokenizer_starts_answers_and_its_death_is_seen_without_the_plugin(plugin_path, model_dir):
-    result = launch(plugin_path, model_dir, "--model-path", model_dir, detokd_sglang=None)
+def test_sglangs_own_detokenizer_starts_answers_and_its_death_is_seen_without_the_plugin(children):
+    result = children["sglang's own"].result()
     assert result["sglangs_own"] is True
     assert_answers_and_dies_seen(result)
 
 
-def test_a_plain_model_path_launch_decodes_with_the_models_own_tokenizer(plugin_path, model_dir):
-    """`--model-path` alone, as most deployments launch SGLang: server_args.tokenizer_path
-    stays None and SGLang resolves the tokenizer in its runtime context. The model's
-    tokenizer (Qwen2) is not detokd's packaged default, so any other would garble."""
-    result = launch(plugin_path, model_dir, "--model-path", model_dir)
+def test_a_plain_model_path_launch_decodes_with_the_models_own_tokenizer(children):
+    """`--model-path` alone: server_args.tokenizer_path stays None and SGLang resolves the
+    tokenizer in its runtime context. The model's tokenizer (Qwen2) is not detokd's
+    packaged default, so any other would garble."""
+    result = children["model path"].result()
     assert_detokds(result)
     assert_answers_and_dies_seen(result)
 
 
-def test_a_tokenizer_path_beside_a_bare_model_folder_is_the_tokenizer_detokd_decodes_with(plugin_path, bare_model_dir):
-    mistral = str(zoo.build("mistral_v3"))
-    result = launch(plugin_path, mistral, "--model-path", bare_model_dir, "--tokenizer-path", mistral)
+def test_settings_are_read_as_sglang_resolved_them_not_as_given(children):
+    """`--tool-call-parser qwen25` is SGLang's deprecated name of "qwen": its own
+    detokenizer reads the resolved value from the runtime context, and so does detokd."""
+    (line,) = [line for line in children["model path"].result()["stderr"].splitlines() if "settings from SGLang" in line]
+    assert "tool_call_parser='qwen'" in line and "HTTP workers 1" in line
+
+
+def test_a_tokenizer_path_beside_a_bare_model_folder_is_the_tokenizer_detokd_decodes_with(children):
+    result = children["tokenizer path"].result()
     assert_detokds(result)
     assert_answers_and_dies_seen(result)
 
 
-def test_a_tokenizer_detokd_cannot_decode_as_sglang_does_keeps_sglangs_own_with_a_warning(plugin_path, bare_model_dir, tiktoken_file):
-    result = launch(plugin_path, tiktoken_file, "--model-path", bare_model_dir, "--tokenizer-path", tiktoken_file)
+def test_a_tokenizer_detokd_cannot_decode_as_sglang_does_keeps_sglangs_own_with_a_warning(children):
+    result = children["tiktoken"].result()
     assert result["sglangs_own"] is True
     (warning,) = [w for w in warnings_of(result) if "detokd" in w]
     assert "keeping SGLang's own detokenizer" in warning and "fast (tokenizers) backend" in warning
     assert_answers_and_dies_seen(result)
 
 
-def test_several_detokenizer_processes_are_detokds_behind_sglangs_own_router(plugin_path, model_dir):
+def test_several_detokenizer_processes_are_detokds_behind_sglangs_own_router(children):
     """--detokenizer-worker-num 2: SGLang's launch starts two detokd processes on private
     addresses and its own MultiDetokenizerRouter in front of them; the router's answer
     comes from detokd, and SGLang's watchdog sees a worker die."""
-    result = launch(plugin_path, model_dir, "--model-path", model_dir, "--detokenizer-worker-num", "2")
+    result = children["two processes"].result()
     assert result["names"] == ["detokenizer_0", "detokenizer_1", "detokenizer_router"]
     assert ["(detokd)" in t for t in result["titles"]] == [True, True, False]
     infos = [msg for level, msg in result["logs"] if "replaced SGLang's detokenizer" in msg]
@@ -187,11 +191,11 @@ def test_several_detokenizer_processes_are_detokds_behind_sglangs_own_router(plu
     assert result["death_seen"] is True and result["exitcode"] == -9
 
 
-def test_detokds_process_dies_with_sglang(plugin_path, model_dir):
+def test_detokds_process_dies_with_sglang(children):
     """SGLang killed without a word (os._exit, no teardown of its children): the
     detokenizer it started goes too (prctl PDEATHSIG, as SGLang's own), never an orphan
     holding SGLang's addresses."""
-    result = launch(plugin_path, model_dir, "--model-path", model_dir, mode="orphan")
+    result = children["orphan"].result()
     assert result["sglangs_own"] is False and result["output_strs"] == result["expected"]
     pid = result["pid"]
     deadline = time.monotonic() + 30

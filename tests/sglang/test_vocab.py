@@ -3,15 +3,13 @@ detokenizer loads, and refuses one whose tables or decode disagree with it."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from conftest import ALL, vocab
 from detokd import zoo
 from detokd.sglang.vocab import check, fingerprint_of, sglangs_tokenizer
 from detokd.tokenizer import TokenizerError, of
-from test_plugin import config_only
+from models import model_folder
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +20,8 @@ def published(tmp_path_factory):
     from sglang.srt.server_args import prepare_server_args
 
     def make(name: str):
-        d = tmp_path_factory.mktemp(f"model-{name}")
-        shutil.copytree(zoo.build(name), d, dirs_exist_ok=True)
-        server_args = prepare_server_args(["--model-path", str(config_only(d)), "--device", "cpu"])
+        d = model_folder(tmp_path_factory.mktemp("models"), name)
+        server_args = prepare_server_args(["--model-path", str(d), "--device", "cpu"])
         publish(server_args, role="detokenizer")
         return server_args, d
 
