@@ -60,10 +60,11 @@ def _io():
     return io_struct
 
 
-def abort_reason(error: str) -> dict:
+def abort_reason(error: str, cause: str | None = None) -> dict:
     """The finish reason of a row detokd could not decode: an abort, as SGLang's
     FINISH_ABORT.to_json() spells it, so the client gets an error, not silence."""
-    return {"type": "abort", "message": f"detokd: {error}", "status_code": 500, "err_type": "InternalServerError"}
+    message = f"detokd: {error}" if cause is None else f"detokd: {error} ({cause})"
+    return {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"}
 
 
 class SglangDialect:
@@ -92,6 +93,7 @@ class SglangDialect:
         self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
         self.batch: Any = None  # the BatchTokenIDOutput being answered
         self.blank: Any = None  # its BatchStrOutput with empty texts, for splitting per worker
+        self.cause: str | None = None  # why the batch in hand could not be read, if it could not
         self.beam_warned = False
 
     # --- inbound ------------------------------------------------------------------------
@@ -100,6 +102,10 @@ class SglangDialect:
         try:
             msg = self.ipc.decode(frame)
         except Exception as exc:  # a frame of another schema, or not SGLang's at all
+            batch = self.ipc.unread_batch(frame)
+            if batch is not None:  # a batch whose rids read: each of its requests is answered
+                self._unreadable(batch, exc)
+                return True
             self.stats.bad_frames += 1
             log.warning("bad frame (%d bytes): %s", len(frame), exc)
             return False
@@ -121,23 +127,29 @@ class SglangDialect:
 
     def tokens(self, batch: Any, frame_bytes: int | None = None) -> None:
         """One scheduler step: each request's new ids become one core row."""
-        self.batch, self.blank = batch, None
+        self._answering(batch)
         if schema.has_beam_search(batch) and not self.beam_warned:
             self.beam_warned = True
             log.error("a batch carries beam-search results, which detokd does not decode: they pass through as they are")
-        if not self.http_workers:
-            self.core.outbox.expect(0)  # an empty batch still gets its (empty) answer
         try:
             rows = self._rows(batch)
-        except Exception:
-            # A batch that does not read as the schema says (a field of another type):
-            # each of its requests fails with an abort, never a success without its text.
-            log.exception("a batch of %d requests cannot be read; each of them is aborted", len(batch.rids or []))
-            self._fail_all(batch)
+        except Exception as exc:
+            self._unreadable(batch, exc)
             return
         self.core.tokens(rows, frame_bytes)
 
-    def _fail_all(self, batch: Any) -> None:
+    def _answering(self, batch: Any) -> None:
+        self.batch, self.blank, self.cause = batch, None, None
+        if not self.http_workers:
+            self.core.outbox.expect(0)  # an empty batch still gets its (empty) answer
+
+    def _unreadable(self, batch: Any, exc: Exception) -> None:
+        """A batch that does not read as the schema says (a field of another type): each
+        of its requests fails with an abort naming the cause, never a success without
+        its text; their later rows are aborted too (the core's tombstones)."""
+        self._answering(batch)
+        self.cause = f"{type(exc).__name__}: {exc}"[:200]
+        log.error("a batch of %d requests cannot be read (%s); each of them is aborted", len(batch.rids or []), self.cause)
         ipcs = batch.http_worker_ipcs or []
         for i, rid in enumerate(batch.rids or []):
             worker = 0
@@ -252,7 +264,7 @@ class SglangDialect:
             for i, row in mine:
                 texts[i] = row.text
                 if row.error is not None:
-                    aborts[i] = abort_reason(row.error)
+                    aborts[i] = abort_reason(row.error, self.cause if row.error == BAD_ROW else None)
             out = self.ipc.str_output(batch, texts)
             if aborts:
                 out.finished_reasons = [aborts.get(i, r) for i, r in enumerate(out.finished_reasons)]
@@ -266,7 +278,8 @@ class SglangDialect:
         for sub, picked in self._subsets(self.blank, [i for i, _ in mine], [row for _, row in mine]):
             sub.output_strs = [row.text for row in picked]
             sub.finished_reasons = [
-                abort_reason(row.error) if row.error is not None else r for row, r in zip(picked, sub.finished_reasons)
+                abort_reason(row.error, self.cause if row.error == BAD_ROW else None) if row.error is not None else r
+                for row, r in zip(picked, sub.finished_reasons)
             ]
             frames.append(self._encode_object(sub))
         return frames

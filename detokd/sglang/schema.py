@@ -222,6 +222,15 @@ class ConfigureLoggingReq(_Single, kw_only=True):
 
 
 Inbound = Union[BatchTokenIDOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq]
+
+# A BatchTokenIDOutput read for its rids alone, every other field its raw bytes: what is
+# left of a batch whose fields do not read as the schema says, so that each of its
+# requests can still be answered (with an abort) instead of never.
+UnreadBatch = msgspec.defstruct(
+    "BatchTokenIDOutput",
+    [(name, Raw, NIL) for name in BatchTokenIDOutput.__struct_fields__ if name not in _Batch.__struct_fields__],
+    bases=(_Batch,), kw_only=True, module=__name__,
+)
 MIRRORED = (BatchTokenIDOutput, BatchStrOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq)
 
 # SGLang 0.5.23's annotation of every field the mirrors type (the fields detokd reads or
@@ -325,16 +334,30 @@ class MsgpackCodec:
 
     def __init__(self) -> None:
         self._decoder = msgspec.msgpack.Decoder(Inbound)
+        self._unread = msgspec.msgpack.Decoder(UnreadBatch)
         self._encoder = msgspec.msgpack.Encoder()
 
     def decode(self, frame: bytes) -> Inbound:
         return self._decoder.decode(frame)
+
+    def unread_batch(self, frame: bytes) -> Any:
+        """The rids of a BatchTokenIDOutput frame that fails `decode` (UnreadBatch), or
+        None when even they cannot be read."""
+        try:
+            return self._unread.decode(frame)
+        except msgspec.DecodeError:
+            return None
 
     @staticmethod
     def ids(tok: BatchTokenIDOutput) -> list[list[int]]:
         return ids_of(tok.decode_ids)
 
     def str_output(self, tok: BatchTokenIDOutput, output_strs: list[str]) -> BatchStrOutput:
+        if type(tok) is UnreadBatch:  # its requests are all aborted: no finish reason or tensor to carry
+            fields = {name: getattr(tok, name) for name in COPIED}
+            fields["finished_reasons"] = [None] * len(output_strs)
+            return BatchStrOutput(**fields, output_strs=output_strs, routed_experts=None, indexer_topk=None,
+                                  placeholder_tokens_idx=None, placeholder_tokens_val=None)
         return BatchStrOutput(
             **{name: getattr(tok, name) for name in COPIED},
             output_strs=output_strs,
@@ -363,6 +386,11 @@ class PickleCodec:
 
     def decode(self, frame: bytes) -> Any:
         return pickle.loads(frame)
+
+    @staticmethod
+    def unread_batch(frame: bytes) -> None:
+        """A pickle that does not load has no rids to read."""
+        return None
 
     @staticmethod
     def ids(tok: Any) -> list[list[int]]:
