@@ -15,6 +15,11 @@ counts messages only and shows no depth, so bytes are counted where they can be:
 the backlog, which the loop drains into ZMQ whenever the socket can take more
 (`flush`, woken by the socket's POLLOUT).
 
+ZMQ tells a sender nothing of what a broken connection took with it (its queue, the
+socket buffers). A socket monitor tells that it broke (`watch_connections`), and the
+rows of the last messages that entered ZMQ's queue are then taken as lost: the stall
+policy fails their requests, and the worker is owed their error rows once it is back.
+
 Frames are encoded by the wire dialect; delivery only moves bytes.
 """
 
@@ -26,19 +31,25 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .config import Config
 from .core.bounded import BoundedMap
 from .core.outbox import Outbox
-from .core.records import OutRow
+from .core.records import OutRow, StoppedRow
 from .core.stats import Stats, WorkerFigures
 from .sockets import Curve, ipc_folder_problem, register_address_problem
 
 log = logging.getLogger("detokd.delivery")
 
 FEEDBACK = -1  # the feedback queue's index among the backlogged: no worker's
+# Rows taken as lost when a worker's connection breaks: those of the last messages ZMQ
+# took, up to this many bytes of them (ZMQ's queue of send_hwm batch-sized messages, and
+# the connection's socket buffers: a unix socket's few hundred KB, tcp's few MB).
+IN_FLIGHT_BYTES = 4 << 20
 MAX_OWED = 65536  # error rows kept per worker for when it has room again
 MAX_OWED_BYTES = 16 << 20  # and their bytes: rids are the peer's strings, of any length
 
@@ -49,6 +60,14 @@ def owed_cost(rid: str, row: OutRow) -> int:
 
 def _owed() -> BoundedMap[str, OutRow]:
     return BoundedMap(MAX_OWED, MAX_OWED_BYTES, owed_cost)
+
+
+class Encoder(Protocol):
+    """What a wire dialect gives delivery: the frames of a worker's rows, of feedback."""
+
+    def encode_text(self, rows: list[OutRow]) -> bytes | list[bytes]: ...
+
+    def encode_stopped(self, rows: list[StoppedRow]) -> bytes: ...
 
 
 REGISTER_REFUSED = "register_refused"  # detokd_errors kind of a register the policy refused
@@ -102,14 +121,35 @@ class RegisterPolicy:
 
 
 @dataclass
+class Queued:
+    """A frame waiting in a backlog, with the rows it carries (to fail them if lost)."""
+
+    frame: bytes
+    rows: list[OutRow]
+
+
+@dataclass(slots=True)
+class Sent:
+    """A message ZMQ took, by the rows it carries and its size."""
+
+    rows: list[OutRow]
+    nbytes: int
+
+
+@dataclass
 class Worker:
     index: int
     address: str
     socket: zmq.Socket | None = None
+    monitor: zmq.Socket | None = None  # the socket's connection events (workers only)
+    connected: bool = False
     sent: int = 0  # messages queued (in ZMQ's queue or the backlog)
     dropped: int = 0  # messages that found the queue full
-    backlog: deque[bytes] = field(default_factory=deque)  # frames waiting for room in ZMQ's queue, in order
+    disconnects: int = 0  # connections that broke, each failing the rows in flight on it
+    backlog: deque[Queued] = field(default_factory=deque)  # frames waiting for room in ZMQ's queue, in order
     backlog_bytes: int = 0
+    in_flight: deque[Sent] = field(default_factory=deque)  # the last messages ZMQ took
+    in_flight_bytes: int = 0  # at most IN_FLIGHT_BYTES, but for the last message
     owed: BoundedMap[str, OutRow] = field(default_factory=_owed)  # rid -> error row a full queue kept from this worker
 
 
@@ -137,6 +177,9 @@ class Delivery:
         self.queue_bytes = queue_bytes  # each worker's backlog at most
         self.linger_ms = linger_ms
         self.poller: zmq.Poller | None = None  # the loop's: a backlogged worker's POLLOUT wakes it
+        self.encoder: Encoder | None = None  # these three are bound once by `attach`
+        self.lost: Callable[[int, list[OutRow]], list[OutRow]] | None = None
+        self.live: Callable[[str], bool] | None = None
         self.backlogged: dict[int, Worker] = {}
         self.stats = stats
         self.workers: dict[int, Worker] = {}
@@ -146,10 +189,18 @@ class Delivery:
                 if not self.place(i, address):
                     raise ValueError(f"cannot connect to worker {i} at {address}")
             if feedback:
-                self.feedback = Worker(FEEDBACK, feedback, self._connect(feedback, curve.feedback if curve else None))
+                sock, _ = self._connect(feedback, curve.feedback if curve else None)
+                self.feedback = Worker(FEEDBACK, feedback, sock)
         except (ValueError, zmq.ZMQError):
             self.close()
             raise
+
+    def attach(self, encoder: Encoder, *, lost: Callable[[int, list[OutRow]], list[OutRow]], live: Callable[[str], bool]) -> None:
+        """Bind what delivery asks of the dialect and the core: the encoder of a worker's
+        rows and of feedback, and the stall policy: `lost(worker, rows)` fails the
+        requests of rows a worker will never get and returns the error rows it is owed;
+        `live(rid)` says a rid began a new request since (an owed error is not its)."""
+        self.encoder, self.lost, self.live = encoder, lost, live
 
     # --- destinations -------------------------------------------------------------------
 
@@ -186,23 +237,24 @@ class Delivery:
             return True
         key = self.curve.workers.get(index) if self.curve is not None else None
         try:
-            sock = self._connect(address, key, immediate=True)
+            sock, monitor = self._connect(address, key, worker=True)
         except zmq.ZMQError as exc:
             self.stats.error("bad_register")
             log.warning("worker %d: cannot connect to %r (%s); register refused", index, address, exc.strerror)
             return False
         if w is None:
-            self.workers[index] = Worker(index, address, sock)
+            self.workers[index] = w = Worker(index, address, sock, monitor)
             self.outbox.open(index)
         else:
             self._unwatch(w)
-            if w.socket is not None:
-                # Immediate: ZMQ's queue holds only frames for a connected peer, which
-                # linger lets reach it; the rest is in the backlog, which follows.
-                w.socket.close(linger=self.linger_ms)
-            w.socket = sock
-            w.address = address
-            if w.backlog:  # the frames are the worker's: they follow it to its new address
+            self._read_events(w)
+            if w.connected:  # the old connection ends: what was in flight on it goes with it
+                self._broken(w, "moved")
+            # Immediate: ZMQ's queue holds only frames for a connected peer, which linger
+            # gives a chance to reach it; the backlog is the worker's and follows it.
+            self._close_socket(w, self.linger_ms)
+            w.socket, w.monitor, w.address = sock, monitor, address
+            if w.backlog:
                 self._watch(w)
         log.info("worker %d at %r%s", index, address, " (CURVE)" if key is not None else "")
         return True
@@ -210,36 +262,85 @@ class Delivery:
     def known(self, index: int) -> bool:
         return index in self.workers
 
-    def _connect(self, address: str, server_key: bytes | None = None, *, immediate: bool = False) -> zmq.Socket:
-        """A PUSH socket connected to `address`. `immediate` (ZMQ_IMMEDIATE, for
-        workers): ZMQ queues a frame only on a completed connection, so frames for a
-        peer not (yet) there wait in the backlog, bounded in bytes and ours to move
-        when `register` moves the worker; a plain socket would hold them in a queue
-        for an address it may never reach, lost when it is closed."""
+    # --- connections ----------------------------------------------------------------
+
+    def watch_connections(self) -> None:
+        """Read each worker's connection events; a connection that broke fails the
+        requests whose rows were in flight on it (the loop calls this between batches)."""
+        for w in self.workers.values():
+            self._read_events(w)
+
+    def _read_events(self, w: Worker) -> None:
+        while w.monitor is not None:
+            try:
+                event = recv_monitor_message(w.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_CONNECTED:
+                w.connected = True
+            elif event == zmq.EVENT_DISCONNECTED and w.connected:
+                w.connected = False
+                self._broken(w, "disconnected")
+
+    def _broken(self, w: Worker, how: str) -> None:
+        """ZMQ drops the queue of a connection that ends (ZMQ_IMMEDIATE), and the socket
+        buffers go with it; no peer acknowledges a message, so the rows of the last
+        messages ZMQ took are taken as lost: their requests fail (worker_stalled) and the
+        worker is owed their error rows for when it can be reached again."""
+        rows = list({row.rid: row for sent in w.in_flight for row in sent.rows}.values())  # each rid's last row
+        w.in_flight.clear()
+        w.in_flight_bytes = 0
+        w.disconnects += 1
+        if rows and self.lost is not None:
+            self._owe(w, self.lost(w.index, rows))
+        log.warning("worker %d %s: %d request(s) with rows in flight failed (worker_stalled)", w.index, how, len(rows))
+
+    def _close_socket(self, w: Worker, linger: int) -> None:
+        if w.monitor is not None:
+            w.socket.disable_monitor()
+            w.monitor.close(linger=0)
+            w.monitor = None
+        if w.socket is not None:
+            w.socket.close(linger=linger)
+            w.socket = None
+
+    def _connect(self, address: str, server_key: bytes | None = None, *, worker: bool = False) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """A PUSH socket connected to `address`, and for a worker the monitor of its
+        connection (enabled before the connect: its first event may come at once).
+        A worker's socket is ZMQ_IMMEDIATE: ZMQ queues a frame only on a completed
+        connection, so frames for a peer not (yet) there wait in the backlog, bounded in
+        bytes and ours to move when `register` moves the worker; a plain socket would
+        hold them in a queue for an address it may never reach, lost when it is closed."""
         s = self.ctx.socket(zmq.PUSH)
+        monitor = None
         try:
-            if immediate:
+            if worker:
                 s.setsockopt(zmq.IMMEDIATE, 1)
+                monitor = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             if server_key is not None:
                 self.curve.connect_to(s, server_key)
             s.setsockopt(zmq.SNDHWM, self.hwm)
             s.setsockopt(zmq.LINGER, self.linger_ms)
             s.connect(address)
         except zmq.ZMQError:
+            if monitor is not None:
+                s.disable_monitor()
+                monitor.close(linger=0)
             s.close(linger=0)
             raise
-        return s
+        return s, monitor
 
     # --- sending ------------------------------------------------------------------------
 
-    def send(self, index: int, frame: bytes) -> bool:
+    def send(self, index: int, frame: bytes, rows: list[OutRow] = []) -> bool:  # noqa: B006 (never mutated)
         """Queue one frame for a worker: into ZMQ's queue, or behind it into the
         backlog while ZMQ's is full. False when there is no such worker or the backlog
-        has no room for the frame (it is lost and counted)."""
+        has no room for the frame (it is lost and counted). `rows`: what the frame
+        carries, failed if a broken connection takes it."""
         w = self.workers.get(index)
-        return w is not None and self._queue(w, frame)
+        return w is not None and self._queue(w, frame, rows)
 
-    def _queue(self, w: Worker, frame: bytes) -> bool:
+    def _queue(self, w: Worker, frame: bytes, rows: list[OutRow]) -> bool:
         if w.socket is None:
             return False
         if w.backlog:
@@ -248,18 +349,29 @@ class Delivery:
             try:
                 w.socket.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
                 w.sent += 1
+                self._took(w, rows, len(frame))
                 return True
             except zmq.Again:
                 pass
         if w.backlog_bytes + len(frame) > self.queue_bytes:
             w.dropped += 1
             return False
-        w.backlog.append(frame)
+        w.backlog.append(Queued(frame, rows))
         w.backlog_bytes += len(frame)
         w.sent += 1
         if len(w.backlog) == 1:
             self._watch(w)
         return True
+
+    @staticmethod
+    def _took(w: Worker, rows: list[OutRow], nbytes: int) -> None:
+        """ZMQ took a message of these rows: remember them while they may be in flight."""
+        if w.index == FEEDBACK:  # a lost `stopped` message leaves the text unaffected
+            return
+        w.in_flight.append(Sent(rows, nbytes))
+        w.in_flight_bytes += nbytes
+        while w.in_flight_bytes > IN_FLIGHT_BYTES and len(w.in_flight) > 1:
+            w.in_flight_bytes -= w.in_flight.popleft().nbytes
 
     def flush(self) -> None:
         """Move backlogged frames into ZMQ's queues while they take them, in order."""
@@ -270,7 +382,8 @@ class Delivery:
         backlog, sock = w.backlog, w.socket
         asked = False
         while backlog:
-            frame = backlog[0]
+            queued = backlog[0]
+            frame = queued.frame
             try:
                 sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
             except zmq.Again:
@@ -283,6 +396,7 @@ class Delivery:
             asked = False
             backlog.popleft()
             w.backlog_bytes -= len(frame)
+            self._took(w, queued.rows, len(frame))
         self._unwatch(w)
 
     def _watch(self, w: Worker) -> None:
@@ -294,26 +408,24 @@ class Delivery:
         if self.backlogged.pop(w.index, None) is not None and self.poller is not None:
             self.poller.unregister(w.socket)
 
-    def _send_frames(self, index: int, frames: bytes | list[bytes]) -> bool:
+    def _send_frames(self, index: int, frames: bytes | list[bytes], rows: list[OutRow]) -> bool:
         """Queue what a dialect encoded for one worker's rows: a frame, or several."""
-        return all([self.send(index, frame) for frame in (frames if type(frames) is list else (frames,))])
+        if type(frames) is not list:
+            return self.send(index, frames, rows)
+        return all([self.send(index, frame, rows) for frame in frames])
 
-    def deliver(
-        self,
-        encode_text: Callable[[list[OutRow]], bytes | list[bytes]],
-        encode_stopped: Callable[[list], bytes],
-        lost: Callable[[int, list[OutRow]], list[OutRow]],
-    ) -> None:
+    def deliver(self) -> None:
         """Send the Outbox: each worker its batch rows in one message (or the few a
         dialect needs for them), the scheduler its feedback. A worker's message lost
-        to a full queue is the stall policy: `lost(worker, rows)` fails their requests
-        and returns the error rows the worker is owed when it has room again."""
+        to a full queue is the stall policy: `lost` fails their requests and gives the
+        error rows the worker is owed when it has room again."""
+        encoder = self.encoder
         for index, rows in self.outbox.take():
-            if not self._send_frames(index, encode_text(rows)):
+            if not self._send_frames(index, encoder.encode_text(rows), rows):
                 log.warning("worker %d's queue is full: %d rows lost, their requests failed", index, len(rows))
-                self._owe(self.workers[index], lost(index, rows))
+                self._owe(self.workers[index], self.lost(index, rows))
         stopped = self.outbox.take_stopped()
-        if stopped and self.feedback is not None and not self._queue(self.feedback, encode_stopped(stopped)):
+        if stopped and self.feedback is not None and not self._queue(self.feedback, encoder.encode_stopped(stopped), []):
             self.stats.feedback_dropped += len(stopped)
             log.warning("feedback queue full: %d stopped rows lost (the scheduler generates until its own stop)", len(stopped))
 
@@ -321,14 +433,14 @@ class Delivery:
         for row in rows:
             w.owed.put(row.rid, row)
 
-    def settle(self, encode_text: Callable[[list[OutRow]], bytes | list[bytes]], restarted: Callable[[str], bool]) -> None:
-        """Send owed error rows to each worker whose queue has room; `restarted(rid)`
-        says a rid began a new request since, whose error this is not."""
+    def settle(self) -> None:
+        """Send owed error rows to each worker whose queue has room, but for rids that
+        began a new request since."""
         for w in self.workers.values():
             if not w.owed or not self.has_room(w):
                 continue
-            rows = [row for rid, row in w.owed.items() if not restarted(rid)]
-            if rows and not self._send_frames(w.index, encode_text(rows)):
+            rows = [row for rid, row in w.owed.items() if not self.live(rid)]
+            if rows and not self._send_frames(w.index, self.encoder.encode_text(rows), rows):
                 continue
             w.owed.clear()
 
@@ -341,7 +453,10 @@ class Delivery:
     def publish(self) -> None:
         """Per-worker figures for /metrics."""
         self.stats.workers = {
-            w.index: WorkerFigures(w.sent, w.dropped, self.has_room(w), len(w.owed), len(w.backlog), w.backlog_bytes)
+            w.index: WorkerFigures(
+                sent=w.sent, dropped=w.dropped, disconnects=w.disconnects, writable=self.has_room(w),
+                owed=len(w.owed), backlog=len(w.backlog), backlog_bytes=w.backlog_bytes,
+            )
             for w in self.workers.values()
         }
         if self.feedback is not None:
@@ -361,9 +476,7 @@ class Delivery:
             log.warning("worker %d: %d queued messages (%d bytes) not sent at shutdown", w.index, len(w.backlog), w.backlog_bytes)
         linger = max(0, int((deadline - time.monotonic()) * 1000))
         for w in self.workers.values():
-            if w.socket is not None:
-                w.socket.close(linger=linger)
-                w.socket = None
+            self._close_socket(w, linger)
         if self.feedback is not None and self.feedback.socket is not None:
             self.feedback.socket.close(linger=linger)
             self.feedback.socket = None

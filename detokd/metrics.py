@@ -59,6 +59,9 @@ class _StatsCollector:
         yield GaugeMetricFamily("detokd_overloaded", "1 while RSS is above max_rss_mb (new requests refused)", value=1 if s.overloaded else 0)
         sent = CounterMetricFamily("detokd_worker_messages", "text messages queued per worker", labels=["worker"])
         dropped = CounterMetricFamily("detokd_worker_dropped", "messages lost to a full worker queue", labels=["worker"])
+        disconnects = CounterMetricFamily(
+            "detokd_worker_disconnects", "connections to the worker that broke (requests with rows in flight failed)", labels=["worker"]
+        )
         writable = GaugeMetricFamily("detokd_worker_writable", "1 while the worker's send queue has room", labels=["worker"])
         owed = GaugeMetricFamily("detokd_worker_owed_rows", "error rows waiting for the worker's queue to have room", labels=["worker"])
         backlog = GaugeMetricFamily("detokd_worker_backlog_messages", "messages waiting behind the worker's ZMQ queue", labels=["worker"])
@@ -68,11 +71,12 @@ class _StatsCollector:
         for w, f in sorted(s.workers.items()):
             sent.add_metric([str(w)], f.sent)
             dropped.add_metric([str(w)], f.dropped)
+            disconnects.add_metric([str(w)], f.disconnects)
             writable.add_metric([str(w)], 1 if f.writable else 0)
             owed.add_metric([str(w)], f.owed)
             backlog.add_metric([str(w)], f.backlog)
             backlog_bytes.add_metric([str(w)], f.backlog_bytes)
-        yield from (sent, dropped, writable, owed, backlog, backlog_bytes)
+        yield from (sent, dropped, disconnects, writable, owed, backlog, backlog_bytes)
         entries = GaugeMetricFamily("detokd_memory_entries", "entries held by each bounded memory", labels=["memory"])
         size = GaugeMetricFamily("detokd_memory_bytes", "estimated bytes held by each bounded memory", labels=["memory"])
         for name, (n, nbytes) in sorted(s.memory.items()):

@@ -156,6 +156,7 @@ class Server:
         )
         self.collector = Collector(self.stats)
         self.dialect = dialect(self.core, self.delivery, self.collector, self.stats, cfg)
+        self.delivery.attach(self.dialect, lost=self.core.stalled, live=self.core.table.__contains__)
         self._limit_log_rates()
         self.stop_requested_at: float | None = None  # when the first SIGTERM/SIGINT came
         self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None
@@ -343,7 +344,7 @@ class Server:
         except Exception:  # a bug must cost one batch, never the process
             stats.error(INTERNAL)
             log.exception("internal error handling a frame")
-        self.delivery.deliver(dialect.encode_text, dialect.encode_stopped, self.core.stalled)
+        self.delivery.deliver()
         stats.step(time.perf_counter() - t0)
 
     def _drop_multipart(self) -> None:
@@ -382,8 +383,10 @@ class Server:
         if self.max_rss is not None:
             self._guard_rss(now)
         self.collector.tick(now)  # the young generations, once a second
-        # Error rows owed to workers whose queues were full, now that they may have room.
-        self.delivery.settle(self.dialect.encode_text, self.core.table.__contains__)
+        # Connections that broke fail what was in flight on them; error rows owed to
+        # workers (a full queue, a broken connection) go out once they have room.
+        self.delivery.watch_connections()
+        self.delivery.settle()
         self._publish_stats()
 
     def _publish_stats(self) -> None:

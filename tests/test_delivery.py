@@ -37,6 +37,7 @@ class Rig:
             self.ctx, self.outbox, self.addresses, feedback=None, hwm=hwm, queue_bytes=queue_bytes, linger_ms=0,
             stats=self.stats, policy=open_register,
         )
+        self.delivery.attach(P, lost=self.core.stalled, live=self.core.table.__contains__)
         self.pulls: dict[int, zmq.Socket] = {}
 
     def bind(self, worker: int) -> zmq.Socket:
@@ -47,7 +48,7 @@ class Rig:
     def step(self, rows: list[P.Row]) -> None:
         self.delivery.flush()  # as the loop does at each turn
         self.core.tokens(rows)
-        self.delivery.deliver(P.encode_text, P.encode_stopped, self.core.stalled)
+        self.delivery.deliver()
 
     def messages(self, worker: int, n: int) -> list[list[P.OutRow]]:
         """The next n messages of a worker, each its list of rows (fails at a deadline)."""
@@ -121,17 +122,17 @@ def test_a_full_queue_loses_only_that_workers_message_and_settle_sends_what_it_i
     assert r.delivery.workers[1].dropped == 0 and not r.delivery.workers[1].backlog
     assert lost not in r.core.table and r.stats.errors[P.WORKER_STALLED] == 1
     r.delivery.flush()
-    r.delivery.settle(P.encode_text, r.core.table.__contains__)  # still no room: still owed
+    r.delivery.settle()  # still no room: still owed
     assert set(w0.owed) == {lost}
     r.bind(0)
     wait_until(lambda: r.drained(0), 5, "worker 0's backlog to drain")
     queued = r.messages(0, steps - 1)
     assert [m[0].rid for m in queued] == [f"a{i}" for i in range(1, steps)]  # in order, ZMQ's then the backlog's
     wait_until(lambda: r.delivery.has_room(w0), 5, "room in worker 0's queue")
-    r.delivery.settle(P.encode_text, r.core.table.__contains__)
+    r.delivery.settle()
     (owed,) = r.messages(0, 1)
     assert [(x.rid, x.error) for x in owed] == [(lost, P.WORKER_STALLED)]
-    r.delivery.settle(P.encode_text, r.core.table.__contains__)  # sent once
+    r.delivery.settle()  # sent once
     assert not r.pulls[0].poll(50) and not w0.owed and w0.backlog_bytes == 0
 
 

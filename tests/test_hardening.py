@@ -838,6 +838,45 @@ def test_a_worker_moved_by_register_gets_every_row_queued_for_its_old_address(de
     assert metric(m, "detokd_worker_dropped_total", worker="1") == 0 and not any(k for k in m if k[0] == "detokd_errors_total")
 
 
+def test_rows_in_flight_on_a_worker_connection_that_breaks_fail_their_requests_never_a_silent_hole(detokd, zctx):
+    # The worker stops reading, so detokd's messages pile up in ZMQ's queue and the
+    # socket buffers; then it dies (its socket closes unread) and a new one binds the
+    # same address. What was in flight is gone with the connection: every request must
+    # then either stream exactly to its end or get an error row saying it failed.
+    d = detokd(workers=1, args=["--metrics-port", "0"])
+    old = Sink(zctx, d.workers[0], read=False, rcvhwm=1)
+    d.wait_ready()
+    v = vocab("deepseek")
+    ids = v.backend.encode(" one two three four five six seven eight nine ten" * 400, add_special_tokens=False).ids
+    reqs = [Req(f"r{k}", ids) for k in range(4)]
+    eng = Engine(zctx, d.input)
+    port = metrics_port(d)
+    # Until ZMQ's queue is full (the rest waits in detokd's backlog): messages are in
+    # flight, in ZMQ's queue and the socket buffers.
+    while not metric(scrape(port), "detokd_worker_backlog_messages", worker="0"):
+        assert reqs[0].pos < len(ids) // 2, "no backlog"
+        for _ in range(20):
+            eng.rows([req.row(8) for req in reqs])
+    old.close()  # the worker dies with all of it unread
+    wait_until(lambda: metric(scrape(port), "detokd_worker_disconnects_total", worker="0") == 1, 20, "the broken connection seen")
+    new = Sink(zctx, d.workers[0])
+    for req in reqs:
+        while not req.done:
+            eng.rows([req.row(4)])
+    for req in reqs:
+        new.wait(lambda: new.ended(req.rid), 20, f"{req.rid} to end")
+    want = oracle(v, [], ids, True)
+    failed = [req.rid for req in reqs if new.errors(req.rid)]
+    for req in reqs:
+        if req.rid not in failed:
+            assert new.text(req.rid) == want, req.rid  # nothing was in flight for it: exact
+        else:
+            assert new.errors(req.rid)[0] == "worker_stalled", new.rows(req.rid)
+    assert failed  # its rows were in flight: each of the four requests had one
+    m = scrape(port)
+    assert metric(m, "detokd_errors_total", kind="worker_stalled") >= len(failed)
+
+
 SQUATTER = """
 import os, sys, zmq
 os.setgroups([]); os.setgid(65534); os.setuid(65534)  # imports done as root; the bind is nobody's

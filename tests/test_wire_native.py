@@ -97,6 +97,7 @@ def dialect():
     core = Detokenizer(fast_codec("deepseek"), v.size, outbox, max_states=16, max_prompt_tail=8, stats=stats)
     delivery = Delivery(ctx, outbox, ["inproc://native-w0"], feedback=None, hwm=100, queue_bytes=1 << 20, linger_ms=0, stats=stats)
     d = P.NativeDialect(core, delivery, Collector(stats), stats)
+    delivery.attach(d, lost=core.stalled, live=core.table.__contains__)
     yield d, pull
     delivery.close()
     pull.close(0)
@@ -111,7 +112,7 @@ def test_handle_serves_the_good_rows_of_a_bad_frame_and_fails_the_bad_rows_reque
     assert d.handle(enc({"type": "tokens", "rows": [
         {"rid": "good", "ids": ids, "start": {}, "finish": {"reason": "length"}}, {"rid": "bad", "ids": [1], "seq": "one"}]}))
     assert d.stats.bad_frames == 1
-    d.delivery.deliver(d.encode_text, d.encode_stopped, d.core.stalled)
+    d.delivery.deliver()
     rows = {r["rid"]: r for r in dec(pull.recv())["rows"]}
     assert rows["good"]["text"] == vocab("deepseek").reference([], ids) and rows["good"]["finish"]
     assert rows["bad"]["error"] == P.BAD_ROW and "bad" not in d.core.table  # failed, freed
@@ -121,7 +122,7 @@ def test_a_bad_rows_rid_beyond_max_rid_len_gets_no_row_it_would_be_echoed_to_eve
     d, pull = dialect
     long = "r" * (d.core.limits.rid_len + 1)
     assert d.handle(enc({"type": "tokens", "rows": [{"rid": long, "ids": "no"}, {"rid": "short", "ids": "no"}]}))
-    d.delivery.deliver(d.encode_text, d.encode_stopped, d.core.stalled)
+    d.delivery.deliver()
     assert [(r["rid"], r["error"]) for r in dec(pull.recv())["rows"]] == [("short", P.BAD_ROW)]
     assert d.stats.errors == {P.TOO_LARGE: 1, P.BAD_ROW: 1}
 

@@ -18,6 +18,7 @@ BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 class WorkerFigures(NamedTuple):
     sent: int  # messages queued
     dropped: int  # messages lost to a full queue
+    disconnects: int  # connections that broke, failing the requests with rows in flight
     writable: bool  # the queue has room now
     owed: int  # error rows waiting for it to have room
     backlog: int  # messages waiting behind ZMQ's queue

@@ -53,6 +53,7 @@ class Rig:
         )
         ipc = schema.MsgpackCodec() if encoding == "msgpack" else schema.PickleCodec()
         self.dialect = SglangDialect(self.core, self.delivery, Collector(self.stats), self.stats, ipc=ipc, vocab_size=self.v.size)
+        self.delivery.attach(self.dialect, lost=self.core.stalled, live=self.core.table.__contains__)
         self.got: list = []
 
     def encode(self, message) -> bytes:
@@ -70,7 +71,7 @@ class Rig:
         """One turn of detokd's loop."""
         self.delivery.flush()
         self.dialect.handle(frame)
-        self.delivery.deliver(self.dialect.encode_text, self.dialect.encode_stopped, self.core.stalled)
+        self.delivery.deliver()
 
     def read(self, wait_ms: int) -> None:
         """What reaches the reader, the backlog moving on meanwhile, until nothing does."""
