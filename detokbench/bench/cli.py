@@ -1,6 +1,6 @@
 """bench.py's command line and its whole run: every implementation on every configuration.
 
-Every implementation (detokd and the baselines of scripts/baselines.py) runs on the
+Every implementation (detokd and the baselines of detokbench.baselines) runs on the
 same streams, one after the other, for each configuration; then the flatness run.
 results.json, table.md, summary.md and the plots go to --out.
 """
@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from . import ROOT
+from .. import ROOT
+from ..commands import command_line
+from ..proc import QuietWait
 from .harness import Harness, Impl, Stall, start_impl
-from .proc import QuietWait
 from .report import IMPLS, TOKENIZERS, fmt_rate, log, machine, plot, ratios, report, versions
 from .runs import Progress, run_config, run_flatness
 from .workload import Corpus, Workload
@@ -27,7 +26,7 @@ from .workload import Corpus, Workload
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
-        prog="bench.py",
+        prog="python -m detokbench bench",
         description="End-to-end detokenizer benchmark: scheduler -> implementation -> worker processes over ipc:// ZMQ.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -79,7 +78,7 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def run(args) -> int:
+def run(args, command: str) -> int:
     impls = _csv(args.impls)
     for i in impls:
         if i not in IMPLS:
@@ -94,7 +93,7 @@ def run(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     results: dict[str, Any] = {
-        "command": "python scripts/bench.py" + ("" if not sys.argv[1:] else " " + shlex.join(sys.argv[1:])),
+        "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine(), "versions": versions(),
         "options": {k: v for k, v in vars(args).items() if k != "report"},
@@ -235,7 +234,7 @@ def run(args) -> int:
     return 1 if results["failures"] else 0
 
 
-def main(argv=None) -> int:
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.report:
         res = json.loads(Path(args.report).read_text())
@@ -248,4 +247,4 @@ def main(argv=None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    return run(args)
+    return run(args, command_line("bench", argv))

@@ -1,8 +1,8 @@
 """Starting the processes of bench.py: the worker, and each implementation under test.
 
 detokd runs through detokd.process.DetokdProcess (a config file, readiness by the
-notify socket, stop by signal); the baselines are `python scripts/baselines.py --algo
-NAME`. Each implementation PULLs at its own ipc:// input in a temporary folder and
+notify socket, stop by signal); the baselines are `python -m detokbench baselines
+--algo NAME`. Each implementation PULLs at its own ipc:// input in a temporary folder and
 PUSHes text to the one worker (worker.py), which acks whole steps to the scheduler.
 """
 
@@ -23,8 +23,8 @@ from detokd.config import Config
 from detokd.launch import derive_address
 from detokd.process import DetokdProcess
 
-from . import ROOT, SCRIPTS
-from .proc import ProcTree
+from .. import ROOT
+from ..proc import ProcTree
 from .worker import ACK_CONFIG, ACK_DUMP, ACK_STEP, Configure, Dump, Quit
 
 _STARTED: list[subprocess.Popen] = []
@@ -32,9 +32,10 @@ _DETOKDS: list[DetokdProcess] = []
 
 
 def child_env() -> dict[str, str]:
-    """This process' environment, with the checkout and scripts/ first on PYTHONPATH."""
+    """This process' environment, with the checkout first on PYTHONPATH: the children
+    run its detokd and detokbench wherever this process was started from."""
     env = dict(os.environ)
-    paths = [str(ROOT), str(SCRIPTS)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    paths = [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     return env
@@ -108,7 +109,7 @@ class Harness:
         self.ack = self.ctx.socket(zmq.PULL)
         self.ack.setsockopt(zmq.RCVHWM, 0)
         self.ack.bind(self.ack_addr)
-        self.worker = spawn([sys.executable, "-m", "detokbench.worker", self.text_addr, self.ack_addr], tmp / "worker.log")
+        self.worker = spawn([sys.executable, "-m", "detokbench.bench.worker", self.text_addr, self.ack_addr], tmp / "worker.log")
         self.worker_tree = ProcTree(self.worker.pid)
         self.self_tree = ProcTree(os.getpid())
         self.ctl = self.ctx.socket(zmq.PUSH)
@@ -182,7 +183,7 @@ class Impl:
             self.cmd = self.proc.args
         else:
             self.log_path = h.tmp / f"{name}-{tokenizer}.log"
-            self.cmd = [sys.executable, str(SCRIPTS / "baselines.py"), "--algo", name,
+            self.cmd = [sys.executable, "-m", "detokbench", "baselines", "--algo", name,
                         "--input", base, "--worker", h.text_addr, "--tokenizer", tokenizer]
             self.proc = spawn(self.cmd, self.log_path)
         self.tree = ProcTree(self.proc.pid)

@@ -1,4 +1,4 @@
-"""Frames peers send detokd, shared by the tests and scripts/fuzz.py.
+"""Frames peers send detokd, shared by the tests and `detokbench fuzz`.
 
 Honest id streams (`CORPUS`, `mixed_ids`) and hostile frames: `Hostile` (malformed
 MessagePack, wrong shapes, hostile values) and `OverCaps` (frames beyond the caps of

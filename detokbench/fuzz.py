@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Fuzz run: N frames of honest and hostile traffic through a real detokd; does it
 survive, stay exact, and keep its memory?
 
@@ -7,12 +6,12 @@ survive, stay exact, and keep its memory?
     oversized senders (one PUSH each) --/
 
 * Honest traffic: waves of 1..8 concurrent requests, real multilingual text encoded
-  by the default tokenizer with random ids sprinkled in (tests/frames.py mixed_ids),
+  by the default tokenizer with random ids sprinkled in (detokbench.frames mixed_ids),
   half with a prompt tail, on both workers; one `tokens` frame per step through
   detokd.client.SchedulerClient; between waves, now and then a `flush` control (sent
   by the honest scheduler itself, so it never cuts a live honest request). Every
   honest text is compared at the end with Vocab.reference (the oracle).
-* Hostile traffic, from another PUSH socket: every generator of tests/frames.py
+* Hostile traffic, from another PUSH socket: every generator of detokbench.frames
   Hostile (malformed MessagePack, wrong types, unknown message types, ids outside the
   vocabulary, seq off, registers (refused: register is off by default), aborts of
   random rids, multipart messages...) and OverCaps (a rid over max_rid_len, rows over
@@ -26,8 +25,8 @@ survive, stay exact, and keep its memory?
   input socket, answered: every frame before it was handled); VmHWM is the peak.
   /metrics is scraped at the end.
 
-    PYTHONPATH=$PWD python scripts/fuzz.py                   # 100,000 frames
-    PYTHONPATH=$PWD python scripts/fuzz.py --frames 3000 --json /tmp/f.json
+    python -m detokbench fuzz                   # 100,000 frames
+    python -m detokbench fuzz --frames 3000 --json /tmp/f.json
 
 Exit status 0 when detokd lived (and exited 0 on SIGTERM), every honest stream was
 exact, hostile rows never got text, detokd counted exactly the frames it read, the
@@ -44,27 +43,23 @@ import os
 import platform
 import random
 import re
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [p for p in (str(REPO), str(REPO / "tests")) if p not in sys.path]
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
-from zmq.utils.monitor import recv_monitor_message  # noqa: E402
+from detokd.client import SchedulerClient
+from detokd.process import DetokdProcess, ipc_config
+from detokd.tokenizer import load
+from detokd.wire.native import Finish
 
-from detokd.client import SchedulerClient  # noqa: E402
-from detokd.process import DetokdProcess, ipc_config  # noqa: E402
-from detokd.tokenizer import load  # noqa: E402
-from detokd.wire.native import Finish  # noqa: E402
-from frames import CORPUS, Hostile, OverCaps, mixed_ids  # noqa: E402
+from .commands import command_line
+from .frames import CORPUS, Hostile, OverCaps, mixed_ids
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
@@ -313,7 +308,7 @@ def build_kinds(hostile: Hostile, over: OverCaps, sessions: Sessions) -> tuple[d
     return gens, weights
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, command: str) -> dict:
     rng = random.Random(args.seed)
     t_start = time.monotonic()
     deadline = t_start + args.deadline
@@ -477,7 +472,7 @@ def run(args: argparse.Namespace) -> dict:
         problems.append("RSS not sampled")
 
     return {
-        "command": "python scripts/fuzz.py " + " ".join(sys.argv[1:]),
+        "command": command,
         "frames": args.frames,
         "seed": args.seed,
         "workers": args.workers,
@@ -511,8 +506,8 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m detokbench fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=int, default=100_000, help="frames to send (default 100,000)")
     ap.add_argument("--seed", type=int, default=20250101)
     ap.add_argument("--workers", type=int, default=2)
@@ -521,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=1800, help="seconds: the run fails if it has not finished by then")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
-    res = run(args)
+    res = run(args, command_line("fuzz", argv))
     r = res["rss_kb"]
     print(f"{res['frames']} frames in {res['wall_s']} s (seed {res['seed']}): {res['frames_read_by_detokd']} read by detokd, "
           f"{res['bad_frames_sent']} bad; by kind: {res['frames_by_kind']}")
@@ -540,6 +535,3 @@ def main(argv: list[str] | None = None) -> int:
     print("OK" if res["ok"] else "FAILED")
     return 0 if res["ok"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

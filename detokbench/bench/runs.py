@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from .harness import Impl
-from .proc import machine_busy_ns, steal_ns
+from ..proc import machine_busy_ns, steal_ns
 from .report import fmt_rate, lat_stats, log, median
 from .worker import ACK_STEP
 from .workload import Workload, step_values

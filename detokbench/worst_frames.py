@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """What one worst-case inbound frame at detokd's DEFAULT caps costs a real `detokd serve`.
 
 Issue #13: /health must tell a stuck loop from a busy one, and SIGTERM must end detokd
@@ -45,9 +44,9 @@ every non-200 answer; (c) detokd's VmHWM / VmRSS before and after; (d) on anothe
 detokd, SIGTERM ~100 ms after the same frame was sent: seconds until it exited, and its
 exit status (3: the shutdown grace ran out).
 
-    python scripts/worst_frames.py                               # ~150 s (12 scenarios), docs/bench/worst.json
-    python scripts/worst_frames.py --quick --json /tmp/worst.json  # seconds
-    python scripts/worst_frames.py --only malformed,mass_start
+    python -m detokbench worst-frames                               # ~150 s (12 scenarios), docs/bench/worst.json
+    python -m detokbench worst-frames --quick --json /tmp/worst.json  # seconds
+    python -m detokbench worst-frames --only malformed,mass_start
 
 --quick builds frames of 128 KiB (512 rows, 1,024 ids a row) at the same caps: a smoke
 run, not figures. Exit status 0 when every scenario completed with its probe exact.
@@ -66,7 +65,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -75,19 +73,16 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import msgspec
+import zmq
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
+from detokd.config import Config
+from detokd.process import DetokdProcess, ipc_config
+from detokd.tokenizer import Vocab, load
+from detokd.wire.native import NIL, Abort, Control, EmbeddingRow, Embeddings, Finish, Register, Row, Start, Tokens, encode
 
-from detokd.config import Config  # noqa: E402
-from detokd.process import DetokdProcess, ipc_config  # noqa: E402
-from detokd.tokenizer import Vocab, load  # noqa: E402
-from detokd.wire.native import NIL, Abort, Control, EmbeddingRow, Embeddings, Finish, Register, Row, Start, Tokens, encode  # noqa: E402
+from . import ROOT
+from .commands import command_line
 
 CAPS = Config()  # the defaults every scenario runs at
 SEND_MS = 60_000  # detokd takes no input for a minute: give up
@@ -672,15 +667,15 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def meta(args: argparse.Namespace) -> dict:
+def meta(args: argparse.Namespace, command: str) -> dict:
     try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = None
     caps = {k: getattr(CAPS, k) for k in msgspec.structs.asdict(CAPS) if k.startswith("max_")}
     caps.update(shutdown_grace_s=CAPS.shutdown_grace_s, health_timeout=CAPS.health_timeout, linger_ms=CAPS.linger_ms)
     return {
-        "command": " ".join(["python scripts/worst_frames.py", *sys.argv[1:]]),
+        "command": command,
         "quick": args.quick,
         "commit": commit,
         "caps": caps,
@@ -688,9 +683,9 @@ def meta(args: argparse.Namespace) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=str(REPO / "docs" / "bench" / "worst.json"), help="where to write the results")
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m detokbench worst-frames", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "worst.json"), help="where to write the results")
     ap.add_argument("--quick", action="store_true", help="small frames: a smoke run of a few seconds")
     ap.add_argument("--only", default="", help="comma-separated scenario names")
     ap.add_argument("--distinct-starts", type=int, help="starts in stop_distinct's frame")
@@ -712,13 +707,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{sc.name} ...", flush=True)
             results.append(run_scenario(sc, pair, vocabs[sc.settings.get("tokenizer", "deepseek")], scale))
     ctx.destroy(linger=0)
-    report = {**meta(args), "wall_s": round(time.monotonic() - started, 1), "scenarios": results}
+    report = {**meta(args, command_line("worst-frames", argv)), "wall_s": round(time.monotonic() - started, 1), "scenarios": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     print(table(results))
     print(f"written to {args.json}")
     return 0 if all(r["completed"] for r in results) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

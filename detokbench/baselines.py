@@ -1,5 +1,4 @@
-#!/usr/bin/env python
-"""Baseline detokenizers that scripts/bench.py runs beside detokd, through the same harness.
+"""Baseline detokenizers that `python -m detokbench bench` runs beside detokd, through the same harness.
 
 Each baseline is written here from its published algorithm (no code copied):
 
@@ -28,7 +27,7 @@ interface (tests/test_baselines.py checks them in-process), plus a class-level
 
 Server (the same harness as detokd, PROTOCOL.md v1, the subset the benchmark uses):
 
-    python scripts/baselines.py --algo naive|sglang|decodestream|floor \\
+    python -m detokbench baselines --algo naive|sglang|decodestream|floor \\
         --input ipc:///tmp/x/in --worker ipc:///tmp/x/w0 --tokenizer deepseek
 
 PULL-binds the input, PUSH-connects to each worker, answers every `tokens` row with one
@@ -50,16 +49,12 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from detokd.wire import native as protocol  # noqa: E402
-from detokd.core.decoder import byte_level_alphabet  # noqa: E402
-from detokd.tokenizer import resolve  # noqa: E402
-from detokd.wire.native import OutRow, Text  # noqa: E402
+from detokd.core.decoder import byte_level_alphabet
+from detokd.tokenizer import resolve
+from detokd.wire import native as protocol
+from detokd.wire.native import OutRow, Text
 
 log = logging.getLogger("baselines")
 
@@ -532,16 +527,17 @@ def serve(algo: str, input_addr: str, workers: list[str], tokenizer: str, hwm: i
                     pushes[w].send(encode(Embeddings(rows)))
 
 
-def main(argv: Iterable[str] | None = None) -> int:
+def main(argv: Iterable[str]) -> int:
     ap = argparse.ArgumentParser(
-        description="Baseline detokenizers behind detokd's wire protocol (for scripts/bench.py).",
+        prog="python -m detokbench baselines",
+        description="Baseline detokenizers behind detokd's wire protocol (for `python -m detokbench bench`).",
     )
     ap.add_argument("--algo", required=True, choices=sorted(ALGOS))
     ap.add_argument("--input", required=True, help="address to PULL-bind, e.g. ipc:///tmp/x/in")
     ap.add_argument("--worker", action="append", required=True, help="worker address to PUSH-connect (repeat)")
     ap.add_argument("--tokenizer", default="deepseek", help="zoo name or folder with tokenizer.json")
     ap.add_argument("--log-level", default="warning")
-    args = ap.parse_args(list(argv) if argv is not None else None)
+    args = ap.parse_args(list(argv))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s baselines %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
@@ -550,6 +546,3 @@ def main(argv: Iterable[str] | None = None) -> int:
         pass
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The receiving side of bench.py: a tokenizer worker process that acks whole steps.
 
-    python -m detokbench.worker TEXT_ADDR ACK_ADDR      (started by harness.Harness)
+    python -m detokbench.bench.worker TEXT_ADDR ACK_ADDR      (started by harness.Harness)
 
 It PULLs detokd.wire.native `text` messages at TEXT_ADDR, counts the rows of each step
 (the step number and the send time ride in every row's `meta`, which implementations

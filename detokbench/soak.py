@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Soak test: millions of tokens with churn through a real detokd; is memory flat?
 
     engine (this process) --tokens/abort--> `python -m detokd serve` --text--> worker (this process)
@@ -24,9 +23,9 @@
   RSS is flat when it grew by less than `--flat-threshold` over the last quarter
   of the run.
 
-    python scripts/soak.py --quick     # ~1.4M tokens over 10k requests, seconds
-    python scripts/soak.py             # ~135M tokens over 1M requests, minutes (docs/reliability.md)
-    python scripts/soak.py --requests 110000   # the issue's minimum: >10M tokens, >100k requests
+    python -m detokbench soak --quick     # ~1.4M tokens over 10k requests, seconds
+    python -m detokbench soak             # ~135M tokens over 1M requests, minutes (docs/reliability.md)
+    python -m detokbench soak --requests 110000   # the issue's minimum: >10M tokens, >100k requests
 
 Exit status: 0 when RSS ended flat and every checked text was exact, 1 otherwise.
 """
@@ -52,17 +51,14 @@ from pathlib import Path
 import msgspec
 import zmq
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [p for p in (str(REPO), str(REPO / "scripts")) if p not in sys.path]
+from detokd.client import SchedulerClient
+from detokd.config import Config
+from detokd.process import DetokdProcess, NotReady
+from detokd.wire.native import Finish, Text
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-from detokbench.harness import detokd_process  # noqa: E402
-from detokd.client import SchedulerClient  # noqa: E402
-from detokd.config import Config  # noqa: E402
-from detokd.process import DetokdProcess, NotReady  # noqa: E402
-from detokd.wire.native import Finish, Text  # noqa: E402
+from . import ROOT
+from .bench.harness import detokd_process
+from .commands import command_line
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Streaming text must arrive exactly once. ",
@@ -305,7 +301,7 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run(args) -> int:
+def run(args, command: str) -> int:
     from detokd.tokenizer import load
 
     rng = random.Random(args.seed)
@@ -434,7 +430,7 @@ def run(args) -> int:
             wrong.append(rid)
     evicted_rows = worker.errors.get("evicted", 0)
     summary = {
-        "command": " ".join(["python scripts/soak.py", *sys.argv[1:]]),
+        "command": command,
         "tokens": int(final.get("detokd_tokens_total", 0)),
         "tokens_sent": sent_tokens,
         "requests": made,
@@ -488,6 +484,7 @@ def run(args) -> int:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
+        prog="python -m detokbench soak",
         description="Soak a real detokd: millions of tokens, request churn (random lengths, aborts, "
         "abandoned requests that only eviction frees), RSS and live requests sampled over time; "
         "writes JSON and a PNG to docs/soak/ and says whether RSS ended flat.",
@@ -507,7 +504,7 @@ def parse_args(argv=None):
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between RSS samples (default 1)")
     ap.add_argument("--flat-threshold", type=float, default=0.02, help="RSS growth over the last quarter that still counts as flat (default 0.02)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", default=str(REPO / "docs" / "soak"), help="folder for soak.json and soak.png (default docs/soak)")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "soak"), help="folder for soak.json and soak.png (default docs/soak)")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests = min(args.requests, 10_000)
@@ -519,5 +516,6 @@ def parse_args(argv=None):
     return args
 
 
-if __name__ == "__main__":
-    sys.exit(run(parse_args()))
+
+def main(argv: list[str]) -> int:
+    return run(parse_args(argv), command_line("soak", argv))

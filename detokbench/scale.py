@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """detokd's own throughput by shard count, on a harness too cheap to matter.
 
-scripts/bench.py measures the whole pipeline: its scheduler and worker build and
+`python -m detokbench bench` measures the whole pipeline: its scheduler and worker build and
 read every row in Python, which on a 2-core machine takes most of the second core.
 This measures detokd, the way a load generator measures a server:
 
@@ -23,8 +22,8 @@ This measures detokd, the way a load generator measures a server:
 * CPU per token: detokd's processes (all threads, ZMQ I/O included) and this harness,
   from /proc/<pid>/task/*/schedstat. Linux only.
 
-    python scripts/scale.py                        # 1 and 2 shards, deepseek, B=1024
-    python scripts/scale.py --shards 1 --batch 256 # detokd's CPU per token at B=256
+    python -m detokbench scale                        # 1 and 2 shards, deepseek, B=1024
+    python -m detokbench scale --shards 1 --batch 256 # detokd's CPU per token at B=256
 """
 
 from __future__ import annotations
@@ -40,21 +39,19 @@ import tempfile
 import time
 from pathlib import Path
 
-_SCRIPTS = Path(__file__).resolve().parent
-sys.path[:0] = [p for p in (str(_SCRIPTS.parent), str(_SCRIPTS)) if p not in sys.path]
+import msgspec
+import zmq
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
+from detokd.client import SchedulerClient, shard_for
+from detokd.config import Config
+from detokd.launch import derive_address
+from detokd.process import NotReady
+from detokd.tokenizer import load
+from detokd.wire.native import Finish, Text
 
-from detokbench.harness import detokd_process  # noqa: E402
-from detokbench.proc import cpu_s, descendants  # noqa: E402
-from detokbench.workload import TAIL, corpus  # noqa: E402
-from detokd.client import SchedulerClient, shard_for  # noqa: E402
-from detokd.config import Config  # noqa: E402
-from detokd.launch import derive_address  # noqa: E402
-from detokd.process import NotReady  # noqa: E402
-from detokd.wire.native import Finish, Text  # noqa: E402
-from detokd.tokenizer import load  # noqa: E402
+from .bench.harness import detokd_process
+from .bench.workload import TAIL, corpus
+from .proc import cpu_s, descendants
 
 MARK = "\x01end-"  # marker rids: no text of the corpus contains \x01
 
@@ -206,8 +203,9 @@ def check(streams: Streams, got: list[bytes]) -> int:
     return len(bad) + sum("".join(texts.get(rid, ())) != want for rid, want in streams.want.items() if rid not in bad)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m detokbench scale", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", default="1,2", help="shard counts to compare, comma-separated (default 1,2)")
     ap.add_argument("--batch", "-B", type=int, default=1024, help="streams, one row each per step (default 1024)")
     ap.add_argument("--steps", type=int, default=400, help="steps per round (default 400)")
@@ -215,7 +213,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds per configuration (default 10)")
     ap.add_argument("--tokenizer", default="deepseek")
     ap.add_argument("--json", metavar="FILE", help="write every round's figures here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     counts = [int(x) for x in args.shards.split(",")]
     B, S, n = args.batch, args.steps, args.ids_per_row
 
@@ -285,6 +283,3 @@ def main() -> int:
             {"args": vars(args), "cpus": os.cpu_count(), "runs": runs, "ratios": ratios, "ceilings": ceilings}, indent=1))
     return 1 if any(x["wrong_streams"] for rs in runs.values() for x in rs) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
