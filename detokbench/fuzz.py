@@ -60,6 +60,7 @@ from detokd.wire.native import Finish
 
 from .commands import command_line
 from .frames import CORPUS, Hostile, OverCaps, mixed_ids
+from .proc import memory
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
@@ -261,17 +262,6 @@ def send_oversized(ctx: zmq.Context, address: str, frame: bytes) -> None:
 # --------------------------------------------------------------------------- looking at detokd
 
 
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of a process, in kB."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0])
-    return out
-
-
 def scrape(port: int) -> dict:
     """/metrics: counters and gauges by name, labelled ones as {label value: value}."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -370,7 +360,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
         for i in range(args.frames):
             if i == warm:
                 fence()
-                rss["warm"] = proc_status(d.pid)
+                rss["warm"] = memory(d.pid)
                 rss["warm_at_frame"] = i
             name = first[i] if i < len(first) else rng.choices(names, wlist)[0]
             if name == "honest":
@@ -388,7 +378,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
                 bad += is_bad
             kinds[name] += 1
             if i % sample_every == sample_every - 1:
-                samples.append((i + 1, proc_status(d.pid)["VmRSS"]))  # no fence: the trend, not the verdict
+                samples.append((i + 1, memory(d.pid).rss_kb))  # no fence: the trend, not the verdict
             if i % 1000 == 999:
                 if d.returncode is not None:
                     raise RuntimeError(f"detokd died (exit {d.returncode}) after {i + 1} frames")
@@ -404,7 +394,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
                 WAIT_S, f"honest request {r.rid} to end",
             )
         fence()
-        rss["end"] = proc_status(d.pid)
+        rss["end"] = memory(d.pid)
         metrics = scrape(port)
         client.close(0)
         peer.close(0)
@@ -465,7 +455,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
         problems.append(f"detokd exited {exit_code} on SIGTERM")
     growth = None
     if "warm" in rss and "end" in rss:
-        growth = rss["end"]["VmRSS"] / rss["warm"]["VmRSS"] - 1
+        growth = rss["end"].rss_kb / rss["warm"].rss_kb - 1
         if growth > args.rss_tolerance:
             problems.append(f"RSS grew {growth:.1%} after the warm-up (> {args.rss_tolerance:.0%})")
     elif not problems:
@@ -484,10 +474,10 @@ def run(args: argparse.Namespace, command: str) -> dict:
         "bad_frames_sent": bad,
         "sessions_ended": dict(sessions.ends) if sessions else {},
         "rss_kb": {
-            "after_warmup": rss.get("warm", {}).get("VmRSS"),
+            "after_warmup": rss["warm"].rss_kb if "warm" in rss else None,
             "warmup_frames": rss.get("warm_at_frame"),
-            "end": rss.get("end", {}).get("VmRSS"),
-            "peak_hwm": rss.get("end", rss.get("warm", {})).get("VmHWM"),
+            "end": rss["end"].rss_kb if "end" in rss else None,
+            "peak_hwm": last.hwm_kb if (last := rss.get("end", rss.get("warm"))) else None,
             "growth": None if growth is None else round(growth, 4),
             "tolerance": args.rss_tolerance,
             "samples": samples,

@@ -54,6 +54,7 @@ from detokd.tokenizer import load
 
 from . import ROOT
 from .bench.workload import corpus  # the multilingual text only
+from .proc import loadavg, memory, tick_cpu_s
 from .sglang_replay import DetokenizerProcess, Scripted, accumulate, build_stream, freeze_gc_req, ipc_encoding
 
 TARGETS = {"sglang": None, "detokd": detokd_target}
@@ -112,23 +113,6 @@ class Stream:
 # --- one process ------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def status_kb(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
-def loadavg() -> float:
-    """The machine's 1-minute load: other work on the cores makes the figures noisier."""
-    return float(Path("/proc/loadavg").read_text().split()[0])
-
-
 class Hung(RuntimeError):
     pass
 
@@ -146,7 +130,7 @@ def run_pass(proc: DetokenizerProcess, stream: Stream, window: int) -> dict:
     gc.collect()
     gc.disable()
     load = loadavg()
-    cpu0 = cpu_seconds(pid)
+    cpu0 = tick_cpu_s(pid)
     t0 = time.perf_counter_ns()
     sent = 0
     try:
@@ -166,7 +150,7 @@ def run_pass(proc: DetokenizerProcess, stream: Stream, window: int) -> dict:
                 latency_ns[len(got) - 1] = time.perf_counter_ns() - sent_at[len(got) - 1]
     finally:
         wall = (time.perf_counter_ns() - t0) / 1e9
-        cpu = cpu_seconds(pid) - cpu0
+        cpu = tick_cpu_s(pid) - cpu0
         gc.enable()
     if pull.poll(200):
         raise AssertionError(f"more answers than steps ({n}): the step accounting would be wrong")
@@ -229,7 +213,7 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
         differing = sum(1 for rid in first_text["sglang"] if first_text["sglang"][rid] != first_text["detokd"].get(rid))
         for name, proc in procs.items():
             pid = proc.process.pid
-            hwm, rss = status_kb(pid, "VmHWM"), status_kb(pid, "VmRSS")
+            mem = memory(pid)
             for mode in ("latency", "throughput"):
                 mine = [p for p in passes if p["target"] == name and p["mode"] == mode]
                 lat = [x for p in mine for x in p["lat"]]
@@ -241,7 +225,7 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                     loadavg_1m_per_pass=[p["loadavg_1m"] for p in mine],
                     latency_ms_p50=pct(lat, 50), latency_ms_p99=pct(lat, 99), latency_ms_max=max(lat),
                     cpu_us_per_token=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * 1e6,
-                    vm_hwm_mb=hwm / 1024, vm_rss_mb=rss / 1024,
+                    vm_hwm_mb=mem.hwm_kb / 1024, vm_rss_mb=mem.rss_kb / 1024,
                     text_equal_across_targets=agree, rids_differing_across_targets=differing,
                     off_oracle=sum(p["off_oracle"] for p in mine),
                     off_oracle_examples=[x for p in mine for x in p["off_oracle_examples"]][:3],

@@ -16,7 +16,7 @@
   request's last row has n_ids equal to its length and that only abandoned requests
   get errors, and keeps the whole text of every `--check-every`-th request, which is
   compared at the end with the oracle: transformers' decode of prompt tail + output.
-* A sampler thread records, every `--interval` seconds, detokd's RSS (psutil) and
+* A sampler thread records, every `--interval` seconds, detokd's RSS (/proc) and
   what its /metrics says: live requests, tokens, evictions, errors.
 * At the end: JSON with every sample and the summary, a PNG plot (RSS and live
   requests over time, matplotlib), both in `--out` (docs/soak/), and the verdict:
@@ -59,6 +59,7 @@ from detokd.wire.native import Finish, Text
 from . import ROOT
 from .bench.harness import detokd_process
 from .commands import command_line
+from .proc import memory, tick_cpu_s
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Streaming text must arrive exactly once. ",
@@ -192,17 +193,15 @@ def scrape(port: int) -> dict[str, float]:
 class Sampler(threading.Thread):
     def __init__(self, pid: int, port: int, interval: float, t0: float) -> None:
         super().__init__(daemon=True)
-        import psutil
-
-        self.proc = psutil.Process(pid)
+        self.pid = pid
         self.port, self.interval, self.t0 = port, interval, t0
         self.samples: list[dict] = []
         self.halt = threading.Event()
 
     def sample(self) -> None:
         try:
-            rss = self.proc.memory_info().rss
-            cpu = sum(self.proc.cpu_times()[:2])
+            rss = memory(self.pid).rss_kb * 1024
+            cpu = tick_cpu_s(self.pid)
             m = scrape(self.port)
         except Exception as exc:  # the process went away: the run will say so
             log(f"sampler: {exc}")

@@ -83,6 +83,7 @@ from detokd.wire.native import NIL, Abort, Control, EmbeddingRow, Embeddings, Fi
 
 from . import ROOT
 from .commands import command_line
+from .proc import memory
 
 CAPS = Config()  # the defaults every scenario runs at
 SEND_MS = 60_000  # detokd takes no input for a minute: give up
@@ -466,11 +467,10 @@ def warm_up(t: Target, vocab: Vocab) -> None:
 # --------------------------------------------------------------------------- measures
 
 
-def memory(pid: int) -> dict:
+def memory_mb(pid: int) -> dict:
     """VmHWM (the peak) and VmRSS of a process, in MB."""
-    with open(f"/proc/{pid}/status") as f:
-        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmHWM", "VmRSS")}
-    return {"hwm_mb": round(kb["VmHWM"] / 1024, 1), "rss_mb": round(kb["VmRSS"] / 1024, 1)}
+    m = memory(pid)
+    return {"hwm_mb": round(m.hwm_kb / 1024, 1), "rss_mb": round(m.rss_kb / 1024, 1)}
 
 
 class HealthPoller(threading.Thread):
@@ -530,7 +530,7 @@ def probe_for(vocab: Vocab, name: str) -> tuple[str, list[int], bytes]:
 def handle(t: Target, frame: Frame, vocab: Vocab, name: str) -> dict:
     """(a), (b), (c): the frame, then a probe; time to both answers, /health, memory."""
     rid, ids, probe = probe_for(vocab, name)
-    before = memory(t.pid)
+    before = memory_mb(t.pid)
     t0 = time.monotonic()
     poller = HealthPoller(t.port, t0)
     poller.start()
@@ -541,7 +541,7 @@ def handle(t: Target, frame: Frame, vocab: Vocab, name: str) -> dict:
         t.sink.wait(lambda: t.sink.ended(rid), ANSWER_WAIT_S, "answer to the probe")
     finally:
         health = poller.stop()
-    after = memory(t.pid)
+    after = memory_mb(t.pid)
     msgs = t.sink.since(t0)
     answer = [m for m in msgs if not m.probe]
     probe_at = next(m.at for m in msgs if m.probe)
