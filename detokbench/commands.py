@@ -26,11 +26,11 @@ COMMANDS = {
     c.name: c
     for c in (
         Command("bench", "detokbench.bench.cli", "end-to-end benchmark: detokd and the baselines between a scheduler and a worker process"),
-        Command("baselines", "detokbench.baselines", "serve one baseline detokenizer behind detokd's wire protocol (bench starts them)"),
+        Command("baselines", "detokbench.baselines_server", "serve one baseline detokenizer behind detokd's wire protocol (bench starts them)"),
         Command("scale", "detokbench.scale", "detokd alone on a harness too cheap to matter: 1 vs N shards, CPU per token"),
-        Command("soak", "detokbench.soak", "millions of tokens with request churn through a real detokd: is RSS flat?"),
-        Command("fuzz", "detokbench.fuzz", "honest and hostile frames through a real detokd: alive, exact, counted, RSS kept"),
-        Command("worst-frames", "detokbench.worst_frames", "what one worst-case frame at the default caps costs a real detokd"),
+        Command("soak", "detokbench.soak.cli", "millions of tokens with request churn through a real detokd: is RSS flat?"),
+        Command("fuzz", "detokbench.fuzz.cli", "honest and hostile frames through a real detokd: alive, exact, counted, RSS kept"),
+        Command("worst-frames", "detokbench.worst_frames.cli", "what one worst-case frame at the default caps costs a real detokd"),
         Command("sglang-bench", "detokbench.sglang_bench", "detokd in SGLang mode against SGLang's own detokenizer (in SGLang's environment)"),
     )
 }

@@ -53,7 +53,7 @@ from detokd.sglang.process import run_detokenizer_process as detokd_target
 from detokd.tokenizer import load
 
 from . import ROOT
-from .bench.workload import corpus  # the multilingual text only
+from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
 from .sglang_replay import DetokenizerProcess, Scripted, accumulate, build_stream, freeze_gc_req, ipc_encoding
 

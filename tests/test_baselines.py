@@ -14,6 +14,7 @@ import pytest
 from conftest import vocab
 from detokbench import baselines
 from detokbench.bench import workload
+from detokbench.corpus import corpus
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def text_ids(tok):
-    text = workload.corpus()
+    text = corpus()
     return text, tok.fast.encode(text, add_special_tokens=False).ids
 
 
