@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,10 @@ from .. import ROOT
 from ..commands import command_line
 from ..proc import QuietWait
 from .harness import Harness, Impl, Stall, start_impl
+from .flatness import run_flatness
+from .progress import Progress
 from .report import IMPLS, TOKENIZERS, fmt_rate, log, machine, plot, ratios, report, versions
-from .runs import Progress, run_config, run_flatness
+from .runs import run_config
 from .workload import Corpus, Workload
 
 
@@ -78,160 +82,213 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def run(args, command: str) -> int:
-    impls = _csv(args.impls)
-    for i in impls:
-        if i not in IMPLS:
-            raise SystemExit(f"unknown implementation {i!r}; known: {', '.join(IMPLS)}")
-    toks = _csv(args.tokenizers)
-    batches = [int(x) for x in _csv(args.batch)]
-    nids = [int(x) for x in _csv(args.ids_per_row)]
-    long_impls = [i for i in _csv(args.long_impls) if i in impls] if args.long_steps else []
-    long_toks = [t for t in _csv(args.long_tokenizers) if t in toks] if args.long_steps else []
-    out_dir = Path(args.out) if args.out else (
-        Path(tempfile.mkdtemp(prefix="detokd-bench-quick-")) if args.quick else ROOT / "docs" / "bench")
-    out_dir.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Plan:
+    """What a run measures, from the options."""
 
-    results: dict[str, Any] = {
-        "command": command,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": machine(), "versions": versions(),
-        "options": {k: v for k, v in vars(args).items() if k != "report"},
-        "runs": [], "flatness": [], "failures": [],
-    }
-    total = len(toks) * len(batches) * len(nids) * len(impls) + len(long_toks) * len(long_impls)
-    progress = Progress(total, args.quiet)
-    quiet = QuietWait(args.quiet_budget)
+    impls: list[str]
+    toks: list[str]
+    batches: list[int]
+    nids: list[int]  # ids per row
+    long_impls: list[str]  # the flatness run's
+    long_toks: list[str]
+    out_dir: Path
 
-    def wait_quiet() -> None:
-        quiet(args.quiet_cores, args.quiet_wait, lambda text: progress.update(text, force=True))
+    @classmethod
+    def of(cls, args) -> Plan:
+        impls = _csv(args.impls)
+        for i in impls:
+            if i not in IMPLS:
+                raise SystemExit(f"unknown implementation {i!r}; known: {', '.join(IMPLS)}")
+        toks = _csv(args.tokenizers)
+        out_dir = Path(args.out) if args.out else (
+            Path(tempfile.mkdtemp(prefix="detokd-bench-quick-")) if args.quick else ROOT / "docs" / "bench")
+        return cls(
+            impls=impls, toks=toks, batches=[int(x) for x in _csv(args.batch)], nids=[int(x) for x in _csv(args.ids_per_row)],
+            long_impls=[i for i in _csv(args.long_impls) if i in impls] if args.long_steps else [],
+            long_toks=[t for t in _csv(args.long_tokenizers) if t in toks] if args.long_steps else [],
+            out_dir=out_dir,
+        )
 
-    tmp = Path(tempfile.mkdtemp(prefix="detokd-bench-"))
-    h = Harness(tmp, args)
-    running_all: dict[str, Impl] = {}
-    t_start = time.monotonic()
+    @property
+    def total(self) -> int:
+        return len(self.toks) * len(self.batches) * len(self.nids) * len(self.impls) + len(self.long_toks) * len(self.long_impls)
 
-    def save() -> None:
-        results["wall_seconds"] = time.monotonic() - t_start
-        results["ratios"] = ratios(results["runs"])
-        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
 
-    try:
-        for tok in toks:
-            progress.label = f"{tok}: building the streams"
-            progress.update("", force=True)
-            corp = Corpus(tok)
-            running: dict[str, Impl] = {}
-            running_all = running
-            for name in impls:
-                progress.label = f"{tok}: starting {name}"
-                progress.update("", force=True)
-                try:
-                    running[name] = start_impl(name, tok, h, args, corp)
-                except Exception as e:
-                    progress.close()
-                    log(f"{name} ({tok}) failed to start: {e}")
-                    results["failures"].append({"impl": name, "tokenizer": tok, "error": str(e)})
-            cid = 0
-            for n in nids:
-                for B in batches:
-                    cid += 1
-                    progress.label = f"{tok} B={B} ids/row={n}: building messages"
-                    progress.update("", force=True)
-                    wl = Workload(corp, B, n, f"c{cid}")
-                    wl.frames(args.shards if "detokd" in impls else 1)
-                    if args.shards > 1 and len(impls) > 1:
-                        wl.frames(1)
-                    for name in impls:
-                        progress.begin(f"{name:<12} {tok} B={B} ids/row={n}")
-                        impl = running.get(name)
-                        if impl is None:
-                            continue
-                        try:
-                            r = None
-                            for attempt in range(1 + max(0, args.retries)):
-                                wait_quiet()
-                                ri = run_config(impl, wl, steps=args.steps, min_seconds=args.min_seconds,
-                                                max_seconds=args.max_seconds, lat_steps=args.latency_steps,
-                                                lat_max_seconds=args.latency_max_seconds, window=args.window,
-                                                check=args.check, progress=progress)
-                                ri["attempt"] = attempt + 1
-                                if r is None or (ri["other_cores"] or 0) < (r["other_cores"] or 0):
-                                    r = ri
-                                if (ri["other_cores"] or 0) <= args.quiet_cores:
-                                    break
-                        except (Stall, RuntimeError) as e:
-                            progress.close()
-                            log(f"{name} {tok} B={B} n={n}: {e}\n{impl.log_tail()}")
-                            results["failures"].append({"impl": name, "tokenizer": tok, "batch": B, "ids_per_row": n, "error": str(e)})
-                            impl.stop()
-                            running.pop(name, None)
-                            try:
-                                running[name] = start_impl(name, tok, h, args, corp)
-                            except Exception as e2:
-                                log(f"{name} ({tok}) failed to restart: {e2}")
-                            continue
-                        results["runs"].append(r)
-                        chk = r["check"]
-                        flag = "" if not (chk["mismatches"] or chk["errors"]) else f"  CHECK: {chk['mismatches']} mismatches, {chk['errors']} errors"
-                        il = r["lat_idle"] or r["lat_loaded"] or {}
-                        progress.done(f"{fmt_rate(r['tok_per_s'])} tok/s  p99 {il.get('p99_ms', float('nan')):.2f} ms  "
-                                      f"{r['cpu_s_per_mtok'] or 0:.2f} cpu-s/Mtok{flag}")
-                    del wl
-                    save()
-            if tok in long_toks:
-                wl = Workload(corp, args.long_batch, 1, "long")
-                wl_short = Workload(corp, args.long_batch, 1, "short")
-                for name in long_impls:
-                    progress.begin(f"{name:<12} {tok} flatness B={args.long_batch} length {args.long_steps}")
-                    impl = running.get(name)
-                    if impl is None:
-                        continue
-                    try:
-                        wait_quiet()
-                        r = run_flatness(impl, wl, wl_short, steps=args.long_steps, probe_every=args.probe_every,
-                                         short_len=args.short_len, window=args.window,
-                                         max_seconds=args.long_max_seconds, check=args.check, progress=progress)
-                    except (Stall, RuntimeError) as e:
-                        progress.close()
-                        log(f"{name} {tok} flatness: {e}\n{impl.log_tail()}")
-                        results["failures"].append({"impl": name, "tokenizer": tok, "flatness": True, "error": str(e)})
-                        continue
-                    fl = r["flatness"]
-                    results["flatness"].append(r)
-                    progress.done(f"{fmt_rate(r['tok_per_s'])} tok/s  µs/token at {fl.get('late_len', 0):.0f}: "
-                                  f"{fl.get('late_long_us_per_tok', 0):.3f}, control at {fl.get('short_len', 0):.0f}: "
-                                  f"{fl.get('late_short_us_per_tok', 0):.3f} ({fl.get('late_ratio') or 0:.2f}×)")
-                del wl, wl_short
-                save()
-            for impl in running.values():
-                impl.stop()
-    except KeyboardInterrupt:
-        progress.close()
-        log("interrupted: saving what ran")
-    finally:
-        progress.close()
-        for impl in list(running_all.values()):
+class Bench:
+    """One run: the harness, the implementations of the tokenizer at hand, the results
+    (saved to results.json after every configuration)."""
+
+    def __init__(self, args, plan: Plan, command: str) -> None:
+        self.args, self.plan = args, plan
+        plan.out_dir.mkdir(parents=True, exist_ok=True)
+        self.results: dict[str, Any] = {
+            "command": command,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "machine": machine(), "versions": versions(),
+            "options": {k: v for k, v in vars(args).items() if k != "report"},
+            "runs": [], "flatness": [], "failures": [],
+        }
+        self.progress = Progress(plan.total, args.quiet)
+        self.quiet = QuietWait(args.quiet_budget)
+        self.tmp = Path(tempfile.mkdtemp(prefix="detokd-bench-"))
+        self.h = Harness(self.tmp, args)
+        self.running: dict[str, Impl] = {}
+        self.t_start = time.monotonic()
+
+    def save(self) -> None:
+        self.results["wall_seconds"] = time.monotonic() - self.t_start
+        self.results["ratios"] = ratios(self.results["runs"])
+        (self.plan.out_dir / "results.json").write_text(json.dumps(self.results, indent=1))
+
+    def say(self, label: str) -> None:
+        self.progress.label = label
+        self.progress.update("", force=True)
+
+    def fail(self, impl: Impl | None, error: Exception, where: str, **record) -> None:
+        self.progress.close()
+        log(f"{where}: {error}" + (f"\n{impl.log_tail()}" if impl is not None else ""))
+        self.results["failures"].append({**record, "error": str(error)})
+
+    def start(self, name: str, tok: str, corp: Corpus) -> None:
+        try:
+            self.running[name] = start_impl(name, tok, self.h, self.args, corp)
+        except Exception as e:
+            self.fail(None, e, f"{name} ({tok}) failed to start", impl=name, tokenizer=tok)
+
+    def tokenizer(self, tok: str) -> None:
+        """Every configuration of one tokenizer through every implementation, then its
+        flatness run."""
+        self.say(f"{tok}: building the streams")
+        corp = Corpus(tok)
+        self.running = {}
+        for name in self.plan.impls:
+            self.say(f"{tok}: starting {name}")
+            self.start(name, tok, corp)
+        cid = 0
+        for n in self.plan.nids:
+            for B in self.plan.batches:
+                cid += 1
+                self.configuration(tok, corp, B, n, f"c{cid}")
+                self.save()
+        if tok in self.plan.long_toks:
+            self.flatness(tok, corp)
+            self.save()
+        for impl in self.running.values():
             impl.stop()
-        h.close()
-        save()
-        if not args.keep_tmp:
-            import shutil
 
-            shutil.rmtree(tmp, ignore_errors=True)
+    def configuration(self, tok: str, corp: Corpus, B: int, n: int, tag: str) -> None:
+        args = self.args
+        self.say(f"{tok} B={B} ids/row={n}: building messages")
+        wl = Workload(corp, B, n, tag)
+        wl.frames(args.shards if "detokd" in self.plan.impls else 1)
+        if args.shards > 1 and len(self.plan.impls) > 1:
+            wl.frames(1)
+        for name in self.plan.impls:
+            self.progress.begin(f"{name:<12} {tok} B={B} ids/row={n}")
+            impl = self.running.get(name)
+            if impl is None:
+                continue
+            try:
+                r = self.measure(impl, wl)
+            except (Stall, RuntimeError) as e:
+                self.fail(impl, e, f"{name} {tok} B={B} n={n}", impl=name, tokenizer=tok, batch=B, ids_per_row=n)
+                impl.stop()
+                self.running.pop(name, None)
+                try:  # the next configuration gets a fresh one
+                    self.running[name] = start_impl(name, tok, self.h, args, corp)
+                except Exception as e2:
+                    log(f"{name} ({tok}) failed to restart: {e2}")
+                continue
+            self.results["runs"].append(r)
+            chk = r["check"]
+            flag = "" if not (chk["mismatches"] or chk["errors"]) else f"  CHECK: {chk['mismatches']} mismatches, {chk['errors']} errors"
+            il = r["lat_idle"] or r["lat_loaded"] or {}
+            self.progress.done(f"{fmt_rate(r['tok_per_s'])} tok/s  p99 {il.get('p99_ms', float('nan')):.2f} ms  "
+                               f"{r['cpu_s_per_mtok'] or 0:.2f} cpu-s/Mtok{flag}")
+
+    def wait_quiet(self) -> None:
+        self.quiet(self.args.quiet_cores, self.args.quiet_wait, lambda text: self.progress.update(text, force=True))
+
+    def measure(self, impl: Impl, wl: Workload) -> dict:
+        """One configuration, retried while other processes disturbed it (the least
+        disturbed attempt is kept)."""
+        args, r = self.args, None
+        for attempt in range(1 + max(0, args.retries)):
+            self.wait_quiet()
+            ri = run_config(impl, wl, steps=args.steps, min_seconds=args.min_seconds,
+                            max_seconds=args.max_seconds, lat_steps=args.latency_steps,
+                            lat_max_seconds=args.latency_max_seconds, window=args.window,
+                            check=args.check, progress=self.progress)
+            ri["attempt"] = attempt + 1
+            if r is None or (ri["other_cores"] or 0) < (r["other_cores"] or 0):
+                r = ri
+            if (ri["other_cores"] or 0) <= args.quiet_cores:
+                break
+        return r
+
+    def flatness(self, tok: str, corp: Corpus) -> None:
+        args = self.args
+        wl = Workload(corp, args.long_batch, 1, "long")
+        wl_short = Workload(corp, args.long_batch, 1, "short")
+        for name in self.plan.long_impls:
+            self.progress.begin(f"{name:<12} {tok} flatness B={args.long_batch} length {args.long_steps}")
+            impl = self.running.get(name)
+            if impl is None:
+                continue
+            try:
+                self.wait_quiet()
+                r = run_flatness(impl, wl, wl_short, steps=args.long_steps, probe_every=args.probe_every,
+                                 short_len=args.short_len, window=args.window,
+                                 max_seconds=args.long_max_seconds, check=args.check, progress=self.progress)
+            except (Stall, RuntimeError) as e:
+                self.fail(impl, e, f"{name} {tok} flatness", impl=name, tokenizer=tok, flatness=True)
+                continue
+            fl = r["flatness"]
+            self.results["flatness"].append(r)
+            self.progress.done(f"{fmt_rate(r['tok_per_s'])} tok/s  µs/token at {fl.get('late_len', 0):.0f}: "
+                               f"{fl.get('late_long_us_per_tok', 0):.3f}, control at {fl.get('short_len', 0):.0f}: "
+                               f"{fl.get('late_short_us_per_tok', 0):.3f} ({fl.get('late_ratio') or 0:.2f}×)")
+
+    def close(self) -> None:
+        self.progress.close()
+        for impl in list(self.running.values()):
+            impl.stop()
+        self.h.close()
+        self.save()
+        if not self.args.keep_tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
         else:
-            log(f"logs and sockets kept in {tmp}")
-    results["quiet_wait_seconds"] = quiet.waited
-    save()
-    print(f"results: {out_dir / 'results.json'}  ({results['wall_seconds']:.0f} s, {quiet.waited:.0f} s of it waiting for other processes)")
+            log(f"logs and sockets kept in {self.tmp}")
+
+
+def write_report(results: dict, out_dir: Path, no_plot: bool) -> None:
+    """table.md, summary.md and the plots of a finished run."""
     md = report(results)
     (out_dir / "table.md").write_text(md)
     (out_dir / "summary.md").write_text(report(results, full=False))
     print(md)
-    if not args.no_plot:
+    if not no_plot:
         for p in plot(results, out_dir):
             print(f"plot: {p}")
-    return 1 if results["failures"] else 0
+
+
+def run(args, command: str) -> int:
+    plan = Plan.of(args)
+    b = Bench(args, plan, command)
+    try:
+        for tok in plan.toks:
+            b.tokenizer(tok)
+    except KeyboardInterrupt:
+        b.progress.close()
+        log("interrupted: saving what ran")
+    finally:
+        b.close()
+    b.results["quiet_wait_seconds"] = b.quiet.waited
+    b.save()
+    print(f"results: {plan.out_dir / 'results.json'}  ({b.results['wall_seconds']:.0f} s, {b.quiet.waited:.0f} s of it waiting for other processes)")
+    write_report(b.results, plan.out_dir, args.no_plot)
+    return 1 if b.results["failures"] else 0
 
 
 def main(argv: list[str]) -> int:
@@ -243,6 +300,7 @@ def main(argv: list[str]) -> int:
             for p in plot(res, Path(args.report).parent):
                 print(f"plot: {p}")
         return 0
+
     def on_term(*_):
         raise KeyboardInterrupt
 

@@ -16,11 +16,14 @@ import gc
 import sys
 import time
 from operator import attrgetter
-from typing import Union
+from typing import Callable, Union
 
 import msgspec
 
 from detokd.wire.native import Text
+
+from ..engine import push
+from ..sink import pull
 
 
 class Configure(msgspec.Struct, tag_field="type", tag="bench_config"):
@@ -50,119 +53,128 @@ ACK_STEP, ACK_CONFIG, ACK_DUMP = 0, 1, 2
 _error = attrgetter("error")
 
 
+class Steps:
+    """The worker's state for one configuration: rows counted per step, the kept texts,
+    the errors. `ack` sends an ack message."""
+
+    def __init__(self, ack: Callable[[tuple], None], cfg: Configure | None = None) -> None:
+        self.ack = ack
+        self.expected = cfg.expected if cfg else 1
+        self.check = cfg.check if cfg else "off"
+        self.watch: set[str] = set(cfg.watch) if cfg else set()
+        self.counts: dict[int, int] = {}
+        self.texts: dict[str, list[str]] = {}
+        self.n_ids: dict[str, int] = {}
+        self.errors: list[list] = []
+        self.n_errors = 0
+        self.bad_frames = 0
+
+    def account(self, step: int, n: int, t_send: int, t: int) -> None:
+        """n more rows of `step`; its ack once all are in."""
+        c = self.counts.get(step, 0) + n
+        if c >= self.expected:
+            self.counts.pop(step, None)
+            self.ack((ACK_STEP, step, t, t - t_send))
+        else:
+            self.counts[step] = c
+
+    def keep(self, r) -> None:
+        lst = self.texts.get(r.rid)
+        if lst is None:
+            lst = self.texts[r.rid] = []
+        lst.append(r.text)
+        self.n_ids[r.rid] = r.n_ids
+
+    def rows(self, rows: list, t: int) -> None:
+        """One `text` message received at t: usually every row of one step."""
+        if any(map(_error, rows)):
+            self.one_by_one(rows, t)
+            return
+        check = self.check
+        if check == "all":
+            for r in rows:
+                self.keep(r)
+        elif check == "sample":
+            watch = self.watch
+            for r in rows:
+                if r.rid in watch:
+                    self.keep(r)
+        try:
+            s0, t0 = _meta(rows[0].meta)
+            same = _meta(rows[-1].meta)[0] == s0
+        except msgspec.DecodeError:
+            same = False
+        if same:
+            self.account(s0, len(rows), t0, t)
+            return
+        for r in rows:
+            try:
+                s, ts = _meta(r.meta)
+            except msgspec.DecodeError:
+                continue
+            self.account(s, 1, ts, t)
+
+    def one_by_one(self, rows: list, t: int) -> None:
+        """Rows with errors (rare): count the errors, account every row that has a
+        step (an unsolicited row, e.g. evicted, has none in its meta)."""
+        for r in rows:
+            if r.error is not None:
+                self.n_errors += 1
+                if len(self.errors) < 50:
+                    self.errors.append([r.rid, r.error])
+            try:
+                step, t_send = _meta(r.meta)
+            except msgspec.DecodeError:
+                continue
+            if self.check == "all" or (self.check == "sample" and r.rid in self.watch):
+                self.keep(r)
+            self.account(step, 1, t_send, t)
+
+    def dump(self) -> dict:
+        return {
+            "texts": {k: "".join(v) for k, v in self.texts.items()},
+            "n_ids": self.n_ids,
+            "errors": self.errors,
+            "n_errors": self.n_errors,
+            "bad_frames": self.bad_frames,
+            "incomplete_steps": len(self.counts),
+        }
+
+
+_meta = msgspec.msgpack.Decoder(tuple[int, int]).decode
+
+
 def main(text_addr: str, ack_addr: str) -> int:
     import zmq
 
     gc.disable()
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 0)
-    pull.bind(text_addr)
-    ack = ctx.socket(zmq.PUSH)
-    ack.setsockopt(zmq.SNDHWM, 0)
-    ack.connect(ack_addr)
-
+    text = pull(ctx, text_addr, hwm=0)
+    ack = push(ctx, ack_addr, hwm=0)
     inbound = msgspec.msgpack.Decoder(Inbound)
-    meta_dec = msgspec.msgpack.Decoder(tuple[int, int]).decode
     enc = msgspec.msgpack.Encoder().encode
     now = time.monotonic_ns
 
-    expected = 1
-    counts: dict[int, int] = {}
-    check = "off"
-    watch: set[str] = set()
-    texts: dict[str, list[str]] = {}
-    n_ids: dict[str, int] = {}
-    errors: list[list] = []
-    n_errors = 0
-    bad_frames = 0
+    def send(a: tuple) -> None:
+        ack.send(enc(a))
 
-    def account(step: int, n: int, t_send: int, t: int) -> None:
-        c = counts.get(step, 0) + n
-        if c >= expected:
-            counts.pop(step, None)
-            ack.send(enc((ACK_STEP, step, t, t - t_send)))
-        else:
-            counts[step] = c
-
-    def keep(r) -> None:
-        lst = texts.get(r.rid)
-        if lst is None:
-            lst = texts[r.rid] = []
-        lst.append(r.text)
-        n_ids[r.rid] = r.n_ids
-
-    def one_by_one(rows, t: int) -> None:
-        """Rows with errors (rare): count the errors, account every row that has a
-        step (an unsolicited row, e.g. evicted, has none in its meta)."""
-        nonlocal n_errors
-        for r in rows:
-            if r.error is not None:
-                n_errors += 1
-                if len(errors) < 50:
-                    errors.append([r.rid, r.error])
-            try:
-                step, t_send = meta_dec(r.meta)
-            except msgspec.DecodeError:
-                continue
-            if check == "all" or (check == "sample" and r.rid in watch):
-                keep(r)
-            account(step, 1, t_send, t)
-
+    steps = Steps(send)
     while True:
-        frame = pull.recv()
+        frame = text.recv()
         t = now()
         try:
             msg = inbound.decode(frame)
         except msgspec.DecodeError:
-            bad_frames += 1
+            steps.bad_frames += 1
             continue
         if type(msg) is Text:
-            rows = msg.rows
-            if not rows:
-                continue
-            if any(map(_error, rows)):
-                one_by_one(rows, t)
-                continue
-            if check == "all":
-                for r in rows:
-                    keep(r)
-            elif check == "sample":
-                for r in rows:
-                    if r.rid in watch:
-                        keep(r)
-            try:
-                s0, t0 = meta_dec(rows[0].meta)
-                same = meta_dec(rows[-1].meta)[0] == s0
-            except msgspec.DecodeError:
-                same = False
-            if same:
-                account(s0, len(rows), t0, t)
-            else:
-                for r in rows:
-                    try:
-                        s, ts = meta_dec(r.meta)
-                    except msgspec.DecodeError:
-                        continue
-                    account(s, 1, ts, t)
+            if msg.rows:
+                steps.rows(msg.rows, t)
         elif type(msg) is Configure:
-            cid, expected, check, watch = msg.cid, msg.expected, msg.check, set(msg.watch)
-            counts.clear()
-            texts.clear()
-            n_ids.clear()
-            errors.clear()
-            n_errors = bad_frames = 0
-            ack.send(enc((ACK_CONFIG, cid)))
+            steps = Steps(send, msg)
+            send((ACK_CONFIG, msg.cid))
         elif type(msg) is Dump:
-            payload = {
-                "texts": {k: "".join(v) for k, v in texts.items()},
-                "n_ids": n_ids,
-                "errors": errors,
-                "n_errors": n_errors,
-                "bad_frames": bad_frames,
-                "incomplete_steps": len(counts),
-            }
-            ack.send(enc((ACK_DUMP, msg.cid, payload)))
+            send((ACK_DUMP, msg.cid, steps.dump()))
         elif type(msg) is Quit:
             break
     ctx.destroy(linger=0)
