@@ -1,4 +1,5 @@
-"""bench.py's command line and its whole run: every implementation on every configuration.
+"""`python -m detokbench bench`: its command line, and the whole run of every
+implementation on every configuration.
 
 Every implementation (detokd and the baselines of detokbench.baselines) runs on the
 same streams, one after the other, for each configuration; then the flatness run.

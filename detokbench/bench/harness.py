@@ -1,4 +1,4 @@
-"""Starting the processes of bench.py: the worker, and each implementation under test.
+"""Starting the processes of the benchmark: the worker, and each implementation under test.
 
 detokd runs through detokd.process.DetokdProcess (a config file, readiness by the
 notify socket, stop by signal); the baselines are `python -m detokbench baselines

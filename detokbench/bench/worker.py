@@ -1,4 +1,4 @@
-"""The receiving side of bench.py: a tokenizer worker process that acks whole steps.
+"""The receiving side of the benchmark: a tokenizer worker process that acks whole steps.
 
     python -m detokbench.bench.worker TEXT_ADDR ACK_ADDR      (started by harness.Harness)
 
