@@ -28,8 +28,9 @@ from ..proc import ProcTree
 from ..sink import pull
 from .worker import ACK_CONFIG, ACK_DUMP, ACK_STEP, Configure, Dump, Quit
 
+
 class Stall(RuntimeError):
-    pass
+    """No ack came in time: the implementation (or the worker) is stuck."""
 
 
 class Harness:
