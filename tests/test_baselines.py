@@ -1,4 +1,4 @@
-"""The benchmark's baseline algorithms (scripts/baselines.py) decode exactly, in-process.
+"""The benchmark's baseline algorithms (detokbench.baselines) decode exactly, in-process.
 
 Each baseline streams a multilingual text's ids (chunks of 1 to 4 ids, as with
 speculative decoding) and the concatenation of its output must equal
@@ -8,17 +8,13 @@ speculative decoding) and the concatenation of its output must equal
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import baselines  # noqa: E402
-from conftest import vocab  # noqa: E402
-from detokbench import workload  # noqa: E402
+from conftest import vocab
+from detokbench import baselines
+from detokbench.bench import workload
+from detokbench.corpus import corpus
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +30,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def text_ids(tok):
-    text = workload.corpus()
+    text = corpus()
     return text, tok.fast.encode(text, add_special_tokens=False).ids
 
 

@@ -1,5 +1,5 @@
-"""scripts/fuzz.py end to end, small: a real detokd under a few thousand honest and
-hostile frames (tests/frames.py) survives, serves every honest stream exactly, counts
+"""`python -m detokbench fuzz` end to end, small: a real detokd under a few thousand honest and
+hostile frames (detokbench.frames) survives, serves every honest stream exactly, counts
 every frame it read and every bad one, and keeps its RSS within 10% after warm-up.
 The 100,000-frame run and its figures: docs/reliability.md "Fuzz run"."""
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz.py"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_small_fuzz_run_exits_0_with_every_honest_stream_exact(tmp_path):
@@ -18,8 +18,8 @@ def test_a_small_fuzz_run_exits_0_with_every_honest_stream_exact(tmp_path):
     # Half the frames are warm-up: a short run's first uses of big frames would otherwise
     # dominate its RSS figure.
     p = subprocess.run(
-        [sys.executable, str(SCRIPT), "--frames", "4000", "--warmup", "0.5", "--seed", "7", "--json", str(out)],
-        capture_output=True, text=True, timeout=180,
+        [sys.executable, "-m", "detokbench", "fuzz", "--frames", "4000", "--warmup", "0.5", "--seed", "7", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())

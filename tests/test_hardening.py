@@ -1266,7 +1266,7 @@ def test_abort_and_embeddings_messages_have_the_caps_of_a_tokens_message(detokd,
 def test_an_open_byte_run_is_served_exactly_in_one_id_rows_and_bounded(detokd, zctx, codec):
     # mistral_v3 renders a run of <0xXX> pieces all or nothing, so detokd holds it until
     # it ends. The window codec decoded the whole run again each row (a frame of 6,000
-    # one-id rows held the loop ~10 s: measured by scripts/worst_frames.py, not here); and
+    # one-id rows held the loop ~10 s: measured by `python -m detokbench worst-frames`, not here); and
     # a run that never ends was held without a bound. Now one-id rows are exact, and a
     # run past 64 Ki pieces fails its request with too_large.
     d = detokd(workers=1, tokenizer="mistral_v3", codec=codec, args=["--metrics-port", "0"])

@@ -23,7 +23,7 @@ import types
 import pytest
 import zmq
 
-from frames import Hostile
+from detokbench.frames import Hostile
 from utils import (
     SINKS,
     Engine,

@@ -1,4 +1,4 @@
-"""scripts/scale.py: the scale-out benchmark runs real shards and checks their text.
+"""`python -m detokbench scale`: the scale-out benchmark runs real shards and checks their text.
 
 A tiny run (16 streams, 20 steps) of 1 and 2 shards through `detokd serve
 [--shards 2]`: every stream of every round must equal the oracle, and the JSON
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "scale.py"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_scale_script_runs_shards_and_every_stream_is_exact(tmp_path: Path) -> None:
@@ -20,8 +20,8 @@ def test_scale_script_runs_shards_and_every_stream_is_exact(tmp_path: Path) -> N
     log = tmp_path / "scale.log"
     with open(log, "w") as f:
         proc = subprocess.run(
-            [sys.executable, str(SCRIPT), "--batch", "16", "--steps", "20", "--rounds", "2", "--json", str(out)],
-            stdout=f, stderr=subprocess.STDOUT, timeout=240,
+            [sys.executable, "-m", "detokbench", "scale", "--batch", "16", "--steps", "20", "--rounds", "2", "--json", str(out)],
+            cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=240,
         )
     text = log.read_text()
     assert proc.returncode == 0, text

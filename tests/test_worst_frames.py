@@ -1,11 +1,10 @@
-"""scripts/worst_frames.py end to end, small (--quick): every worst-frame scenario runs
+"""`python -m detokbench worst-frames` end to end, small (--quick): every worst-frame scenario runs
 against real detokd processes at the default caps. The full run and its figures:
 docs/bench/worst.json (issue #13)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,6 @@ from pathlib import Path
 from conftest import vocab
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "worst_frames.py"
 SCENARIOS = {
     "mass_start", "mass_start_evict", "longest_token", "malformed", "stop_holdback", "stop_distinct",
     "abort_mass", "abort_over", "embeddings_mass", "register_huge", "control_huge", "window_byte_run",
@@ -24,8 +22,8 @@ UNANSWERED = {"abort_mass", "abort_over", "register_huge", "control_huge"}  # me
 def test_after_each_worst_frame_of_every_type_the_probe_is_exact_health_stays_ok_and_sigterm_ends_detokd_within_its_grace(tmp_path):
     out = tmp_path / "worst.json"
     run = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
-        env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "detokbench", "worst-frames", "--quick", "--json", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     v = vocab("deepseek")  # loads while the script's detokds start
     vocabs = {"deepseek": v, "mistral_v3": vocab("mistral_v3")}

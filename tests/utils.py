@@ -28,7 +28,7 @@ import msgspec
 import zmq
 
 from conftest import vocab
-from frames import CORPUS, mixed_ids
+from detokbench.frames import CORPUS, mixed_ids
 from detokd.client import SchedulerClient
 from detokd.wire import native as P
 

@@ -1,2 +1,3 @@
-"""detokd as SGLang's detokenizer: its IPC schema (schema), the plugin (plugin), the process
-SGLang starts (process), and a replay harness around any detokenizer process (replay)."""
+"""detokd as SGLang's detokenizer: its IPC schema (schema), the plugin (plugin), and the
+process SGLang starts (process). The replay harness the SGLang tests and benchmark drive a
+detokenizer process with is detokbench.sglang_replay, outside the package."""

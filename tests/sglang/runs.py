@@ -13,7 +13,7 @@ import os
 from conftest import vocab
 from detokd import zoo
 from detokd.sglang.process import run_detokenizer_process as detokd_target
-from detokd.sglang.replay import DetokenizerProcess, Scripted, embedding_batch, freeze_gc_req, health_check_batch
+from detokbench.sglang_replay import DetokenizerProcess, Scripted, embedding_batch, freeze_gc_req, health_check_batch
 
 # The encodings (a transport concern) are crossed with one tokenizer; the other families
 # take one encoding each. (tokenizer, encoding, HTTP workers)

@@ -16,7 +16,7 @@ from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery
 from detokd.core.stats import Stats
 from detokd.sglang import schema
-from detokd.sglang.replay import Scripted, accumulate, build_stream, ipc_encoding
+from detokbench.sglang_replay import Scripted, accumulate, build_stream, ipc_encoding
 from detokd.sglang.dialect import SglangDialect
 
 NAME = "deepseek"

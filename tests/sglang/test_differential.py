@@ -16,7 +16,7 @@ import pytest
 from conftest import vocab
 from detokd import zoo
 from detokd.sglang.process import run_detokenizer_process
-from detokd.sglang.replay import DetokenizerDied, DetokenizerProcess, Scripted, accumulate, plain
+from detokbench.sglang_replay import DetokenizerDied, DetokenizerProcess, Scripted, accumulate, plain
 from runs import CASES, MULTI, RUNS, expected_text, ids_of
 
 ALL = [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]]

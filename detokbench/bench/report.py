@@ -151,24 +151,7 @@ def report(res: dict, full: bool = True) -> str:
     shards = max((r.get("shards", 1) for r in runs if r["impl"] == "detokd"), default=1)
     keys = sorted({(r["tokenizer"], r["ids_per_row"], r["batch"]) for r in runs},
                   key=lambda k: (TOKENIZERS.index(k[0]) if k[0] in TOKENIZERS else 99, k[0], k[1], k[2]))
-    L: list[str] = []
-    L.append(f"Command: `{res['command']}`  ")
-    m = res.get("machine", {})
-    L.append(f"Machine: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), {m.get('mem_gb', '?')} GB; "
-             f"{res.get('date', '')}; wall time {res.get('wall_seconds', 0):.0f} s  ")
-    L.append("Versions: " + ", ".join(f"{k} {v}" for k, v in res.get("versions", {}).items()) + "  ")
-    nd = sum(1 for r in runs if disturbed(r))
-    L.append(f"Configurations during which other processes of the machine kept more than {quiet} cores busy "
-             f"(marked †, after {res.get('options', {}).get('retries', 0)} retry): {nd} of {len(runs)}; "
-             f"{res.get('quiet_wait_seconds', 0):.0f} s were spent waiting for a quiet machine.")
-    L.append("")
-    if any(r["impl"] == "detokd" for r in runs):
-        L.append("### Targets\n")
-        L.append("| target | measured | met |")
-        L.append("| --- | --- | --- |")
-        for name, val, ok in targets(res):
-            L.append(f"| {name} | {val} | {'–' if ok is None else ('yes' if ok else '**no**')} |")
-        L.append("")
+    L = _header(res, quiet, sum(1 for r in runs if disturbed(r)))
     L.append("### Throughput, tokens/s through the whole pipeline\n")
     others = [b for b in BASELINES if b in impls]
     hdr = "| tokenizer | B | ids/row | " + " | ".join(i if i != "detokd" or shards == 1 else f"detokd --shards {shards}" for i in impls)
@@ -221,6 +204,29 @@ def report(res: dict, full: bool = True) -> str:
         L.append(f"| {tok} | {B} | {n} | " + " | ".join(cells) + " |")
     L.append("")
     return _report_tail(res, impls, keys, idx, L, runs)
+
+
+def _header(res: dict, quiet: float, disturbed: int) -> list[str]:
+    """How the run was made, and the targets' table."""
+    runs = res["runs"]
+    L: list[str] = []
+    L.append(f"Command: `{res['command']}`  ")
+    m = res.get("machine", {})
+    L.append(f"Machine: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), {m.get('mem_gb', '?')} GB; "
+             f"{res.get('date', '')}; wall time {res.get('wall_seconds', 0):.0f} s  ")
+    L.append("Versions: " + ", ".join(f"{k} {v}" for k, v in res.get("versions", {}).items()) + "  ")
+    L.append(f"Configurations during which other processes of the machine kept more than {quiet} cores busy "
+             f"(marked †, after {res.get('options', {}).get('retries', 0)} retry): {disturbed} of {len(runs)}; "
+             f"{res.get('quiet_wait_seconds', 0):.0f} s were spent waiting for a quiet machine.")
+    L.append("")
+    if any(r["impl"] == "detokd" for r in runs):
+        L.append("### Targets\n")
+        L.append("| target | measured | met |")
+        L.append("| --- | --- | --- |")
+        for name, val, ok in targets(res):
+            L.append(f"| {name} | {val} | {'–' if ok is None else ('yes' if ok else '**no**')} |")
+        L.append("")
+    return L
 
 
 def _latency_table(res, impls, keys, idx) -> list[str]:

@@ -1,4 +1,4 @@
-"""Frames peers send detokd, shared by the tests and scripts/fuzz.py.
+"""Frames peers send detokd, shared by the tests and `detokbench fuzz`.
 
 Honest id streams (`CORPUS`, `mixed_ids`) and hostile frames: `Hostile` (malformed
 MessagePack, wrong shapes, hostile values) and `OverCaps` (frames beyond the caps of
@@ -29,18 +29,21 @@ CORPUS = (
 )
 
 
-def mixed_ids(rng: random.Random, n: int, pieces: Sequence[Sequence[int]], size: int) -> list[int]:
-    """n output ids: runs of real multilingual text, with now and then random ids
-    from the whole vocabulary (byte tokens that never complete, special tokens).
-    `pieces`: the CORPUS encoded by the tokenizer; `size`: its vocabulary size."""
+def mixed_ids(
+    rng: random.Random, n: int, pieces: Sequence[Sequence[int]], size: int, *, random_share: float = 0.15, max_run: int = 12
+) -> list[int]:
+    """n output ids: runs of real multilingual text (1..max_run ids of a piece), and in
+    `random_share` of the draws 1-3 random ids from the whole vocabulary (byte tokens
+    that never complete, special tokens). `pieces`: a corpus (CORPUS) encoded by the
+    tokenizer; `size`: its vocabulary size."""
     out: list[int] = []
     while len(out) < n:
-        if rng.random() < 0.15:
+        if rng.random() < random_share:
             out += [rng.randrange(size) for _ in range(rng.randint(1, 3))]
         else:
             p = rng.choice(pieces)
             a = rng.randrange(len(p))
-            out += p[a : a + rng.randint(1, 12)]
+            out += p[a : a + rng.randint(1, max_run)]
     return out[:n]
 
 

@@ -1,119 +1,52 @@
-"""Starting the processes of bench.py: the worker, and each implementation under test.
+"""Starting the processes of the benchmark: the worker, and each implementation under test.
 
 detokd runs through detokd.process.DetokdProcess (a config file, readiness by the
-notify socket, stop by signal); the baselines are `python scripts/baselines.py --algo
-NAME`. Each implementation PULLs at its own ipc:// input in a temporary folder and
+notify socket, stop by signal); the baselines are `python -m detokbench baselines
+--algo NAME`. Each implementation PULLs at its own ipc:// input in a temporary folder and
 PUSHes text to the one worker (worker.py), which acks whole steps to the scheduler.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import msgspec
+import zmq
 
 from detokd.config import Config
 from detokd.launch import derive_address
 from detokd.process import DetokdProcess
 
-from . import ROOT, SCRIPTS
-from .proc import ProcTree
+from ..children import detokd_process, spawn, stop_proc
+from ..engine import push
+from ..proc import ProcTree
+from ..sink import pull
 from .worker import ACK_CONFIG, ACK_DUMP, ACK_STEP, Configure, Dump, Quit
-
-_STARTED: list[subprocess.Popen] = []
-_DETOKDS: list[DetokdProcess] = []
-
-
-def child_env() -> dict[str, str]:
-    """This process' environment, with the checkout and scripts/ first on PYTHONPATH."""
-    env = dict(os.environ)
-    paths = [str(ROOT), str(SCRIPTS)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    return env
-
-
-def stop_proc(p: subprocess.Popen, grace: float = 5.0) -> None:
-    if p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGTERM)  # its own session: whatever it forked goes too
-    except (ProcessLookupError, PermissionError):
-        p.terminate()
-    try:
-        p.wait(grace)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            p.kill()
-        p.wait(5)
-
-
-@atexit.register
-def _cleanup() -> None:
-    for p in _STARTED:
-        try:
-            stop_proc(p, 2.0)
-        except Exception:
-            pass
-    for d in _DETOKDS:
-        try:
-            d.stop(2.0)
-        except Exception:
-            d.kill()
-
-
-def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    with open(log_path, "wb") as logf:
-        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=str(ROOT), env=child_env(),
-                             start_new_session=True)
-    _STARTED.append(p)
-    return p
-
-
-def detokd_process(config: Config, folder: Path, args: list[str] = (), command: list[str] | None = None) -> DetokdProcess:
-    """A DetokdProcess of this checkout (or of `command`, a `... detokd [serve]` prefix),
-    stopped at exit if still running; not yet spawned."""
-    if command and command[-1] == "serve":
-        command = command[:-1]  # DetokdProcess adds `serve`
-    d = DetokdProcess(config, args=list(args), folder=folder, env=child_env(), command=command or None)
-    _DETOKDS.append(d)
-    return d
 
 
 class Stall(RuntimeError):
-    pass
+    """No ack came in time: the implementation (or the worker) is stuck."""
 
 
 class Harness:
     """The worker process and the scheduler's sockets."""
 
     def __init__(self, tmp: Path, args) -> None:
-        import zmq
-
-        self.zmq = zmq
         self.tmp = tmp
         self.args = args
         self.ctx = zmq.Context()
         self.text_addr = f"ipc://{tmp}/text"
         self.ack_addr = f"ipc://{tmp}/ack"
-        self.ack = self.ctx.socket(zmq.PULL)
-        self.ack.setsockopt(zmq.RCVHWM, 0)
-        self.ack.bind(self.ack_addr)
-        self.worker = spawn([sys.executable, "-m", "detokbench.worker", self.text_addr, self.ack_addr], tmp / "worker.log")
+        self.ack = pull(self.ctx, self.ack_addr, hwm=0)
+        self.worker = spawn([sys.executable, "-m", "detokbench.bench.worker", self.text_addr, self.ack_addr], tmp / "worker.log")
         self.worker_tree = ProcTree(self.worker.pid)
         self.self_tree = ProcTree(os.getpid())
-        self.ctl = self.ctx.socket(zmq.PUSH)
-        self.ctl.setsockopt(zmq.SNDHWM, 0)
-        self.ctl.connect(self.text_addr)
+        self.ctl = push(self.ctx, self.text_addr, hwm=0)
         self.poller = zmq.Poller()
         self.poller.register(self.ack, zmq.POLLIN)
         self.dec = msgspec.msgpack.Decoder()
@@ -163,8 +96,6 @@ class Impl:
     """One implementation process (detokd or a baseline) for one tokenizer."""
 
     def __init__(self, name: str, tokenizer: str, h: Harness, args) -> None:
-        import zmq
-
         self.name, self.tokenizer, self.h = name, tokenizer, h
         self.shards = args.shards if name == "detokd" else 1
         base = f"ipc://{h.tmp}/in-{name}-{tokenizer}"
@@ -182,18 +113,12 @@ class Impl:
             self.cmd = self.proc.args
         else:
             self.log_path = h.tmp / f"{name}-{tokenizer}.log"
-            self.cmd = [sys.executable, str(SCRIPTS / "baselines.py"), "--algo", name,
+            self.cmd = [sys.executable, "-m", "detokbench", "baselines", "--algo", name,
                         "--input", base, "--worker", h.text_addr, "--tokenizer", tokenizer]
             self.proc = spawn(self.cmd, self.log_path)
         self.tree = ProcTree(self.proc.pid)
         addrs = [base] if self.shards == 1 else [derive_address(base, i) for i in range(self.shards)]
-        self.socks = []
-        for a in addrs:
-            s = h.ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(a)
-            self.socks.append(s)
+        self.socks = [push(h.ctx, a, hwm=0) for a in addrs]
 
     def wait_ready(self, timeout: float) -> None:
         """detokd: until it (every shard) said READY=1; a baseline is ready once it

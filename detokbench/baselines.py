@@ -1,5 +1,4 @@
-#!/usr/bin/env python
-"""Baseline detokenizers that scripts/bench.py runs beside detokd, through the same harness.
+"""Baseline detokenizers that `python -m detokbench bench` runs beside detokd, through the same harness.
 
 Each baseline is written here from its published algorithm (no code copied):
 
@@ -26,42 +25,20 @@ The algorithms are classes with a per-request `step(ids) -> str` / `finish() -> 
 interface (tests/test_baselines.py checks them in-process), plus a class-level
 `step_batch` that the server loop calls once per inbound message (SGLang's batching).
 
-Server (the same harness as detokd, PROTOCOL.md v1, the subset the benchmark uses):
-
-    python scripts/baselines.py --algo naive|sglang|decodestream|floor \\
-        --input ipc:///tmp/x/in --worker ipc:///tmp/x/w0 --tokenizer deepseek
-
-PULL-binds the input, PUSH-connects to each worker, answers every `tokens` row with one
-`text` row (rid, new text, finish, n_ids, meta copied through) and rows of one inbound
-message that go to one worker leave in one message. `abort`, `register`, `embeddings`
-and the `flush`/`freeze_gc` controls are honoured; unknown rids get an `unknown_rid`
-error row. Stop strings, `stream=false` and seq checks are not implemented.
+The server that runs one behind detokd's wire protocol: detokbench.baselines_server.
 """
 
 from __future__ import annotations
 
-import argparse
 import codecs
-import gc
 import json
-import logging
 import os
 import re
-import signal
-import sys
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from detokd.wire import native as protocol  # noqa: E402
-from detokd.core.decoder import byte_level_alphabet  # noqa: E402
-from detokd.tokenizer import resolve  # noqa: E402
-from detokd.wire.native import OutRow, Text  # noqa: E402
-
-log = logging.getLogger("baselines")
+from detokd.core.decoder import byte_level_alphabet
+from detokd.tokenizer import resolve
 
 REPLACEMENT = "\ufffd"
 
@@ -400,156 +377,3 @@ ALGOS: dict[str, type[Stream]] = {
 def make(algo: str, tok: Tok, prompt_tail: Sequence[int] = (), skip_special_tokens: bool = True,
          spaces_between_special_tokens: bool = True) -> Stream:
     return ALGOS[algo](tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)
-
-
-# --------------------------------------------------------------------------- server
-
-
-def serve(algo: str, input_addr: str, workers: list[str], tokenizer: str, hwm: int = 0) -> None:
-    import zmq
-
-    cls = ALGOS[algo]
-    tok = Tok(tokenizer)
-    cls.prepare(tok)
-    batched = "step_batch" in cls.__dict__  # SGLang decodes the whole batch at once
-    floor = cls is FloorStream
-    if algo != "sglang":
-        # Start-up objects (tokenizer tables, modules) out of every future collection, as
-        # detokd does; SGLang's DetokenizerManager does not (until a freeze_gc request).
-        gc.collect()
-        gc.freeze()
-
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, hwm)
-    pull.bind(input_addr)
-    pushes: dict[int, zmq.Socket] = {}
-
-    def connect(index: int, address: str) -> None:
-        old = pushes.pop(index, None)
-        if old is not None:
-            old.close(linger=1000)
-        s = ctx.socket(zmq.PUSH)
-        s.setsockopt(zmq.SNDHWM, hwm)
-        s.connect(address)
-        pushes[index] = s
-
-    for i, w in enumerate(workers):
-        connect(i, w)
-
-    decode_inbound = protocol.decode_inbound
-    encode = protocol.encode
-    Tokens, Abort, Control, Register, Embeddings = (
-        protocol.Tokens, protocol.Abort, protocol.Control, protocol.Register, protocol.Embeddings,
-    )
-    # rid -> [stream, n_ids, worker]
-    states: dict[str, list] = {}
-    log.info("%s serving %s -> %s (%s)", algo, input_addr, workers, tok.dir)
-
-    def send(by_worker: dict[int, list[OutRow]]) -> None:
-        for w, rows in by_worker.items():
-            sock = pushes.get(w)
-            if sock is None:
-                log.warning("no address for worker %d: %d rows dropped", w, len(rows))
-                continue
-            sock.send(encode(Text(rows)))
-
-    while True:
-        frame = pull.recv()
-        try:
-            msg = decode_inbound(frame)
-        except protocol.DecodeError as e:
-            log.warning("undecodable message: %s", e)
-            continue
-        if type(msg) is Tokens:
-            out: dict[int, list[OutRow]] = {}
-            if batched:
-                live_rows, streams, idss, fins = [], [], [], []
-            for row in msg.rows:
-                rid = row.rid
-                start = row.start
-                if start is not None:
-                    st = states[rid] = [
-                        cls(tok, start.prompt_tail, start.skip_special_tokens, start.spaces_between_special_tokens),
-                        0,
-                        start.worker,
-                    ]
-                else:
-                    st = states.get(rid)
-                    if st is None:
-                        err = OutRow(rid, "", row.finish, 0, row.meta, protocol.UNKNOWN_RID)
-                        for w in pushes:
-                            out.setdefault(w, []).append(err)
-                        continue
-                ids = row.ids
-                st[1] += len(ids)
-                if batched:
-                    live_rows.append((row, st))
-                    streams.append(st[0])
-                    idss.append(ids)
-                    fins.append(row.finish is not None)
-                    continue
-                stream = st[0]
-                if floor and not stream._strip:
-                    # The floor inline: bytes of the ids, one incremental UTF-8 decode.
-                    table = stream.table
-                    text = stream._dec(table[ids[0]] if len(ids) == 1 else b"".join([table[i] for i in ids]))
-                else:
-                    text = stream.step(ids)
-                if row.finish is not None:
-                    text += st[0].finish()
-                    del states[rid]
-                w = st[2]
-                lst = out.get(w)
-                if lst is None:
-                    lst = out[w] = []
-                lst.append(OutRow(rid, text, row.finish, st[1], row.meta))
-            if batched and streams:
-                texts = cls.step_batch(streams, idss, fins)
-                for (row, st), text in zip(live_rows, texts):
-                    if row.finish is not None:
-                        states.pop(row.rid, None)
-                    out.setdefault(st[2], []).append(OutRow(row.rid, text, row.finish, st[1], row.meta))
-            send(out)
-        elif type(msg) is Abort:
-            for rid in msg.rids:
-                states.pop(rid, None)
-        elif type(msg) is Control:
-            if msg.op == "flush":
-                states.clear()
-            elif msg.op == "freeze_gc":
-                gc.freeze()
-            else:
-                log.warning("unknown control op %r", msg.op)
-        elif type(msg) is Register:
-            connect(msg.worker, msg.address)
-        elif type(msg) is Embeddings:
-            by: dict[int, list] = {}
-            for r in msg.rows:
-                by.setdefault(r.worker, []).append(r)
-            for w, rows in by.items():
-                if w in pushes:
-                    pushes[w].send(encode(Embeddings(rows)))
-
-
-def main(argv: Iterable[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description="Baseline detokenizers behind detokd's wire protocol (for scripts/bench.py).",
-    )
-    ap.add_argument("--algo", required=True, choices=sorted(ALGOS))
-    ap.add_argument("--input", required=True, help="address to PULL-bind, e.g. ipc:///tmp/x/in")
-    ap.add_argument("--worker", action="append", required=True, help="worker address to PUSH-connect (repeat)")
-    ap.add_argument("--tokenizer", default="deepseek", help="zoo name or folder with tokenizer.json")
-    ap.add_argument("--log-level", default="warning")
-    args = ap.parse_args(list(argv) if argv is not None else None)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s baselines %(levelname)s %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        serve(args.algo, args.input, args.worker, args.tokenizer)
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

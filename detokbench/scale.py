@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """detokd's own throughput by shard count, on a harness too cheap to matter.
 
-scripts/bench.py measures the whole pipeline: its scheduler and worker build and
+`python -m detokbench bench` measures the whole pipeline: its scheduler and worker build and
 read every row in Python, which on a 2-core machine takes most of the second core.
 This measures detokd, the way a load generator measures a server:
 
@@ -23,8 +22,8 @@ This measures detokd, the way a load generator measures a server:
 * CPU per token: detokd's processes (all threads, ZMQ I/O included) and this harness,
   from /proc/<pid>/task/*/schedstat. Linux only.
 
-    python scripts/scale.py                        # 1 and 2 shards, deepseek, B=1024
-    python scripts/scale.py --shards 1 --batch 256 # detokd's CPU per token at B=256
+    python -m detokbench scale                        # 1 and 2 shards, deepseek, B=1024
+    python -m detokbench scale --shards 1 --batch 256 # detokd's CPU per token at B=256
 """
 
 from __future__ import annotations
@@ -40,21 +39,21 @@ import tempfile
 import time
 from pathlib import Path
 
-_SCRIPTS = Path(__file__).resolve().parent
-sys.path[:0] = [p for p in (str(_SCRIPTS.parent), str(_SCRIPTS)) if p not in sys.path]
+import msgspec
+import zmq
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
+from detokd.client import SchedulerClient, shard_for
+from detokd.config import Config
+from detokd.launch import derive_address
+from detokd.process import NotReady
+from detokd.tokenizer import load
+from detokd.wire.native import Finish, Text
 
-from detokbench.harness import detokd_process  # noqa: E402
-from detokbench.proc import cpu_s, descendants  # noqa: E402
-from detokbench.workload import TAIL, corpus  # noqa: E402
-from detokd.client import SchedulerClient, shard_for  # noqa: E402
-from detokd.config import Config  # noqa: E402
-from detokd.launch import derive_address  # noqa: E402
-from detokd.process import NotReady  # noqa: E402
-from detokd.wire.native import Finish, Text  # noqa: E402
-from detokd.tokenizer import load  # noqa: E402
+from .children import detokd_process
+from .corpus import TAIL, corpus
+from .engine import push
+from .proc import cpu_s, descendants
+from .sink import pull
 
 MARK = "\x01end-"  # marker rids: no text of the corpus contains \x01
 
@@ -130,18 +129,11 @@ class Target:
         self.shards = shards
         base, wrk = f"ipc://{folder}/in-{shards}", f"ipc://{folder}/w-{shards}"
         self.addresses = [base] if shards == 1 else [derive_address(base, i) for i in range(shards)]
-        self.worker = ctx.socket(zmq.PULL)
-        self.worker.setsockopt(zmq.RCVHWM, 0)
-        self.worker.bind(wrk)
+        self.worker = pull(ctx, wrk, hwm=0)
         cfg = msgspec.structs.replace(Config(), input=base, workers=[wrk], tokenizer=tokenizer, log_level="warning")
         self.detokd = detokd_process(cfg, Path(folder), ["--shards", str(shards)] if shards > 1 else [])
         self.detokd.spawn()
-        self.pushes = []
-        for a in self.addresses:
-            s = ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.connect(a)
-            self.pushes.append(s)
+        self.pushes = [push(ctx, a, hwm=0) for a in self.addresses]
         self.pids: list[int] = []
 
     def wait_ready(self, timeout: float = 120.0) -> None:
@@ -206,8 +198,9 @@ def check(streams: Streams, got: list[bytes]) -> int:
     return len(bad) + sum("".join(texts.get(rid, ())) != want for rid, want in streams.want.items() if rid not in bad)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m detokbench scale", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", default="1,2", help="shard counts to compare, comma-separated (default 1,2)")
     ap.add_argument("--batch", "-B", type=int, default=1024, help="streams, one row each per step (default 1024)")
     ap.add_argument("--steps", type=int, default=400, help="steps per round (default 400)")
@@ -215,10 +208,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds per configuration (default 10)")
     ap.add_argument("--tokenizer", default="deepseek")
     ap.add_argument("--json", metavar="FILE", help="write every round's figures here")
-    args = ap.parse_args()
-    counts = [int(x) for x in args.shards.split(",")]
-    B, S, n = args.batch, args.steps, args.ids_per_row
+    return ap.parse_args(argv)
 
+
+def measure(args: argparse.Namespace, counts: list[int]) -> tuple[dict[int, list[dict]], list[float]]:
+    """Every configuration's rounds, alternating (ABBA...), each checked; and the
+    machine's ceiling measured before each round."""
+    B, S, n = args.batch, args.steps, args.ids_per_row
     streams = Streams(args.tokenizer, B, S, n)
     ctx = zmq.Context()
     folder = tempfile.mkdtemp(prefix="detokd-scale-")
@@ -256,9 +252,15 @@ def main() -> int:
         for cfg in configs:
             cfg.stop()
         ctx.destroy(linger=0)
+    return runs, ceilings
 
+
+def summarize(args: argparse.Namespace, counts: list[int], runs: dict[int, list[dict]], ceilings: list[float]) -> dict:
+    """Print the table and the ratios (each configuration against the first, and the
+    gain against the machine's ceiling); the ratios."""
     med = statistics.median
-    print(f"\n{args.tokenizer}, B={B}, {n} id(s)/row, {S} steps x {args.rounds} rounds, {os.cpu_count()} CPUs\n")
+    print(f"\n{args.tokenizer}, B={args.batch}, {args.ids_per_row} id(s)/row, {args.steps} steps x {args.rounds} rounds, "
+          f"{os.cpu_count()} CPUs\n")
     print("| shards | tokens/s (median) | min – max | detokd CPU-µs/token | harness CPU-µs/token | wrong streams |")
     print("| --- | --- | --- | --- | --- | --- |")
     for c in counts:
@@ -267,7 +269,7 @@ def main() -> int:
         print(f"| {c} | {med(tps) / 1e3:,.0f}k | {min(tps) / 1e3:,.0f}k – {max(tps) / 1e3:,.0f}k | "
               f"{med(x['detokd_cpu_us_per_token'] for x in rs):.2f} | "
               f"{med(x['harness_cpu_us_per_token'] for x in rs):.3f} | {sum(x['wrong_streams'] for x in rs)} |")
-    base = counts[0]
+    base, top = counts[0], max(counts)
     ratios = {}
     for c in counts[1:]:
         per_round = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[c], runs[base])]
@@ -280,11 +282,15 @@ def main() -> int:
         eff = [a["tokens_per_s"] / b["tokens_per_s"] / c for a, b, c in zip(runs[top], runs[base], ceilings)]
         ratios["of_ceiling"] = {"median": med(eff), "min": min(eff), "max": max(eff)}
         print(f"{top} shards' gain as a share of the ceiling measured beside it: {med(eff):.0%} (median)")
+    return ratios
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    counts = [int(x) for x in args.shards.split(",")]
+    runs, ceilings = measure(args, counts)
+    ratios = summarize(args, counts, runs, ceilings)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"args": vars(args), "cpus": os.cpu_count(), "runs": runs, "ratios": ratios, "ceilings": ceilings}, indent=1))
     return 1 if any(x["wrong_streams"] for rs in runs.values() for x in rs) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

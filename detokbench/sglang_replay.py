@@ -1,6 +1,6 @@
 """Replay a scripted scheduler stream through an SGLang-compatible detokenizer process.
 
-Three pieces, each usable alone by tests and benchmark scripts:
+Three pieces, each usable alone by the SGLang tests and `detokbench sglang-bench`:
 
 - `Scripted`: a typed record of one request (prompt, outputs, per-step chunking, flags,
   finish kind, HTTP worker, which passthrough fields carry fake values).
@@ -623,13 +623,3 @@ def _sglang_target() -> Callable:
 
     return run_detokenizer_process
 
-
-def replay(
-    tokenizer: str | os.PathLike,
-    messages: Sequence[Any] | Callable[[DetokenizerProcess], Sequence[Any]],
-    **options: Any,
-) -> list[list[Any]]:
-    """One-shot: start a process, exchange `messages` (or what the callable builds for
-    the process, e.g. `lambda p: p.build(requests)`), close it."""
-    with DetokenizerProcess(tokenizer, **options) as proc:
-        return proc.exchange(messages(proc) if callable(messages) else messages)

@@ -1,18 +1,17 @@
-#!/usr/bin/env python
 """detokd in SGLang mode against SGLang's own detokenizer process, on SGLang's own stream.
 
     fake scheduler (this process) --BatchTokenIDOutput--> detokenizer --BatchStrOutput--> this process
 
-* The stream: B requests of real multilingual text (the corpus of scripts/bench.py,
+* The stream: B requests of real multilingual text (the corpus of `detokbench bench`,
   tokenized by the DeepSeek tokenizer), each starting at its own offset with the 5 ids
   before it as its prompt, one new id per request per step, all finishing (length) at
   the last step. The BatchTokenIDOutput of every step is built by SGLang's own scheduler
-  code (detokd.sglang.replay.build_stream: Req + _GenerationStreamAccumulator), once per
+  code (detokbench.sglang_replay.build_stream: Req + _GenerationStreamAccumulator), once per
   encoding and batch size, then encoded as SGLang's sock_send does (pickle
   HIGHEST_PROTOCOL, or io_struct.msgpack_encode) - all before any timing. One built stream
   is sent to both processes.
 * The processes: both started as SGLang's Engine starts its detokenizer
-  (replay.DetokenizerProcess: spawn, run_detokenizer_process(server_args, port_args)):
+  (sglang_replay.DetokenizerProcess: spawn, run_detokenizer_process(server_args, port_args)):
   "sglang" = sglang.srt.managers.detokenizer_manager's, "detokd" = detokd.sglang.process's.
   Each is warmed up with a short stream of the same batch size first.
 * Two modes per pass over the whole stream:
@@ -30,7 +29,7 @@
   (Vocab.reference(prompt, output)); every step must get exactly one answer with the
   step's rids. Mismatches are counted and reported, never hidden.
 
-    PYTHONPATH=$PWD python scripts/sglang_bench.py --json docs/bench/sglang.json --plot docs/bench/sglang.png
+    python -m detokbench sglang-bench --json docs/bench/sglang.json --plot docs/bench/sglang.png
 
 The defaults take ~7-9 minutes on 2 cores (~3 of them starting four processes that import SGLang).
 """
@@ -49,15 +48,14 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from detokd import zoo
+from detokd.sglang.process import run_detokenizer_process as detokd_target
+from detokd.tokenizer import load
 
-from detokbench.workload import corpus  # noqa: E402  (the multilingual text only)
-
-from detokd import zoo  # noqa: E402
-from detokd.sglang.process import run_detokenizer_process as detokd_target  # noqa: E402
-from detokd.sglang.replay import DetokenizerProcess, Scripted, accumulate, build_stream, freeze_gc_req, ipc_encoding  # noqa: E402
-from detokd.tokenizer import load  # noqa: E402
+from . import ROOT
+from .corpus import corpus
+from .proc import loadavg, memory, tick_cpu_s
+from .sglang_replay import DetokenizerProcess, Scripted, accumulate, build_stream, freeze_gc_req, ipc_encoding
 
 TARGETS = {"sglang": None, "detokd": detokd_target}
 PROMPT = 5  # prompt ids per request: SGLang's incremental-detokenization context
@@ -115,23 +113,6 @@ class Stream:
 # --- one process ------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def status_kb(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
-def loadavg() -> float:
-    """The machine's 1-minute load: other work on the cores makes the figures noisier."""
-    return float(Path("/proc/loadavg").read_text().split()[0])
-
-
 class Hung(RuntimeError):
     pass
 
@@ -149,7 +130,7 @@ def run_pass(proc: DetokenizerProcess, stream: Stream, window: int) -> dict:
     gc.collect()
     gc.disable()
     load = loadavg()
-    cpu0 = cpu_seconds(pid)
+    cpu0 = tick_cpu_s(pid)
     t0 = time.perf_counter_ns()
     sent = 0
     try:
@@ -169,7 +150,7 @@ def run_pass(proc: DetokenizerProcess, stream: Stream, window: int) -> dict:
                 latency_ns[len(got) - 1] = time.perf_counter_ns() - sent_at[len(got) - 1]
     finally:
         wall = (time.perf_counter_ns() - t0) / 1e9
-        cpu = cpu_seconds(pid) - cpu0
+        cpu = tick_cpu_s(pid) - cpu0
         gc.enable()
     if pull.poll(200):
         raise AssertionError(f"more answers than steps ({n}): the step accounting would be wrong")
@@ -232,7 +213,7 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
         differing = sum(1 for rid in first_text["sglang"] if first_text["sglang"][rid] != first_text["detokd"].get(rid))
         for name, proc in procs.items():
             pid = proc.process.pid
-            hwm, rss = status_kb(pid, "VmHWM"), status_kb(pid, "VmRSS")
+            mem = memory(pid)
             for mode in ("latency", "throughput"):
                 mine = [p for p in passes if p["target"] == name and p["mode"] == mode]
                 lat = [x for p in mine for x in p["lat"]]
@@ -244,7 +225,7 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                     loadavg_1m_per_pass=[p["loadavg_1m"] for p in mine],
                     latency_ms_p50=pct(lat, 50), latency_ms_p99=pct(lat, 99), latency_ms_max=max(lat),
                     cpu_us_per_token=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * 1e6,
-                    vm_hwm_mb=hwm / 1024, vm_rss_mb=rss / 1024,
+                    vm_hwm_mb=mem.hwm_kb / 1024, vm_rss_mb=mem.rss_kb / 1024,
                     text_equal_across_targets=agree, rids_differing_across_targets=differing,
                     off_oracle=sum(p["off_oracle"] for p in mine),
                     off_oracle_examples=[x for p in mine for x in p["off_oracle_examples"]][:3],
@@ -264,8 +245,7 @@ def environment() -> dict:
 
     from detokd import __version__
 
-    root = Path(__file__).resolve().parent.parent
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return dict(python=platform.python_version(), machine=platform.machine(), cpus=os.cpu_count(),
                 sglang=sglang.__version__, detokd=__version__, commit=commit, tokenizer=TOKENIZER)
 
@@ -310,8 +290,9 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m detokbench sglang-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 1024], help="concurrent requests (default 256 1024)")
     ap.add_argument("--steps", type=int, default=300, help="decode steps per pass = new ids per request (default 300)")
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
@@ -325,7 +306,7 @@ def main() -> int:
                     "(with each step's latency) here")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib; or --plot-only later)")
     ap.add_argument("--plot-only", metavar="JSON", help="only draw --plot from an earlier --json file (any python with matplotlib)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     if args.plot_only:
         plot(json.loads(Path(args.plot_only).read_text())["results"], args.plot)
@@ -363,6 +344,3 @@ def main() -> int:
     log(f"total {doc['seconds']:.0f}s")
     return 1 if failure else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

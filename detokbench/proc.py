@@ -1,14 +1,44 @@
 """CPU time and memory of processes, from /proc (Linux), and the rest of the machine's load.
 
-Per-thread /proc/<pid>/task/*/schedstat gives run time in ns (psutil's cpu_times
-rounds to clock ticks, 10 ms): the benchmarks read it around each measured phase.
+Every tool reads them here. Per-thread /proc/<pid>/task/*/schedstat gives run time in
+ns (/proc/<pid>/stat and psutil's cpu_times round to clock ticks, 10 ms): the
+benchmarks read it around each measured phase.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class Memory:
+    """A process' resident size now and at its peak (VmHWM), in kB."""
+
+    rss_kb: int
+    hwm_kb: int
+
+
+def memory(pid: int) -> Memory:
+    """VmRSS and VmHWM of /proc/<pid>/status; OSError once the process is gone."""
+    with open(f"/proc/{pid}/status") as f:
+        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+    return Memory(rss_kb=kb["VmRSS"], hwm_kb=kb["VmHWM"])
+
+
+def tick_cpu_s(pid: int) -> float:
+    """utime + stime of /proc/<pid>/stat (all threads), in seconds of clock-tick resolution."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loadavg() -> float:
+    """The machine's 1-minute load: other work on the cores makes the figures noisier."""
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
 
 
 def task_cpu_ns(pid: int) -> int:
@@ -28,7 +58,7 @@ def task_cpu_ns(pid: int) -> int:
 
 
 def cpu_s(pids: list[int]) -> float:
-    """CPU seconds of these processes, all their threads (a pid gone counts 0)."""
+    """CPU seconds of these processes, all their threads, from schedstat (a pid gone counts 0)."""
     return sum(task_cpu_ns(p) for p in pids) / 1e9
 
 
@@ -111,18 +141,12 @@ class ProcTree:
     """CPU time and peak RSS of a process and its children (detokd --shards forks)."""
 
     def __init__(self, pid: int) -> None:
-        import psutil
-
         self.pid = pid
-        self.proc = psutil.Process(pid)
         self.pids = [pid]
         self.schedstat = os.path.exists(f"/proc/{pid}/task/{pid}/schedstat")
 
     def refresh(self) -> None:
-        try:
-            self.pids = [self.pid] + [c.pid for c in self.proc.children(recursive=True)]
-        except Exception:
-            self.pids = [self.pid]
+        self.pids = descendants(self.pid)
 
     def cpu_ns(self) -> int:
         if self.schedstat:
@@ -130,6 +154,8 @@ class ProcTree:
         return int(self.cpu_psutil() * 1e9)
 
     def cpu_psutil(self) -> float:
+        """The tick-based figure, through psutil: a cross-check of schedstat's that shares
+        no code with it."""
         import psutil
 
         total = 0.0
@@ -153,13 +179,7 @@ class ProcTree:
         return ok
 
     def peak_rss_mb(self) -> Optional[float]:
-        total = 0
-        for p in self.pids:
-            try:
-                with open(f"/proc/{p}/status") as f:
-                    for line in f:
-                        if line.startswith("VmHWM:"):
-                            total += int(line.split()[1])
-            except OSError:
-                return None
-        return total / 1024
+        try:
+            return sum(memory(p).hwm_kb for p in self.pids) / 1024
+        except OSError:
+            return None

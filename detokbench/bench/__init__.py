@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """End-to-end detokenizer benchmark through real processes (issue "Speed").
 
     scheduler (this process) --tokens--> implementation --text--> worker (subprocess)
@@ -21,7 +20,7 @@
   sends one step at a time (window 1): its latency is the pure per-step latency of an
   idle pipeline, which is what an engine that sends a step every few ms sees.
 * Every implementation is a process behind the same sockets: `detokd` (the real
-  `python -m detokd serve ...`, through detokd.process.DetokdProcess) and the baselines of scripts/baselines.py
+  `python -m detokd serve ...`, through detokd.process.DetokdProcess) and the baselines of detokbench.baselines
   (naive, sglang, decodestream, floor). All run on the same streams, one after the
   other, for each configuration.
 * A round starts every stream (step 0 carries the `start` rows), runs `--steps` steps
@@ -44,21 +43,16 @@ CPU seconds of the implementation's processes per million tokens (per-thread
 run (flatness) that compares CPU per token at output length 32,768 with a control set
 of short streams measured alongside (see run_flatness).
 
-    python scripts/bench.py --quick              # smoke run, seconds
-    python scripts/bench.py                      # the full run behind docs/performance.md
-    python scripts/bench.py --report docs/bench/results.json   # markdown tables + plots again
+    python -m detokbench bench --quick              # smoke run, seconds
+    python -m detokbench bench                      # the full run behind docs/performance.md
+    python -m detokbench bench --report docs/bench/results.json   # markdown tables + plots again
 
-The code is the package scripts/detokbench/ (one module per concern, see its
-__init__); this file is its entry point.
+One module per concern:
+
+    workload  the multilingual corpus, its streams, and their frames (detokd.wire.native)
+    worker    the receiving side: decodes `text`, acks each whole step (its own process)
+    harness   starting implementations: detokd through DetokdProcess, the baselines
+    runs      one configuration, and the flatness run, through one implementation
+    report    figures, tables, JSON summaries and plots
+    cli       the command line and the whole run (`python -m detokbench bench`)
 """
-
-import sys
-from pathlib import Path
-
-_SCRIPTS = Path(__file__).resolve().parent
-sys.path[:0] = [p for p in (str(_SCRIPTS.parent), str(_SCRIPTS)) if p not in sys.path]
-
-from detokbench.cli import main  # noqa: E402
-
-if __name__ == "__main__":
-    sys.exit(main())

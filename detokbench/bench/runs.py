@@ -1,0 +1,134 @@
+"""One configuration through one implementation: a throughput phase, then an idle
+latency phase, then the check of the text the worker kept."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+from .harness import Impl
+from .pipeline import FINISH, START, STEP, Clocks, Pipeline
+from .progress import Progress
+from .report import fmt_rate, lat_stats, median
+from .workload import Workload
+
+
+def watched(check: str, batch: int) -> list[int]:
+    """The streams whose text is checked: a spread sample, all, or none."""
+    if check == "sample":
+        return sorted({0, batch - 1, batch // 2, batch // 3, (2 * batch) // 3, batch // 7})
+    return list(range(batch)) if check == "all" else []
+
+
+def one_round(p: Pipeline, wl: Workload, frames: dict, nsteps: int, t_cap: float, label: str, progress: Progress) -> int:
+    """Every stream starts, runs `nsteps` steps and finishes; the steps run (a round
+    stops early past t_cap)."""
+    start, finish, cyc = frames["start"], frames["finish"], frames["cyc"]
+    period, n, g0 = len(cyc), wl.n, p.sent
+    j = 0
+    while j < nsteps:
+        p.send(start if j == 0 else cyc[j % period], j * n, START if j == 0 else STEP)
+        j += 1
+        if (j & 15) == 0:
+            tm = time.monotonic()
+            if tm > t_cap:
+                break
+            if progress.tty and tm - progress.last > 0.2:
+                el = (time.monotonic_ns() - p.send_t[g0]) / 1e9
+                progress.update(f"{label} step {j}/{nsteps}  {fmt_rate(j * wl.batch * n / el if el > 0 else 0)} tok/s")
+    p.send(finish, j * n, FINISH)
+    return j
+
+
+def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_seconds: float,
+               lat_steps: int, lat_max_seconds: float, window: int, check: str,
+               progress: Progress) -> dict:
+    """One configuration through one implementation.
+
+    Throughput phase: rounds of `steps` steps (every stream starts, runs `steps` steps,
+    finishes), `window` steps in flight, until `min_seconds` have passed (at least one
+    round; a round is cut short after `max_seconds`). Latency phase: one round of
+    `lat_steps` steps, one step in flight. Each round ends with a step of finishing rows."""
+    frames = wl.frames(impl.shards)
+    watch_idx = watched(check, wl.batch)
+    impl.h.configure(wl.batch, check, [wl.rids[i] for i in watch_idx] if check == "sample" else [])
+    impl.tree.refresh()
+    impl.tree.reset_peak()
+    p = Pipeline(impl, window, stall_s=max(30.0, max_seconds * 4))
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        before = Clocks.read(impl)
+        t0 = time.monotonic()
+        rounds: list[int] = []
+        while True:
+            rounds.append(one_round(p, wl, frames, steps, t0 + max_seconds, "throughput", progress))
+            if time.monotonic() - t0 >= min_seconds or rounds[-1] < steps:
+                break
+        p.drain()
+        g1 = p.sent
+        after = Clocks.read(impl)
+        lat_rounds: list[int] = []
+        if lat_steps:
+            p.window = 1
+            lat_rounds.append(one_round(p, wl, frames, lat_steps, time.monotonic() + lat_max_seconds, "latency", progress))
+            p.drain()
+    finally:
+        if gc_was:
+            gc.enable()
+    result = figures(impl, wl, p, g1, before, after, rounds, lat_rounds, steps, window)
+    result["check"] = check_text(impl, wl, watch_idx, rounds + lat_rounds, check)
+    return result
+
+
+def figures(impl: Impl, wl: Workload, p: Pipeline, g1: int, c0: Clocks, c1: Clocks,
+            rounds: list[int], lat_rounds: list[int], steps: int, window: int) -> dict[str, Any]:
+    """The figures of a configuration: steps below g1 are the throughput phase's."""
+    B, n = wl.batch, wl.n
+    tokens = sum(rounds) * B * n
+    secs = (p.recv_t[g1 - 1] - p.send_t[0]) / 1e9
+    lat, kind = p.lat, p.kind
+    impl_ns, mtok = c1.impl_ns - c0.impl_ns, tokens / 1e6
+    own_ns = impl_ns + (c1.scheduler_ns - c0.scheduler_ns) + (c1.worker_ns - c0.worker_ns)
+    return dict(
+        impl=impl.name, tokenizer=wl.corp.name, batch=B, ids_per_row=n, shards=impl.shards,
+        steps=steps, rounds=len(rounds), steps_run=sum(rounds), latency_steps=sum(lat_rounds),
+        tokens=tokens, seconds=secs,
+        tok_per_s=tokens / secs if secs > 0 else None,
+        window=window,
+        lat_loaded=lat_stats([lat[g] for g in range(g1) if kind[g] == STEP]),
+        lat_idle=lat_stats([lat[g] for g in range(g1, len(lat)) if kind[g] == STEP]),
+        first_step_ms=median([lat[g] / 1e6 for g in range(g1) if kind[g] == START]),  # step 0: every stream starts
+        finish_step_ms=median([lat[g] / 1e6 for g in range(g1) if kind[g] == FINISH]),
+        cpu_s_per_mtok=impl_ns / 1e9 / mtok if tokens else None,
+        cpu_s_per_mtok_psutil=(c1.impl_psutil_s - c0.impl_psutil_s) / mtok if tokens else None,
+        cpu_util=impl_ns / 1e9 / secs if secs > 0 else None,
+        scheduler_cpu_s_per_mtok=(c1.scheduler_ns - c0.scheduler_ns) / 1e9 / mtok if tokens else None,
+        worker_cpu_s_per_mtok=(c1.worker_ns - c0.worker_ns) / 1e9 / mtok if tokens else None,
+        peak_rss_mb=impl.tree.peak_rss_mb(),
+        # Cores kept busy by processes outside the benchmark (another test run, ...)
+        # during the throughput phase: should be ~0 for the figures to mean anything.
+        other_cores=(max(0, (c1.machine_ns - c0.machine_ns) - own_ns) / 1e9 / secs)
+        if (c0.machine_ns is not None and c1.machine_ns is not None and secs > 0) else None,
+        steal_cores=((c1.steal_ns - c0.steal_ns) / 1e9 / secs) if (c0.steal_ns is not None and c1.steal_ns is not None and secs > 0) else None,
+        truncated=rounds[-1] < steps,
+    )
+
+
+def check_text(impl: Impl, wl: Workload, watch_idx: list[int], rounds: list[int], check: str) -> dict:
+    """Each watched rid received every round's text, in order, and no error row came."""
+    dump = impl.h.dump()
+    bad = []
+    for i in watch_idx:
+        rid = wl.rids[i]
+        got = dump["texts"].get(rid, "")
+        ref = wl.reference(i, rounds)
+        if got != ref:
+            j = next((x for x in range(min(len(got), len(ref))) if got[x] != ref[x]), min(len(got), len(ref)))
+            bad.append({"rid": rid, "at": j, "got": got[max(0, j - 10):j + 10], "want": ref[max(0, j - 10):j + 10],
+                        "len_got": len(got), "len_want": len(ref)})
+    return {
+        "mode": check, "streams": len(watch_idx), "mismatches": len(bad), "examples": bad[:3],
+        "errors": dump["n_errors"], "error_examples": dump["errors"][:5], "bad_frames": dump["bad_frames"],
+    }

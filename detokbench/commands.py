@@ -1,0 +1,63 @@
+"""The subcommands of `python -m detokbench` and their dispatch.
+
+Each command is a module with `main(argv) -> int`; only the chosen one is imported, so
+`--help` is quick and sglang-bench's imports stay out of every other command.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+
+PROG = "python -m detokbench"
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    module: str
+    summary: str
+
+
+COMMANDS = {
+    c.name: c
+    for c in (
+        Command("bench", "detokbench.bench.cli", "end-to-end benchmark: detokd and the baselines between a scheduler and a worker process"),
+        Command("baselines", "detokbench.baselines_server", "serve one baseline detokenizer behind detokd's wire protocol (bench starts them)"),
+        Command("scale", "detokbench.scale", "detokd alone on a harness too cheap to matter: 1 vs N shards, CPU per token"),
+        Command("soak", "detokbench.soak.cli", "millions of tokens with request churn through a real detokd: is RSS flat?"),
+        Command("fuzz", "detokbench.fuzz.cli", "honest and hostile frames through a real detokd: alive, exact, counted, RSS kept"),
+        Command("worst-frames", "detokbench.worst_frames.cli", "what one worst-case frame at the default caps costs a real detokd"),
+        Command("sglang-bench", "detokbench.sglang_bench", "detokd in SGLang mode against SGLang's own detokenizer (in SGLang's environment)"),
+    )
+}
+
+
+def command_line(name: str, argv: list[str]) -> str:
+    """How a run was started, for the results it writes."""
+    return shlex.join([*PROG.split(), name, *argv])
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: {PROG} COMMAND [args]   ({PROG} COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {c.name:<{width}}  {c.summary}" for c in COMMANDS.values()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"{PROG}: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    # Tokenizers come from the zoo's packages: nothing is fetched from a model hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return importlib.import_module(command.module).main(argv[1:])
