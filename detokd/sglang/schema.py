@@ -35,8 +35,10 @@ pickle form (the default)
     the codec's ids()), build SGLang's own
     BatchStrOutput from the computed fields plus *references* to the received objects
     (no copies), and pickle.dumps it with HIGHEST_PROTOCOL. A custom Unpickler mapping
-    the class to a lighter one saves nothing: the nested objects dominate and still have
-    to be built.
+    the message class to a lighter one saves nothing: the nested objects dominate and
+    still have to be built. One of them is the exception: each row's time stats, whose
+    Python __setstate__ / __getstate__ were half of the round trip (detokd.sglang.pickled
+    skips them where SGLang's round trip leaves the state as it is).
 
 In both forms a frame the detokenizer returns unchanged (BatchEmbeddingOutput) is best
 forwarded as the received bytes: decoding them gives the object SGLang would re-encode.
@@ -53,7 +55,6 @@ import ast
 import base64
 import dataclasses
 import inspect
-import pickle
 import textwrap
 from array import array
 from collections.abc import Mapping
@@ -382,10 +383,11 @@ class PickleCodec:
     def __init__(self) -> None:
         from sglang.srt.managers import io_struct
 
-        self._out = io_struct.BatchStrOutput
+        from . import pickled
 
-    def decode(self, frame: bytes) -> Any:
-        return pickle.loads(frame)
+        self._out = io_struct.BatchStrOutput
+        self.decode = pickled.loads
+        self.encode = pickled.dumps
 
     @staticmethod
     def unread_batch(frame: bytes) -> None:
@@ -405,9 +407,6 @@ class PickleCodec:
             placeholder_tokens_idx=None,
             placeholder_tokens_val=None,
         )
-
-    def encode(self, out: Any) -> bytes:
-        return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
 
     def encode_str_output(self, tok: Any, output_strs: list[str]) -> bytes:
         return self.encode(self.str_output(tok, output_strs))

@@ -275,3 +275,36 @@ def test_check_names_a_wire_config_change():
     )
     with pytest.raises(schema.SchemaMismatch, match=r"ConfigureLoggingReq: wire config array_like"):
         schema.check({"ConfigureLoggingReq": changed})
+
+
+# ---------------------------------------------------------------- the fast readers
+
+
+def scheduler_time_stats(timed: bool):
+    """A SchedulerReqTimeStats as the scheduler holds it: untouched (what it sends unless
+    metrics are on: an empty state), or with timing data (times to rebase)."""
+    from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
+
+    ts = SchedulerReqTimeStats()
+    if timed:
+        ts.has_timing_data = True
+        ts.wait_queue_entry_time, ts.forward_entry_time, ts.prefill_finished_time = 10.5, 11.25, 12.0
+        ts.queue_duration_s = 0.75
+    return ts
+
+
+@pytest.mark.parametrize("timed", [[False, False], [True, False], [True, True]])
+def test_pickled_time_stats_reach_the_tokenizer_manager_as_sglangs_detokenizer_sends_them(tok, timed):
+    """detokd unpickles each row's SchedulerReqTimeStats without SGLang's __setstate__ and
+    pickles it without its __getstate__ where that round trip keeps the state; the
+    TokenizerManager's objects are those SGLang's own detokenizer would have sent."""
+    sent = token_batch(tok, ["a", "b"], [None, None], step=1)
+    sent.time_stats = [scheduler_time_stats(t) for t in timed]
+    sent.customized_info = None
+    frame = pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL)
+    expected = pickle.loads(pickle.dumps(sglang_detokenizer(tok).handle_batch_token_id_out(pickle.loads(frame)),
+                                         protocol=pickle.HIGHEST_PROTOCOL))
+    codec = schema.PickleCodec()
+    got = pickle.loads(codec.encode_str_output(codec.decode(frame), expected.output_strs))
+    assert [type(o) for o in got.time_stats] == [type(o) for o in expected.time_stats]
+    assert [vars(o) for o in got.time_stats] == [vars(o) for o in expected.time_stats]
