@@ -343,7 +343,8 @@ class Server:
         except Exception:  # a bug must cost one batch, never the process
             stats.error(INTERNAL)
             log.exception("internal error handling a frame")
-        self.delivery.deliver(dialect.encode_text, dialect.encode_stopped, self.core.stalled)
+        # A dialect that answers rows the core never saw says which requests a lost message held.
+        self.delivery.deliver(dialect.encode_text, dialect.encode_stopped, getattr(dialect, "stalled", self.core.stalled))
         stats.step(time.perf_counter() - t0)
 
     def _drop_multipart(self) -> None:

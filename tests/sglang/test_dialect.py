@@ -70,7 +70,7 @@ class Rig:
         """One turn of detokd's loop."""
         self.delivery.flush()
         self.dialect.handle(frame)
-        self.delivery.deliver(self.dialect.encode_text, self.dialect.encode_stopped, self.core.stalled)
+        self.delivery.deliver(self.dialect.encode_text, self.dialect.encode_stopped, self.dialect.stalled)
 
     def read(self, wait_ms: int) -> None:
         """What reaches the reader, the backlog moving on meanwhile, until nothing does."""
