@@ -280,6 +280,22 @@ def test_check_names_a_wire_config_change():
 # ---------------------------------------------------------------- the fast readers
 
 
+@pytest.mark.parametrize("rows", [
+    [array("q", [5])] * 3,  # a decode step
+    [array("q", [1, 2, 3, 4]), array("q", [5, 6, 7, 8])],  # a speculative step
+    [array("q", [1]), array("q", [2, 3]), array("q", [])],  # starts and finishes among them
+    [array("q", []), array("q", [])],
+    [array("i", [1, 2]), array("i", [3, 4])],  # another item type: the generic parse
+    [array("q", [-1, 2**40])],
+    [],
+])
+def test_decode_ids_read_as_sglang_sent_them(tok, rows):
+    sent = token_batch(tok, ["x"] * len(rows), [None] * len(rows), step=1)
+    sent.decode_ids = rows
+    mine = schema.MsgpackCodec().decode(sglang_wire(sent))
+    assert schema.MsgpackCodec.ids(mine) == [list(a) for a in rows]
+
+
 def scheduler_time_stats(timed: bool):
     """A SchedulerReqTimeStats as the scheduler holds it: untouched (what it sends unless
     metrics are on: an empty state), or with timing data (times to rebase)."""
