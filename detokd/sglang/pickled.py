@@ -13,12 +13,26 @@ is (checked once against the installed class: true of the empty state the schedu
 sends unless metrics or timing are on), else computed by that very round trip. The
 TokenizerManager unpickles the same objects either way (object.__new__ of SGLang's
 class, then its __setstate__ with that state).
+
+Two per-row lists of BatchStrOutput then pickle in a compact form that unpickles to
+equal lists (`compact`): pickle writes and reads one object per row with a reduce
+call each, which made them half of what is left of pickling a batch.
+- time_stats, when every row's is the empty state: `list(map(object.__new__,
+  repeat(SchedulerReqTimeStats, n)))`, objects whose __dict__ is as empty as after
+  SGLang's __setstate__({}) (checked once against the installed class).
+- output_ids (one array('q') per row): `list(map(array, repeat("q"), [bytes, ...]))`;
+  the TokenizerManager shares the host, so the native item bytes are its own.
+Each is a list subclass, so everything else reads them as the lists they are (the
+split of a batch per HTTP worker builds plain lists from them).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+from array import array
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
@@ -35,7 +49,14 @@ def _round_trip(state: dict) -> Any:
     return obj.__getstate__()
 
 
+def _set_empty() -> dict:
+    obj = _NEW(SchedulerReqTimeStats)
+    obj.__setstate__({})
+    return vars(obj)
+
+
 _EMPTY_KEPT = _round_trip({}) == {}
+_EMPTY_IS_NEW = _EMPTY_KEPT and _set_empty() == {}  # the receiver's __setstate__({}) would change nothing
 
 
 class TimeStats:
@@ -61,3 +82,42 @@ def loads(frame: bytes) -> Any:
 
 def dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _Call:
+    """Pickles as func(*args)."""
+
+    __slots__ = ("reduced",)
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.reduced = (func, args)
+
+    def __reduce__(self) -> tuple:
+        return self.reduced
+
+
+class _EmptyTimeStatsList(list):
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return list, (_Call(map, _NEW, _Call(repeat, SchedulerReqTimeStats, len(self))),)
+
+
+class _Int64ArrayList(list):
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return list, (_Call(map, array, _Call(repeat, "q"), list(map(array.tobytes, self))),)
+
+
+_TYPECODE = attrgetter("typecode")
+
+
+def compact(name: str, value: Any) -> Any:
+    """A copied BatchStrOutput field in its compact pickled form where it has one."""
+    if type(value) is not list or not value:
+        return value
+    if name == "time_stats":
+        if _EMPTY_IS_NEW and set(map(type, value)) == {TimeStats} and not any(map(len, map(vars, value))):
+            return _EmptyTimeStatsList(value)
+    elif name == "output_ids":
+        if set(map(type, value)) == {array} and set(map(_TYPECODE, value)) == {"q"}:
+            return _Int64ArrayList(value)
+    return value
+

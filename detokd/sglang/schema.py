@@ -418,6 +418,7 @@ class PickleCodec:
         self._out = io_struct.BatchStrOutput
         self.decode = pickled.loads
         self.encode = pickled.dumps
+        self._compact = pickled.compact
 
     @staticmethod
     def unread_batch(frame: bytes) -> None:
@@ -429,8 +430,11 @@ class PickleCodec:
         return [a.tolist() for a in tok.decode_ids]
 
     def str_output(self, tok: Any, output_strs: list[str]) -> Any:
+        fields = {name: getattr(tok, name) for name in COPIED}
+        for name in ("time_stats", "output_ids"):
+            fields[name] = self._compact(name, fields[name])
         return self._out(
-            **{name: getattr(tok, name) for name in COPIED},
+            **fields,
             output_strs=output_strs,
             routed_experts=_b64_list(tok.routed_experts, _tensor_b64_pickled),
             indexer_topk=_b64_list(tok.indexer_topk, _tensor_b64_pickled),

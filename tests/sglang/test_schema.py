@@ -324,3 +324,24 @@ def test_pickled_time_stats_reach_the_tokenizer_manager_as_sglangs_detokenizer_s
     got = pickle.loads(codec.encode_str_output(codec.decode(frame), expected.output_strs))
     assert [type(o) for o in got.time_stats] == [type(o) for o in expected.time_stats]
     assert [vars(o) for o in got.time_stats] == [vars(o) for o in expected.time_stats]
+    # output_ids: arrays of the same type and items (detokd pickles them compactly)
+    assert [(type(a), a.typecode, a) for a in got.output_ids] == [(type(a), a.typecode, a) for a in expected.output_ids]
+
+
+@pytest.mark.parametrize("output_ids", [
+    [array("q", [1, 2]), array("q", []), array("q", [-3])],
+    [array("i", [1]), array("q", [2])],  # not all int64: pickled as they are
+    None,
+])
+def test_compact_lists_unpickle_to_what_they_hold(output_ids):
+    from detokd.sglang import pickled
+
+    sent = [scheduler_time_stats(False), scheduler_time_stats(False)]
+    stats = pickled.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+    for name, value, want in (("time_stats", stats, sent), ("output_ids", output_ids, output_ids)):
+        got = pickle.loads(pickled.dumps(pickled.compact(name, value)))
+        assert type(got) is type(want) and (got is None or [type(x) for x in got] == [type(x) for x in want])
+        if name == "time_stats":
+            assert [vars(x) for x in got] == [{} for _ in want]
+        else:
+            assert got == want and (got is None or [x.typecode for x in got] == [x.typecode for x in want])
