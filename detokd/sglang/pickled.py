@@ -23,7 +23,9 @@ call each, which made them half of what is left of pickling a batch.
 - output_ids (one array('q') per row): `list(map(array, repeat("q"), [bytes, ...]))`;
   the TokenizerManager shares the host, so the native item bytes are its own.
 Each is a list subclass, so everything else reads them as the lists they are (the
-split of a batch per HTTP worker builds plain lists from them).
+split of a batch per HTTP worker builds plain lists from them). Both forms call only
+builtins and itertools.repeat, which SGLang's recv_pyobj (an unrestricted pickle.loads)
+resolves; a TokenizerManager behind an allow-list unpickler would need them allowed.
 """
 
 from __future__ import annotations
@@ -120,4 +122,3 @@ def compact(name: str, value: Any) -> Any:
         if set(map(type, value)) == {array} and set(map(_TYPECODE, value)) == {"q"}:
             return _Int64ArrayList(value)
     return value
-
