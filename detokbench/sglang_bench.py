@@ -4,9 +4,10 @@
 
 * The stream: B requests of real multilingual text (the corpus of `detokbench bench`,
   tokenized by the DeepSeek tokenizer), each starting at its own offset with the 5 ids
-  before it as its prompt, one new id per request per step, all finishing (length) at
-  the last step. The BatchTokenIDOutput of every step is built by SGLang's own scheduler
-  code (detokbench.sglang_replay.build_stream: Req + _GenerationStreamAccumulator), once per
+  before it as its prompt, one new id per request per step (--ids-per-step: several, as
+  speculative decoding sends them), all finishing (length) at the last step. The
+  BatchTokenIDOutput of every step is built by SGLang's own scheduler code
+  (detokbench.sglang_replay.build_stream: Req + _GenerationStreamAccumulator), once per
   encoding and batch size, then encoded as SGLang's sock_send does (pickle
   HIGHEST_PROTOCOL, or io_struct.msgpack_encode) - all before any timing. One built stream
   is sent to both processes.
@@ -22,7 +23,9 @@
   slot a latency pass then a throughput pass, so drift (thermal, page cache, the other
   process' memory) hits both alike.
 * CPU per token: the detokenizer's utime+stime (/proc/<pid>/stat, all its threads) over a
-  pass, divided by the pass' tokens. Peak RSS: VmHWM (/proc/<pid>/status) after all
+  pass, divided by the pass' tokens (and by its rows: requests x steps). The floor of
+  the encoding: this process decoding the same frames and encoding the same answers
+  with nothing else done (`floor`). Peak RSS: VmHWM (/proc/<pid>/status) after all
   passes of a batch size (a process serves every batch size in turn, smallest first).
 * Correctness: answers are decoded with SGLang's own decoder after each pass; per rid the
   accumulated text must equal the other process' and the Hugging Face oracle
@@ -66,13 +69,16 @@ ANSWER_TIMEOUT = 60.0  # seconds without an answer before the pass counts as hun
 # --- the stream ------------------------------------------------------------------------
 
 
-def requests(ids: list[int], batch: int, steps: int, tag: str) -> list[Scripted]:
-    """B requests over the corpus ids (a ring), each from its own offset."""
-    ring = ids * (2 + (steps + PROMPT) // len(ids))
+def requests(ids: list[int], batch: int, steps: int, tag: str, per_step: int = 1) -> list[Scripted]:
+    """B requests over the corpus ids (a ring), each from its own offset, `per_step` new
+    ids each step (speculative decoding: SGLang's scheduler appends them all at once)."""
+    n = steps * per_step
+    ring = ids * (2 + (n + PROMPT) // len(ids))
+    chunks = None if per_step == 1 else [per_step] * steps
     out = []
     for i in range(batch):
         at = PROMPT + (i * 97) % len(ids)  # 97 is prime to the corpus length: distinct offsets
-        out.append(Scripted(rid=f"{tag}{i}", prompt_ids=ring[at - PROMPT : at], output_ids=ring[at : at + steps]))
+        out.append(Scripted(rid=f"{tag}{i}", prompt_ids=ring[at - PROMPT : at], output_ids=ring[at : at + n], chunks=chunks))
     return out
 
 
@@ -97,14 +103,14 @@ def decode(frames: list[bytes], encoding: str) -> list:
 class Stream:
     """One batch size's prebuilt frames under one encoding, and what they must add up to."""
 
-    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str):
-        self.batch, self.steps, self.encoding = batch, steps, encoding
+    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str, per_step: int = 1):
+        self.batch, self.steps, self.encoding, self.per_step = batch, steps, encoding, per_step
         t0 = time.perf_counter()
-        self.reqs = requests(ids, batch, steps, "r")
+        self.reqs = requests(ids, batch, steps, "r", per_step)
         messages = build_stream(self.reqs, encoding=encoding)
         self.step_rids = [list(m.rids) for m in messages]
         self.frames = encode(messages, encoding)
-        self.warmup = build_stream(requests(ids, batch, 8, "warm"), encoding=encoding)
+        self.warmup = build_stream(requests(ids, batch, 8, "warm", per_step), encoding=encoding)
         self.build_seconds = time.perf_counter() - t0
         self.oracle = {s.rid: vocab.reference(s.prompt_ids, s.output_ids) for s in self.reqs}
         self.megabytes = sum(map(len, self.frames)) / 1e6
@@ -119,8 +125,6 @@ class Hung(RuntimeError):
 
 def run_pass(proc: DetokenizerProcess, stream: Stream, window: int) -> dict:
     """Send the whole stream with at most `window` steps unanswered; time every step."""
-    import zmq
-
     push, pull = proc._push, proc._pulls[0]
     pid = proc.process.pid
     n = len(stream.frames)
@@ -154,11 +158,59 @@ def run_pass(proc: DetokenizerProcess, stream: Stream, window: int) -> dict:
         gc.enable()
     if pull.poll(200):
         raise AssertionError(f"more answers than steps ({n}): the step accounting would be wrong")
-    tokens = stream.batch * stream.steps
+    rows = stream.batch * stream.steps
+    tokens = rows * stream.per_step
     return dict(
         wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, cpu_s=cpu, cpu_us_per_token=cpu / tokens * 1e6,
-        loadavg_1m=load, latency_ms=[x / 1e6 for x in latency_ns], answers=decode(got, stream.encoding),
+        cpu_us_per_row=cpu / rows * 1e6,
+        loadavg_1m=load, latency_ms=[x / 1e6 for x in latency_ns], answers=decode(got, stream.encoding), answer_frames=got,
     )
+
+
+def floor(stream: Stream, answer_frames: list[bytes], reps: int = 3) -> dict:
+    """The encoding's floor, CPU per row (best of `reps`, this process): decoding the
+    stream's frames and encoding the same answers with nothing else done. "floor":
+    SGLang's own (sock_recv's and sock_send's: pickle, or io_struct's msgpack with every
+    field a Python object); "floor_raw" (msgpack): detokd's schema Structs, whose copied
+    fields stay msgpack bytes."""
+    from sglang.srt.managers import io_struct
+
+    from detokd.sglang import schema
+
+    rows = stream.batch * stream.steps
+    with ipc_encoding(stream.encoding):
+        if stream.encoding == "pickle":
+            ways = {"floor": (pickle.loads, lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL), pickle.loads)}
+        else:
+            raw = schema.MsgpackCodec()
+            ways = {"floor": (io_struct.msgpack_decode, io_struct.msgpack_encode, io_struct.msgpack_decode),
+                    "floor_raw": (raw.decode, raw.encode, msgspec_decoder(schema.BatchStrOutput))}
+        out = {}
+        gc.collect()
+        gc.disable()  # as in the passes: this process' heap (the streams) is no part of the floor
+        for key, (dec, enc, dec_answer) in ways.items():
+            answers = [dec_answer(f) for f in answer_frames]
+            best_dec = best_enc = float("inf")
+            for _ in range(reps):
+                t0 = time.process_time()
+                for f in stream.frames:
+                    dec(f)
+                t1 = time.process_time()
+                for a in answers:
+                    enc(a)
+                t2 = time.process_time()
+                best_dec, best_enc = min(best_dec, t1 - t0), min(best_enc, t2 - t1)
+            out[f"{key}_decode_us_per_row"] = best_dec / rows * 1e6
+            out[f"{key}_encode_us_per_row"] = best_enc / rows * 1e6
+            out[f"{key}_us_per_row"] = (best_dec + best_enc) / rows * 1e6
+        gc.enable()
+    return out
+
+
+def msgspec_decoder(cls):
+    import msgspec
+
+    return msgspec.msgpack.Decoder(cls).decode
 
 
 def check(stream: Stream, answers: list) -> tuple[dict[str, str], dict]:
@@ -189,25 +241,30 @@ def log(msg: str) -> None:
 def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
     results = []
     for batch in sorted(args.batch):
-        stream = Stream(vocab, ids, batch, args.steps, encoding)
+        stream = Stream(vocab, ids, batch, args.steps, encoding, args.ids_per_step)
         log(f"[{encoding} B={batch}] built {len(stream.frames)} steps ({stream.megabytes:.1f} MB) in {stream.build_seconds:.1f}s")
         for name, proc in procs.items():
             # --freeze-gc: what SGLang's /freeze_gc endpoint makes its detokenizer do (gc.freeze()).
             proc.exchange([*stream.warmup, *([freeze_gc_req()] if args.freeze_gc else [])])
         first_text: dict[str, dict] = {}
         passes = []
+        floors = None
         for r in range(args.rounds):
             order = ["sglang", "detokd", "detokd", "sglang"] if r % 2 == 0 else ["detokd", "sglang", "sglang", "detokd"]
             for slot, name in enumerate(order):
                 for mode, window in (("latency", 1), ("throughput", args.window)):
                     p = run_pass(procs[name], stream, window)
                     texts, problems = check(stream, p.pop("answers"))
+                    answer_frames = p.pop("answer_frames")
+                    if floors is None and name == "sglang":
+                        floors = floor(stream, answer_frames)
+                        log(f"[{encoding} B={batch}] floor " + " ".join(f"{k} {v:.2f}" for k, v in floors.items()))
                     first_text.setdefault(name, texts)
                     problems["same_as_first_pass"] = texts == first_text[name]
                     lat = p.pop("latency_ms")
                     passes.append(dict(target=name, mode=mode, round=r, slot=slot, lat=lat, **p, **problems))
                     log(f"[{encoding} B={batch}] r{r} {name:6} {mode:10} {p['tokens_per_s']:>9.0f} tok/s "
-                        f"p50 {pct(lat, 50):6.2f} ms p99 {pct(lat, 99):6.2f} ms cpu {p['cpu_us_per_token']:5.2f} us/tok "
+                        f"p50 {pct(lat, 50):6.2f} ms p99 {pct(lat, 99):6.2f} ms cpu {p['cpu_us_per_token']:5.2f} us/tok {p['cpu_us_per_row']:5.2f} us/row "
                         f"off-oracle {problems['off_oracle']} load {p['loadavg_1m']:.1f}")
         agree = first_text["sglang"] == first_text["detokd"]
         differing = sum(1 for rid in first_text["sglang"] if first_text["sglang"][rid] != first_text["detokd"].get(rid))
@@ -218,13 +275,16 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                 mine = [p for p in passes if p["target"] == name and p["mode"] == mode]
                 lat = [x for p in mine for x in p["lat"]]
                 results.append(dict(
-                    encoding=encoding, batch=batch, steps=args.steps, target=name, mode=mode, freeze_gc=args.freeze_gc,
+                    encoding=encoding, batch=batch, steps=args.steps, ids_per_step=args.ids_per_step, target=name,
+                    mode=mode, freeze_gc=args.freeze_gc,
                     window=1 if mode == "latency" else args.window, passes=len(mine),
                     tokens_per_s_median=statistics.median(p["tokens_per_s"] for p in mine),
                     tokens_per_s_all=[p["tokens_per_s"] for p in mine],
                     loadavg_1m_per_pass=[p["loadavg_1m"] for p in mine],
                     latency_ms_p50=pct(lat, 50), latency_ms_p99=pct(lat, 99), latency_ms_max=max(lat),
                     cpu_us_per_token=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * 1e6,
+                    cpu_us_per_row=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * args.ids_per_step * 1e6,
+                    **floors,
                     vm_hwm_mb=mem.hwm_kb / 1024, vm_rss_mb=mem.rss_kb / 1024,
                     text_equal_across_targets=agree, rids_differing_across_targets=differing,
                     off_oracle=sum(p["off_oracle"] for p in mine),
@@ -251,14 +311,16 @@ def environment() -> dict:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| encoding | B | target | mode | tokens/s | p50 ms | p99 ms | max ms | CPU us/token | VmHWM MB | text ok |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| encoding | ids/step | B | target | mode | tokens/s | p50 ms | p99 ms | max ms | CPU us/token | CPU us/row "
+            "| floor us/row | VmHWM MB | text ok |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ok = r["text_equal_across_targets"] and not r["off_oracle"] and r["one_answer_per_step"] and r["same_text_every_pass"]
-        rows.append(f"| {r['encoding']} | {r['batch']} | {r['target']} | {r['mode']}"
+        floor_row = f"{r['floor_us_per_row']:.2f}" + (f" (raw {r['floor_raw_us_per_row']:.2f})" if "floor_raw_us_per_row" in r else "")
+        rows.append(f"| {r['encoding']} | {r['ids_per_step']} | {r['batch']} | {r['target']} | {r['mode']}"
                     f"{'' if r['mode'] == 'latency' else ' (w=' + str(r['window']) + ')'} | {r['tokens_per_s_median']:,.0f} | "
                     f"{r['latency_ms_p50']:.2f} | {r['latency_ms_p99']:.2f} | {r['latency_ms_max']:.2f} | "
-                    f"{r['cpu_us_per_token']:.2f} | {r['vm_hwm_mb']:.0f} | {'yes' if ok else 'NO'} |")
+                    f"{r['cpu_us_per_token']:.2f} | {r['cpu_us_per_row']:.2f} | {floor_row} | {r['vm_hwm_mb']:.0f} | {'yes' if ok else 'NO'} |")
     return "\n".join(rows)
 
 
@@ -284,7 +346,8 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_xticks(range(len(cases)), labels)
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
-    fig.suptitle("detokd vs SGLang's detokenizer process, SGLang's own stream (DeepSeek tokenizer, 1 id/request/step)"
+    per_step = results[0].get("ids_per_step", 1)
+    fig.suptitle(f"detokd vs SGLang's detokenizer process, SGLang's own stream (DeepSeek tokenizer, {per_step} id/request/step)"
                  + (", GC frozen" if any(r.get("freeze_gc") for r in results) else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -296,6 +359,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 1024], help="concurrent requests (default 256 1024)")
     ap.add_argument("--steps", type=int, default=300, help="decode steps per pass = new ids per request (default 300)")
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
+    ap.add_argument("--ids-per-step", type=int, default=1, help="new ids per request per step (default 1; speculative "
+                    "decoding sends 2-8): the CPU per row is per request per step")
     ap.add_argument("--window", type=int, default=8, help="steps in flight in the throughput mode (default 8)")
     ap.add_argument("--encodings", nargs="+", choices=["pickle", "msgpack"], default=["pickle", "msgpack"],
                     help="SGLang IPC encodings (SGLANG_USE_PICKLE_IPC), each with its own pair of processes")

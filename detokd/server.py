@@ -156,7 +156,9 @@ class Server:
         )
         self.collector = Collector(self.stats)
         self.dialect = dialect(self.core, self.delivery, self.collector, self.stats, cfg)
-        self.delivery.attach(self.dialect, lost=self.core.stalled, live=self.core.table.__contains__)
+        # A dialect that answers rows the core never saw says which requests a lost message held.
+        lost = getattr(self.dialect, "stalled", self.core.stalled)
+        self.delivery.attach(self.dialect, lost=lost, live=self.core.table.__contains__)
         self._limit_log_rates()
         self.stop_requested_at: float | None = None  # when the first SIGTERM/SIGINT came
         self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..core.records import BAD_ROW, Finish, OutRow, Row, Start, StoppedRow
+from ..core.request import SENT_TAIL
 from . import schema
 
 if TYPE_CHECKING:
@@ -94,6 +95,8 @@ class SglangDialect:
         self.batch: Any = None  # the BatchTokenIDOutput being answered
         self.blank: Any = None  # its BatchStrOutput with empty texts, for splitting per worker
         self.cause: str | None = None  # why the batch in hand could not be read, if it could not
+        self.texts: list[str] | None = None  # its output_strs so far: the quick path's rows
+        self.quick_batch: Any = None  # the last batch the quick path answered
         self.beam_warned = False
 
     # --- inbound ------------------------------------------------------------------------
@@ -132,14 +135,18 @@ class SglangDialect:
             self.beam_warned = True
             log.error("a batch carries beam-search results, which detokd does not decode: they pass through as they are")
         try:
-            rows = self._rows(batch)
+            ids = self.ipc.ids(batch)
+            if self._quick_fits(batch, ids):
+                self._quick(batch, ids)
+                return
+            rows = self._rows(batch, ids)
         except Exception as exc:
             self._unreadable(batch, exc)
             return
         self.core.tokens(rows, frame_bytes)
 
     def _answering(self, batch: Any) -> None:
-        self.batch, self.blank, self.cause = batch, None, None
+        self.batch, self.blank, self.cause, self.texts = batch, None, None, None
         if not self.http_workers:
             self.core.outbox.expect(0)  # an empty batch still gets its (empty) answer
 
@@ -159,45 +166,123 @@ class SglangDialect:
                     continue
             self.core.fail(rid, worker, BAD_ROW, position_meta(i))
 
-    def _rows(self, batch: Any) -> list[Row]:
+    def _rows(self, batch: Any, id_rows: list[list[int]]) -> list[Row]:
         rids = batch.rids or []
         get = self.core.table.states.get
-        tombstone = self.core.dead.get
         ipcs = batch.http_worker_ipcs
         rows = []
         position_meta(len(rids))
-        meta = _positions
-        size = self.size
-        reasons = batch.finished_reasons
-        for i, (rid, ids) in enumerate(zip(rids, self.ipc.ids(batch))):
+        for i, (rid, ids) in enumerate(zip(rids, id_rows)):
             worker = 0
             if self.http_workers:
                 worker = self._worker(ipcs[i] if ipcs else None)
                 if worker is None:
                     continue
-            if ids and (max(ids) >= size or min(ids) < 0):
-                ids = self._clamp(ids)
-            finish = None
-            if reasons[i] is not None:
-                finish, trim = self._finish(reasons[i], ids, batch.no_stop_trim[i])
-                if trim:
-                    ids = ids[:-1]
-            st = get(rid)
-            if st is not None:
-                rows.append(Row(rid, ids, st.n_ids, None, finish, meta[i]))
-            elif tombstone(rid) is not None:
-                rows.append(Row(rid, ids, 0, None, finish, meta[i]))  # answered with its error
-            else:
-                context = batch.read_offsets[i]
-                start = Start(
-                    worker=worker,
-                    prompt_tail=ids[:context],
-                    skip_special_tokens=batch.skip_special_tokens[i],
-                    spaces_between_special_tokens=batch.spaces_between_special_tokens[i],
-                    no_stop_trim=batch.no_stop_trim[i],
-                )
-                rows.append(Row(rid, ids[context:], 0, start, finish, meta[i]))
+            rows.append(self._row(batch, i, rid, ids, worker, get(rid)))
         return rows
+
+    def _row(self, batch: Any, i: int, rid: str, ids: list[int], worker: int, st: Any) -> Row:
+        """Row i of the batch as the core's row: a live request's next ids, or the start
+        of a new one (its ids begin with the prompt context)."""
+        size = self.size
+        if ids and (max(ids) >= size or min(ids) < 0):
+            ids = self._clamp(ids)
+        finish = None
+        reason = batch.finished_reasons[i]
+        if reason is not None:
+            finish, trim = self._finish(reason, ids, batch.no_stop_trim[i])
+            if trim:
+                ids = ids[:-1]
+        meta = _positions[i]
+        if st is not None:
+            return Row(rid, ids, st.n_ids, None, finish, meta)
+        if self.core.dead.get(rid) is not None:
+            return Row(rid, ids, 0, None, finish, meta)  # answered with its error
+        context = batch.read_offsets[i]
+        start = Start(
+            worker=worker,
+            prompt_tail=ids[:context],
+            skip_special_tokens=batch.skip_special_tokens[i],
+            spaces_between_special_tokens=batch.spaces_between_special_tokens[i],
+            no_stop_trim=batch.no_stop_trim[i],
+        )
+        return Row(rid, ids[context:], 0, start, finish, meta)
+
+    # --- the quick path ---------------------------------------------------------------
+    #
+    # Most rows of a step are a live streaming request's next ids, each of which the
+    # decoder can render without a change of state (decoder.quick: the core's own fast
+    # path). Those rows skip the core's Row and OutRow and the batch position's round
+    # trip: their text goes straight into the batch's output_strs. Every other row
+    # (a start, a finish, an id outside the vocabulary or without a quick text) goes to
+    # the core as before, in order, once the batch is read; only a start can change
+    # another row's request (it may evict one), so the rows gathered up to a start go to
+    # the core before the next quick row. (A batch naming a rid twice: a later quick row
+    # cannot overtake an earlier row of its rid unnoticed, the core sees its seq gap.)
+
+    def _quick_fits(self, batch: Any, ids: list[list[int]]) -> bool:
+        """Whether the quick path may take this batch: one TokenizerManager (several get
+        sub-batches, built from the core's rows), and a batch the core would take whole
+        (not past its frame caps, not while shutting down)."""
+        if self.http_workers:
+            return False
+        core = self.core
+        limits = core.limits
+        return (not core.closing and len(ids) <= limits.rows and sum(map(len, ids)) <= limits.frame_ids
+                and len(batch.rids or []) == len(ids))
+
+    def _quick(self, batch: Any, id_rows: list[list[int]]) -> None:
+        core = self.core
+        get = core.table.states.get
+        rids = batch.rids
+        reasons = batch.finished_reasons
+        size = self.size
+        most_ids = core.limits.frame_ids  # checked: the batch holds no more
+        max_ids = core.limits.row_ids
+        position_meta(len(rids))
+        texts = [""] * len(rids)
+        pending: list[Row] = []
+        start = False  # whether pending holds a start
+        n_quick = n_tok = 0
+        for i, ids in enumerate(id_rows):
+            rid = rids[i]
+            st = get(rid)
+            if st is not None and reasons[i] is None and not st.slow:
+                quick = st.decoder.quick
+                text = None
+                if quick is not None:
+                    if len(ids) == 1:
+                        t = ids[0]
+                        if 0 <= t < size:
+                            text = quick[t]
+                    elif ids and len(ids) <= max_ids and min(ids) >= 0 and max(ids) < size:
+                        # The state stays while each id's text is quick's: theirs, joined.
+                        parts = [quick[t] for t in ids]
+                        if None not in parts:
+                            text = "".join(parts)
+                if text is not None:
+                    if start:
+                        core.tokens(pending, most_ids)
+                        pending, start = [], False
+                        if get(rid) is not st:  # evicted by a start before it
+                            pending.append(self._row(batch, i, rid, ids, 0, None))
+                            continue
+                    texts[i] = text
+                    st.n_ids += len(ids)
+                    if text:  # kept for an engine stop string that begins in it (Request.sent)
+                        st.sent = (st.sent + text)[-SENT_TAIL:]
+                    n_quick += 1
+                    n_tok += len(ids)
+                    continue
+            row = self._row(batch, i, rid, ids, 0, st)
+            pending.append(row)
+            start = start or row.start is not None
+        if pending:
+            core.tokens(pending, most_ids)
+        self.texts, self.quick_batch = texts, batch
+        stats = self.stats
+        stats.rows += n_quick
+        stats.tokens += n_tok
 
     def _finish(self, reason: dict | None, ids: list[int], no_stop_trim: bool) -> tuple[Finish | None, bool]:
         """The core's Finish for SGLang's finish reason, and whether to drop the row's
@@ -247,6 +332,20 @@ class SglangDialect:
         for worker, out in self._split(full, msg.http_worker_ipcs or []):
             self.delivery.send(worker, self._encode_object(out))
 
+    def stalled(self, worker: int, rows: list[OutRow]) -> list[OutRow]:
+        """The message holding `rows` was lost to `worker`'s full queue (delivery's stall
+        policy): the core fails their requests, and those of the quick path's rows the
+        message held, which the core never saw as rows."""
+        batch = self.batch
+        if self.quick_batch is batch and not self.http_workers:
+            core_rows = {_position(row.meta) for row in rows}
+            get = self.core.table.states.get
+            for i, rid in enumerate(batch.rids):
+                if i not in core_rows:
+                    st = get(rid)
+                    rows.append(OutRow(rid, "", None, st.n_ids if st is not None else 0))
+        return self.core.stalled(worker, rows)
+
     # --- outbound -----------------------------------------------------------------------
 
     def encode_text(self, rows: list[OutRow]) -> bytes | list[bytes]:
@@ -259,7 +358,7 @@ class SglangDialect:
         if rows and not mine:
             return []
         if not self.http_workers:
-            texts = [""] * len(batch.rids or [])
+            texts, self.texts = self.texts or [""] * len(batch.rids or []), None
             aborts = {}
             for i, row in mine:
                 texts[i] = row.text

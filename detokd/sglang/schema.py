@@ -35,8 +35,10 @@ pickle form (the default)
     the codec's ids()), build SGLang's own
     BatchStrOutput from the computed fields plus *references* to the received objects
     (no copies), and pickle.dumps it with HIGHEST_PROTOCOL. A custom Unpickler mapping
-    the class to a lighter one saves nothing: the nested objects dominate and still have
-    to be built.
+    the message class to a lighter one saves nothing: the nested objects dominate and
+    still have to be built. One of them is the exception: each row's time stats, whose
+    Python __setstate__ / __getstate__ were half of the round trip (detokd.sglang.pickled
+    skips them where SGLang's round trip leaves the state as it is).
 
 In both forms a frame the detokenizer returns unchanged (BatchEmbeddingOutput) is best
 forwarded as the received bytes: decoding them gives the object SGLang would re-encode.
@@ -53,15 +55,20 @@ import ast
 import base64
 import dataclasses
 import inspect
-import pickle
 import textwrap
 from array import array
 from collections.abc import Mapping
+from operator import attrgetter
 from typing import Any, Union
 
 import msgspec
 from msgspec import Raw
 from msgspec.msgpack import Ext
+
+try:  # SGLang's environment has it; elsewhere each row is read on its own
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None
 
 SCHEMA = "sglang-0.5.23"
 
@@ -296,16 +303,40 @@ def array_of(ext: Ext) -> array:
 # The head of an ext-1 payload holding array('q'), as SGLang's scheduler sends every
 # decode_ids row: its items follow at once, so the common row skips the generic parse.
 _INT64_HEAD = b"\x00\x00\x00\x02\xa1q"
+_HEAD_BYTES = None if np is None else np.frombuffer(_INT64_HEAD, np.uint8)
+_DATA, _CODE = attrgetter("data"), attrgetter("code")
 
 
 def ids_of(exts: list[Ext]) -> list[list[int]]:
     """Each row's decode_ids as a list of ints."""
+    rows = _uniform_ids(exts)
+    if rows is not None:
+        return rows
     head = _INT64_HEAD
     k = len(head)
     return [
         memoryview(e.data)[k:].cast("q").tolist() if e.code == _EXT_ARRAY and e.data[:k] == head else array_of(e).tolist()
         for e in exts
     ]
+
+
+def _uniform_ids(exts: list[Ext]) -> list[list[int]] | None:
+    """The rows of a decode step, where every row holds as many int64 ids (one, or a
+    speculative k): read as one buffer, with no Python per row but tolist's. None for
+    any other batch."""
+    if np is None or not exts:
+        return None
+    datas = list(map(_DATA, exts))
+    sizes = set(map(len, datas))
+    if len(sizes) != 1 or set(map(_CODE, exts)) != {_EXT_ARRAY}:
+        return None
+    k, odd = divmod(sizes.pop() - len(_INT64_HEAD), 8)
+    if odd or k < 1:
+        return None
+    rows = np.frombuffer(b"".join(datas), np.dtype([("head", "u1", len(_INT64_HEAD)), ("ids", "=i8", k)]))
+    if not (rows["head"] == _HEAD_BYTES).all():
+        return None
+    return rows["ids"].tolist()
 
 
 def tensor_b64(ext: Ext) -> str:
@@ -382,10 +413,12 @@ class PickleCodec:
     def __init__(self) -> None:
         from sglang.srt.managers import io_struct
 
-        self._out = io_struct.BatchStrOutput
+        from . import pickled
 
-    def decode(self, frame: bytes) -> Any:
-        return pickle.loads(frame)
+        self._out = io_struct.BatchStrOutput
+        self.decode = pickled.loads
+        self.encode = pickled.dumps
+        self._compact = pickled.compact
 
     @staticmethod
     def unread_batch(frame: bytes) -> None:
@@ -397,17 +430,17 @@ class PickleCodec:
         return [a.tolist() for a in tok.decode_ids]
 
     def str_output(self, tok: Any, output_strs: list[str]) -> Any:
+        fields = {name: getattr(tok, name) for name in COPIED}
+        for name in ("time_stats", "output_ids"):
+            fields[name] = self._compact(name, fields[name])
         return self._out(
-            **{name: getattr(tok, name) for name in COPIED},
+            **fields,
             output_strs=output_strs,
             routed_experts=_b64_list(tok.routed_experts, _tensor_b64_pickled),
             indexer_topk=_b64_list(tok.indexer_topk, _tensor_b64_pickled),
             placeholder_tokens_idx=None,
             placeholder_tokens_val=None,
         )
-
-    def encode(self, out: Any) -> bytes:
-        return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
 
     def encode_str_output(self, tok: Any, output_strs: list[str]) -> bytes:
         return self.encode(self.str_output(tok, output_strs))

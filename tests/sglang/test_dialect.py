@@ -53,7 +53,7 @@ class Rig:
         )
         ipc = schema.MsgpackCodec() if encoding == "msgpack" else schema.PickleCodec()
         self.dialect = SglangDialect(self.core, self.delivery, Collector(self.stats), self.stats, ipc=ipc, vocab_size=self.v.size)
-        self.delivery.attach(self.dialect, lost=self.core.stalled, live=self.core.table.__contains__)
+        self.delivery.attach(self.dialect, lost=self.dialect.stalled, live=self.core.table.__contains__)
         self.got: list = []
 
     def encode(self, message) -> bytes:

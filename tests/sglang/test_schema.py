@@ -275,3 +275,73 @@ def test_check_names_a_wire_config_change():
     )
     with pytest.raises(schema.SchemaMismatch, match=r"ConfigureLoggingReq: wire config array_like"):
         schema.check({"ConfigureLoggingReq": changed})
+
+
+# ---------------------------------------------------------------- the fast readers
+
+
+@pytest.mark.parametrize("rows", [
+    [array("q", [5])] * 3,  # a decode step
+    [array("q", [1, 2, 3, 4]), array("q", [5, 6, 7, 8])],  # a speculative step
+    [array("q", [1]), array("q", [2, 3]), array("q", [])],  # starts and finishes among them
+    [array("q", []), array("q", [])],
+    [array("i", [1, 2]), array("i", [3, 4])],  # another item type: the generic parse
+    [array("q", [-1, 2**40])],
+    [],
+])
+def test_decode_ids_read_as_sglang_sent_them(tok, rows):
+    sent = token_batch(tok, ["x"] * len(rows), [None] * len(rows), step=1)
+    sent.decode_ids = rows
+    mine = schema.MsgpackCodec().decode(sglang_wire(sent))
+    assert schema.MsgpackCodec.ids(mine) == [list(a) for a in rows]
+
+
+def scheduler_time_stats(timed: bool):
+    """A SchedulerReqTimeStats as the scheduler holds it: untouched (what it sends unless
+    metrics are on: an empty state), or with timing data (times to rebase)."""
+    from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
+
+    ts = SchedulerReqTimeStats()
+    if timed:
+        ts.has_timing_data = True
+        ts.wait_queue_entry_time, ts.forward_entry_time, ts.prefill_finished_time = 10.5, 11.25, 12.0
+        ts.queue_duration_s = 0.75
+    return ts
+
+
+@pytest.mark.parametrize("timed", [[False, False], [True, False], [True, True]])
+def test_pickled_time_stats_reach_the_tokenizer_manager_as_sglangs_detokenizer_sends_them(tok, timed):
+    """detokd unpickles each row's SchedulerReqTimeStats without SGLang's __setstate__ and
+    pickles it without its __getstate__ where that round trip keeps the state; the
+    TokenizerManager's objects are those SGLang's own detokenizer would have sent."""
+    sent = token_batch(tok, ["a", "b"], [None, None], step=1)
+    sent.time_stats = [scheduler_time_stats(t) for t in timed]
+    sent.customized_info = None
+    frame = pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL)
+    expected = pickle.loads(pickle.dumps(sglang_detokenizer(tok).handle_batch_token_id_out(pickle.loads(frame)),
+                                         protocol=pickle.HIGHEST_PROTOCOL))
+    codec = schema.PickleCodec()
+    got = pickle.loads(codec.encode_str_output(codec.decode(frame), expected.output_strs))
+    assert [type(o) for o in got.time_stats] == [type(o) for o in expected.time_stats]
+    assert [vars(o) for o in got.time_stats] == [vars(o) for o in expected.time_stats]
+    # output_ids: arrays of the same type and items (detokd pickles them compactly)
+    assert [(type(a), a.typecode, a) for a in got.output_ids] == [(type(a), a.typecode, a) for a in expected.output_ids]
+
+
+@pytest.mark.parametrize("output_ids", [
+    [array("q", [1, 2]), array("q", []), array("q", [-3])],
+    [array("i", [1]), array("q", [2])],  # not all int64: pickled as they are
+    None,
+])
+def test_compact_lists_unpickle_to_what_they_hold(output_ids):
+    from detokd.sglang import pickled
+
+    sent = [scheduler_time_stats(False), scheduler_time_stats(False)]
+    stats = pickled.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+    for name, value, want in (("time_stats", stats, sent), ("output_ids", output_ids, output_ids)):
+        got = pickle.loads(pickled.dumps(pickled.compact(name, value)))
+        assert type(got) is type(want) and (got is None or [type(x) for x in got] == [type(x) for x in want])
+        if name == "time_stats":
+            assert [vars(x) for x in got] == [{} for _ in want]
+        else:
+            assert got == want and (got is None or [x.typecode for x in got] == [x.typecode for x in want])

@@ -1,0 +1,124 @@
+"""SGLang's pickle IPC without its per-row time stats round trip.
+
+In pickle mode every BatchTokenIDOutput carries one SchedulerReqTimeStats per row
+(time_stats), which the detokenizer only copies into BatchStrOutput. SGLang's own
+detokenizer pays a Python __setstate__ per row to unpickle them (it rebases their times
+to its clock) and a Python __getstate__ per row to pickle them again (it rebases them to
+the TokenizerManager's): about half of unpickling and pickling a batch.
+
+`loads` unpickles them as TimeStats instead: the state as it arrived, set by pickle's
+C default, no Python. Pickled, a TimeStats becomes SGLang's class again with the state
+SGLang's round trip would send: the same state when that round trip leaves it as it
+is (checked once against the installed class: true of the empty state the scheduler
+sends unless metrics or timing are on), else computed by that very round trip. The
+TokenizerManager unpickles the same objects either way (object.__new__ of SGLang's
+class, then its __setstate__ with that state).
+
+Two per-row lists of BatchStrOutput then pickle in a compact form that unpickles to
+equal lists (`compact`): pickle writes and reads one object per row with a reduce
+call each, which made them half of what is left of pickling a batch.
+- time_stats, when every row's is the empty state: `list(map(object.__new__,
+  repeat(SchedulerReqTimeStats, n)))`, objects whose __dict__ is as empty as after
+  SGLang's __setstate__({}) (checked once against the installed class).
+- output_ids (one array('q') per row): `list(map(array, repeat("q"), [bytes, ...]))`;
+  the TokenizerManager shares the host, so the native item bytes are its own.
+Each is a list subclass, so everything else reads them as the lists they are (the
+split of a batch per HTTP worker builds plain lists from them). Both forms call only
+builtins and itertools.repeat, which SGLang's recv_pyobj (an unrestricted pickle.loads)
+resolves; a TokenizerManager behind an allow-list unpickler would need them allowed.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from array import array
+from itertools import repeat
+from operator import attrgetter
+from typing import Any
+
+from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
+
+_GLOBAL = (SchedulerReqTimeStats.__module__, SchedulerReqTimeStats.__qualname__)
+_NEW = object.__new__
+_ARGS = (SchedulerReqTimeStats,)  # one tuple: pickle writes it once a message, then refers to it
+
+
+def _round_trip(state: dict) -> Any:
+    """What SGLang's detokenizer sends for a received state: __setstate__, __getstate__."""
+    obj = _NEW(SchedulerReqTimeStats)
+    obj.__setstate__(dict(state))  # it edits the dict it is given
+    return obj.__getstate__()
+
+
+def _set_empty() -> dict:
+    obj = _NEW(SchedulerReqTimeStats)
+    obj.__setstate__({})
+    return vars(obj)
+
+
+_EMPTY_KEPT = _round_trip({}) == {}
+_EMPTY_IS_NEW = _EMPTY_KEPT and _set_empty() == {}  # the receiver's __setstate__({}) would change nothing
+
+
+class TimeStats:
+    """A SchedulerReqTimeStats as received: its pickled state is its __dict__."""
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        state = self.__dict__
+        if not state and _EMPTY_KEPT:
+            return _NEW, _ARGS, {}
+        return _NEW, _ARGS, _round_trip(state)
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == _GLOBAL:
+            return TimeStats
+        return super().find_class(module, name)
+
+
+def loads(frame: bytes) -> Any:
+    return _Unpickler(io.BytesIO(frame)).load()
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _Call:
+    """Pickles as func(*args)."""
+
+    __slots__ = ("reduced",)
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.reduced = (func, args)
+
+    def __reduce__(self) -> tuple:
+        return self.reduced
+
+
+class _EmptyTimeStatsList(list):
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return list, (_Call(map, _NEW, _Call(repeat, SchedulerReqTimeStats, len(self))),)
+
+
+class _Int64ArrayList(list):
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return list, (_Call(map, array, _Call(repeat, "q"), list(map(array.tobytes, self))),)
+
+
+_TYPECODE = attrgetter("typecode")
+
+
+def compact(name: str, value: Any) -> Any:
+    """A copied BatchStrOutput field in its compact pickled form where it has one."""
+    if type(value) is not list or not value:
+        return value
+    if name == "time_stats":
+        if _EMPTY_IS_NEW and set(map(type, value)) == {TimeStats} and not any(map(len, map(vars, value))):
+            return _EmptyTimeStatsList(value)
+    elif name == "output_ids":
+        if set(map(type, value)) == {array} and set(map(_TYPECODE, value)) == {"q"}:
+            return _Int64ArrayList(value)
+    return value
