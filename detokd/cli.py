@@ -48,8 +48,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.shards > 1:
         return _serve_shards(ns, cfg)
     from .server import Server
+    from .wire.native import NativeDialect
 
-    return Server(cfg).run()
+    return Server(cfg, NativeDialect.make).run()
 
 
 def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:

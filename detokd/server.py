@@ -17,7 +17,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import NoReturn
 
 import zmq
@@ -34,7 +33,7 @@ from .delivery import Delivery, RegisterPolicy
 from .logs import RateLimitFilter
 from .metrics import MetricsServer
 from .tokenizer import Vocab, load
-from .wire.native import NativeDialect
+from .wire.dialect import Dialect, DialectFactory
 
 log = logging.getLogger("detokd.server")
 
@@ -116,14 +115,6 @@ class GraceWatch:
         self.reader.close()
 
 
-# A dialect is built over the parts it drives: (core, delivery, collector, stats, cfg).
-DialectFactory = Callable[[Detokenizer, Delivery, Collector, Stats, Config], object]
-
-
-def native(core: Detokenizer, delivery: Delivery, collector: Collector, stats: Stats, cfg: Config) -> NativeDialect:
-    return NativeDialect(core, delivery, collector, stats, debug_ops=cfg.debug_ops)
-
-
 class Server:
     """detokd's loop over one input, its workers and one dialect.
 
@@ -132,7 +123,7 @@ class Server:
     error worth knowing before them), the tokenizer, delivery, and the core with its
     dialect. Whatever start-up opened is closed again if a later step fails."""
 
-    def __init__(self, cfg: Config, vocab: Vocab | None = None, dialect: DialectFactory = native) -> None:
+    def __init__(self, cfg: Config, dialect: DialectFactory, vocab: Vocab | None = None) -> None:
         check(cfg)
         self.cfg = cfg
         self.stats = Stats()
@@ -155,10 +146,8 @@ class Server:
             max_states=cfg.max_states, max_prompt_tail=cfg.max_prompt_tail, stats=self.stats, limits=cfg.limits(),
         )
         self.collector = Collector(self.stats)
-        self.dialect = dialect(self.core, self.delivery, self.collector, self.stats, cfg)
-        # A dialect that answers rows the core never saw says which requests a lost message held.
-        lost = getattr(self.dialect, "stalled", self.core.stalled)
-        self.delivery.attach(self.dialect, lost=lost, live=self.core.table.__contains__)
+        self.dialect: Dialect = dialect(self.core, self.delivery, self.collector, self.stats, cfg)
+        self.delivery.attach(self.dialect, lost=self.dialect.stalled, live=self.core.table.__contains__)
         self._limit_log_rates()
         self.stop_requested_at: float | None = None  # when the first SIGTERM/SIGINT came
         self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None

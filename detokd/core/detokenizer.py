@@ -161,6 +161,57 @@ class Detokenizer:
         stats.rows += len(rows)
         stats.tokens += n_tok
 
+    # --- what a dialect may ask and do, besides handing over rows -----------------------
+
+    def seq_of(self, rid: str) -> int | None:
+        """The ids a live request has consumed (its next row's seq), or None."""
+        st = self.table.states.get(rid)
+        return None if st is None else st.n_ids
+
+    def ended(self, rid: str) -> bool:
+        """Whether detokd ended this rid itself (evicted, failed): its rows get that error."""
+        return self.dead.get(rid) is not None
+
+    def answer_batch(self, worker: int) -> None:
+        """This batch owes `worker` a message even with no rows (an engine that waits on
+        an answer to every batch: SGLang's health check sends an empty one)."""
+        self.outbox.expect(worker)
+
+    def takes_whole(self, rows: int, ids: int) -> bool:
+        """Whether a frame of this many rows and ids is within the frame caps, and the
+        core decodes (not stopping): then `quick_text` may answer its rows."""
+        return not self.closing and rows <= self.limits.rows and ids <= self.limits.frame_ids
+
+    def quick_text(self, rid: str, ids: list[int]) -> str | None:
+        """The fast path of `tokens` for a dialect that answers rows itself: the text of a
+        live plain streaming request's next ids (not finishing) when its decoder renders
+        each of them without a change of state, its state advanced as that row's would
+        be; None when the row must go through `tokens` (in order with the others)."""
+        st = self.table.states.get(rid)
+        if st is None or st.slow:
+            return None
+        quick = st.decoder.quick
+        if quick is None or not ids:
+            return None
+        size = self.size
+        if len(ids) == 1:
+            i = ids[0]
+            text = quick[i] if 0 <= i < size else None
+        elif len(ids) <= self.limits.row_ids and min(ids) >= 0 and max(ids) < size:
+            parts = [quick[i] for i in ids]
+            text = None if None in parts else "".join(parts)
+        else:
+            return None
+        if text is None:
+            return None
+        st.n_ids += len(ids)
+        if text:  # kept for an engine stop string that begins in it (Request.sent)
+            st.sent = (st.sent + text)[-SENT_TAIL:]
+        stats = self.stats
+        stats.rows += 1
+        stats.tokens += len(ids)
+        return text
+
     def _guarded(self, row: Row) -> None:
         try:
             self._row(row)

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..core.records import BAD_ROW, Finish, OutRow, Row, Start, StoppedRow
-from ..core.request import SENT_TAIL
 from . import schema
 
 if TYPE_CHECKING:
@@ -148,7 +147,7 @@ class SglangDialect:
     def _answering(self, batch: Any) -> None:
         self.batch, self.blank, self.cause, self.texts = batch, None, None, None
         if not self.http_workers:
-            self.core.outbox.expect(0)  # an empty batch still gets its (empty) answer
+            self.core.answer_batch(0)  # an empty batch still gets its (empty) answer
 
     def _unreadable(self, batch: Any, exc: Exception) -> None:
         """A batch that does not read as the schema says (a field of another type): each
@@ -168,7 +167,6 @@ class SglangDialect:
 
     def _rows(self, batch: Any, id_rows: list[list[int]]) -> list[Row]:
         rids = batch.rids or []
-        get = self.core.table.states.get
         ipcs = batch.http_worker_ipcs
         rows = []
         position_meta(len(rids))
@@ -178,10 +176,10 @@ class SglangDialect:
                 worker = self._worker(ipcs[i] if ipcs else None)
                 if worker is None:
                     continue
-            rows.append(self._row(batch, i, rid, ids, worker, get(rid)))
+            rows.append(self._row(batch, i, rid, ids, worker))
         return rows
 
-    def _row(self, batch: Any, i: int, rid: str, ids: list[int], worker: int, st: Any) -> Row:
+    def _row(self, batch: Any, i: int, rid: str, ids: list[int], worker: int) -> Row:
         """Row i of the batch as the core's row: a live request's next ids, or the start
         of a new one (its ids begin with the prompt context)."""
         size = self.size
@@ -194,9 +192,10 @@ class SglangDialect:
             if trim:
                 ids = ids[:-1]
         meta = _positions[i]
-        if st is not None:
-            return Row(rid, ids, st.n_ids, None, finish, meta)
-        if self.core.dead.get(rid) is not None:
+        seq = self.core.seq_of(rid)
+        if seq is not None:
+            return Row(rid, ids, seq, None, finish, meta)
+        if self.core.ended(rid):
             return Row(rid, ids, 0, None, finish, meta)  # answered with its error
         context = batch.read_offsets[i]
         start = Start(
@@ -210,79 +209,47 @@ class SglangDialect:
 
     # --- the quick path ---------------------------------------------------------------
     #
-    # Most rows of a step are a live streaming request's next ids, each of which the
-    # decoder can render without a change of state (decoder.quick: the core's own fast
-    # path). Those rows skip the core's Row and OutRow and the batch position's round
-    # trip: their text goes straight into the batch's output_strs. Every other row
-    # (a start, a finish, an id outside the vocabulary or without a quick text) goes to
-    # the core as before, in order, once the batch is read; only a start can change
-    # another row's request (it may evict one), so the rows gathered up to a start go to
-    # the core before the next quick row. (A batch naming a rid twice: a later quick row
-    # cannot overtake an earlier row of its rid unnoticed, the core sees its seq gap.)
+    # Most rows of a step are a live streaming request's next ids, which the core can
+    # answer at once (Detokenizer.quick_text, its own fast path). Those rows skip the
+    # core's Row and OutRow and the batch position's round trip: their text goes straight
+    # into the batch's output_strs. Every other row (a start, a finish, an id outside the
+    # vocabulary or without a quick text) goes to the core as before, in order, once the
+    # batch is read; only a start can change another row's request (it may evict one),
+    # so the rows gathered up to a start go to the core before the next quick row. (A
+    # batch naming a rid twice: a later quick row cannot overtake an earlier row of its
+    # rid unnoticed, the core sees its seq gap.)
 
     def _quick_fits(self, batch: Any, ids: list[list[int]]) -> bool:
         """Whether the quick path may take this batch: one TokenizerManager (several get
-        sub-batches, built from the core's rows), and a batch the core would take whole
-        (not past its frame caps, not while shutting down)."""
-        if self.http_workers:
-            return False
-        core = self.core
-        limits = core.limits
-        return (not core.closing and len(ids) <= limits.rows and sum(map(len, ids)) <= limits.frame_ids
-                and len(batch.rids or []) == len(ids))
+        sub-batches, built from the core's rows), and a batch the core would take whole."""
+        return (not self.http_workers and len(batch.rids or []) == len(ids)
+                and self.core.takes_whole(len(ids), sum(map(len, ids))))
 
     def _quick(self, batch: Any, id_rows: list[list[int]]) -> None:
         core = self.core
-        get = core.table.states.get
+        quick_text = core.quick_text
         rids = batch.rids
         reasons = batch.finished_reasons
-        size = self.size
-        most_ids = core.limits.frame_ids  # checked: the batch holds no more
-        max_ids = core.limits.row_ids
         position_meta(len(rids))
         texts = [""] * len(rids)
         pending: list[Row] = []
         start = False  # whether pending holds a start
-        n_quick = n_tok = 0
         for i, ids in enumerate(id_rows):
             rid = rids[i]
-            st = get(rid)
-            if st is not None and reasons[i] is None and not st.slow:
-                quick = st.decoder.quick
-                text = None
-                if quick is not None:
-                    if len(ids) == 1:
-                        t = ids[0]
-                        if 0 <= t < size:
-                            text = quick[t]
-                    elif ids and len(ids) <= max_ids and min(ids) >= 0 and max(ids) < size:
-                        # The state stays while each id's text is quick's: theirs, joined.
-                        parts = [quick[t] for t in ids]
-                        if None not in parts:
-                            text = "".join(parts)
+            if reasons[i] is None:
+                if start:  # a start may evict a request of a later row: the core goes first
+                    core.tokens(pending, 0)
+                    pending, start = [], False
+                text = quick_text(rid, ids)
                 if text is not None:
-                    if start:
-                        core.tokens(pending, most_ids)
-                        pending, start = [], False
-                        if get(rid) is not st:  # evicted by a start before it
-                            pending.append(self._row(batch, i, rid, ids, 0, None))
-                            continue
                     texts[i] = text
-                    st.n_ids += len(ids)
-                    if text:  # kept for an engine stop string that begins in it (Request.sent)
-                        st.sent = (st.sent + text)[-SENT_TAIL:]
-                    n_quick += 1
-                    n_tok += len(ids)
                     continue
-            row = self._row(batch, i, rid, ids, 0, st)
+            row = self._row(batch, i, rid, ids, 0)
             pending.append(row)
             start = start or row.start is not None
         if pending:
-            core.tokens(pending, most_ids)
+            core.tokens(pending, 0)  # 0: takes_whole checked the frame's id budget
         self.texts, self.quick_batch = texts, batch
-        stats = self.stats
-        stats.rows += n_quick
-        stats.tokens += n_tok
 
     def _finish(self, reason: dict | None, ids: list[int], no_stop_trim: bool) -> tuple[Finish | None, bool]:
         """The core's Finish for SGLang's finish reason, and whether to drop the row's
@@ -339,11 +306,10 @@ class SglangDialect:
         batch = self.batch
         if self.quick_batch is batch and not self.http_workers:
             core_rows = {_position(row.meta) for row in rows}
-            get = self.core.table.states.get
+            seq_of = self.core.seq_of
             for i, rid in enumerate(batch.rids):
                 if i not in core_rows:
-                    st = get(rid)
-                    rows.append(OutRow(rid, "", None, st.n_ids if st is not None else 0))
+                    rows.append(OutRow(rid, "", None, seq_of(rid) or 0))
         return self.core.stalled(worker, rows)
 
     # --- outbound -----------------------------------------------------------------------

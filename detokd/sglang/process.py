@@ -105,7 +105,7 @@ def dialect_factory(vocab, use_pickle: bool | None = None):
     def make(core, delivery, collector, stats, cfg) -> SglangDialect:
         return SglangDialect(
             core, delivery, collector, stats,
-            ipc=ipc, vocab_size=core.size, http_workers=serving.tokenizer_worker_num > 1,
+            ipc=ipc, vocab_size=vocab.size, http_workers=serving.tokenizer_worker_num > 1,
             keep_stop_ids=frozenset(keep),
         )
 
@@ -135,7 +135,7 @@ def run_detokenizer_process(server_args, port_args, verdict=None) -> None:
             told = True
         cfg = config(port_args, vocab.name)
         take_reserved_path(cfg.input)
-        server = Server(cfg, vocab, dialect=dialect_factory(vocab))
+        server = Server(cfg, dialect_factory(vocab), vocab)
         log.info("detokd %s serves SGLang's detokenizer (schema %s, %s IPC)", __version__, schema.SCHEMA, server.dialect.ipc.name)
         server.run()
     except Exception as exc:

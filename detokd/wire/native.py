@@ -42,6 +42,7 @@ from ..core.records import (  # noqa: F401 (v1's rows and error words, re-export
 
 if TYPE_CHECKING:
     from ..collector import Collector
+    from ..config import Config
     from ..core.detokenizer import Detokenizer
     from ..delivery import Delivery
     from ..core.stats import Stats
@@ -180,6 +181,14 @@ class NativeDialect:
 
     encode_text = staticmethod(encode_text)
     encode_stopped = staticmethod(encode_stopped)
+
+    def stalled(self, worker: int, rows: list[OutRow]) -> list[OutRow]:
+        return self.core.stalled(worker, rows)  # every row of a message is the core's
+
+    @classmethod
+    def make(cls, core: Detokenizer, delivery: Delivery, collector: Collector, stats: Stats, cfg: Config) -> NativeDialect:
+        """The DialectFactory of `detokd serve`."""
+        return cls(core, delivery, collector, stats, debug_ops=cfg.debug_ops)
 
     def handle(self, frame: bytes) -> bool:
         """One inbound frame: decode it and do what it says. A frame that does not
