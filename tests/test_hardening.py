@@ -591,7 +591,8 @@ def _health_s(port: int) -> float | None:
 
 def _health_among(port: int, slow: SlowClients, samples: int = 20) -> list[float]:
     """/health round trips while the slow clients keep at it: the first within a generous
-    deadline, then `samples` more in a row, every one answered (the latencies, sorted)."""
+    deadline, then `samples` more in a row, every one answered, their median within
+    100 ms (the latencies, sorted)."""
     wait_until(lambda: all(slow.through), 60, "every slow client to get a connection through")
     times = [wait_until(lambda: _health_s(port), 15, "/health 200 among the slow clients", 0.05)]
     reconnects = slow.reconnects
@@ -600,6 +601,9 @@ def _health_among(port: int, slow: SlowClients, samples: int = 20) -> list[float
         times.append(_health_s(port))
     assert None not in times, times
     assert slow.reconnects > reconnects  # they went on meanwhile, and were cut off
+    # The issue's bound: /health within 100 ms while they hang on (the median: one round
+    # trip may meet the machine's other work).
+    assert statistics.median(times) < 0.1, times
     return sorted(times)
 
 
@@ -999,6 +1003,38 @@ def test_frames_queued_when_sigterm_comes_are_all_answered_exactly(detokd, zctx)
     assert {rid: w.text(rid) for rid in expected} == expected
     assert not any(w.errors(rid) for rid in expected)
     assert "stopping: 900 queued frame(s) answered (0 row(s) with shutdown)" in d.log()
+
+
+def test_after_sigterm_new_frames_are_not_taken_they_wait_with_their_sender_for_the_next_detokd(detokd, zctx):
+    """SIGTERM while frames are queued: detokd answers those, but takes no new frame. A
+    scheduler's connection is closed by the unbind, so a frame it sends then stays in its
+    own queue, and the next detokd bound at the address gets it, unanswered by this one."""
+    d = detokd(workers=1, debug_ops=True)
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    late = zctx.socket(zmq.PUSH)
+    late.setsockopt(zmq.LINGER, 0)
+    mon = late.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    mon.setsockopt(zmq.RCVTIMEO, 20000)
+    late.connect(d.input)
+    assert recv_monitor_message(mon)["event"] == zmq.EVENT_CONNECTED
+    rng = random.Random(20)
+    reqs = [Req(f"q{i}", make_ids(rng, 12)) for i in range(300)]
+    _queue_behind_a_stall(d, zctx, 2.0, [{"type": "tokens", "rows": [r.row(len(r.ids))]} for r in reqs])
+    d.proc.send_signal(signal.SIGTERM)
+    assert recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED  # the unbind, after the frame in hand
+    frame = enc({"type": "tokens", "rows": [Req("late", make_ids(rng, 5)).row(5)]})
+    late.send(frame)
+    assert _exit_code(d, 30) == 0
+    w.wait(lambda: all(w.ended(r.rid) for r in reqs), 20, "an answer for every queued request")
+    assert not w.rows("late")
+    nxt = zctx.socket(zmq.PULL)
+    nxt.setsockopt(zmq.RCVTIMEO, 20000)
+    nxt.bind(d.input)  # the next detokd's place
+    assert nxt.recv() == frame
+    late.disable_monitor()
+    mon.close(0)
+    nxt.close(0)
 
 
 def test_rows_queued_past_the_decoding_share_of_the_grace_get_shutdown_errors_never_silence(detokd, zctx):

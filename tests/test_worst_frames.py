@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from conftest import vocab
+from detokd.config import Config
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = {
@@ -61,6 +62,15 @@ def test_after_each_worst_frame_of_every_type_the_probe_is_exact_health_stays_ok
     # Each start's stop list is a distinct max_stop_chars: the frame's build budget takes so many.
     # An embeddings row within the caps is forwarded; the byte run's rows are all answered, "" each.
     assert by_name["embeddings_mass"]["answer"]["errors"] == {} and by_name["window_byte_run"]["answer"]["errors"] == {}
+    # The byte run, max_rows rows even at --quick: linear in it (a codec quadratic in the
+    # run took ~10 s for 6,000 rows, hours for these), and its text the oracle's.
+    run = by_name["window_byte_run"]
+    mistral = vocabs["mistral_v3"]
+    token = {t: i for i, t in enumerate(mistral.tokens) if t}
+    ids = [token[f"<0x{b:02X}>"] for b in "中".encode()] * ((run["frame"]["rows"] - 1) // 3)
+    ids += mistral.backend.encode(" end", add_special_tokens=False).ids[-1:]
+    assert run["answer"]["text_bytes"] == len(mistral.reference([], ids).encode())
+    assert run["answer_s"] < Config().health_timeout, run["answer_s"]
     distinct, caps = by_name["stop_distinct"], report["caps"]
     built = caps["max_frame_stop_chars"] // caps["max_stop_chars"]
     assert distinct["answer"]["errors"] == {"too_large": distinct["frame"]["rows"] - built}

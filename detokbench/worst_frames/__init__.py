@@ -29,10 +29,12 @@ few honest requests (their text checked against Vocab.reference):
                     them, beyond max_rows (a bad frame, refused from its length header)
 * embeddings_mass   max_rows embeddings rows with rids as long as the frame allows,
                     forwarded to the worker
-* register_huge     a register whose address fills the frame (refused: register is off)
-* control_huge      a control whose op fills the frame (an unknown op)
+* register_huge     a register whose address fills the frame (a bad frame: the address
+                    is past wire.native.MAX_ADDRESS)
+* control_huge      a control whose op fills the frame (a bad frame: past MAX_OP)
 * window_byte_run   codec = "window" on mistral_v3: max_rows one-id rows of one request,
-                    an open byte-fallback run ("中" as <0xE4><0xB8><0xAD>, never closed)
+                    an open byte-fallback run ("中" as <0xE4><0xB8><0xAD>), then a word
+                    that ends it and the request (max_rows at --quick too)
 
 Every message type is covered. abort, register and control have no answer: their
 "handled" time is the probe's.

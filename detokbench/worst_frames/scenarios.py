@@ -12,7 +12,7 @@ import msgspec
 
 from detokd.config import Config
 from detokd.tokenizer import Vocab
-from detokd.wire.native import Abort, Control, EmbeddingRow, Embeddings, Register, Row, Start, Tokens, encode
+from detokd.wire.native import Abort, Control, EmbeddingRow, Embeddings, Finish, Register, Row, Start, Tokens, encode
 
 CAPS = Config()  # the defaults every scenario runs at
 
@@ -173,10 +173,15 @@ def control_huge(scale: Scale, vocab: Vocab) -> Frame:
 
 
 def window_byte_run(scale: Scale, vocab: Vocab) -> Frame:
+    """max_rows rows at every scale (1.5 MB: its cost is in the rows, not the bytes, so
+    --quick catches a codec quadratic in the run), the last one a word that ends the run
+    and the request, so its final decode is measured too."""
     token = {t: i for i, t in enumerate(vocab.tokens) if t}
-    run = [token[f"<0x{b:02X}>"] for b in "中".encode()] * (scale.rows // 3)
+    run = [token[f"<0x{b:02X}>"] for b in "中".encode()] * ((CAPS.max_rows - 1) // 3)
+    word = vocab.backend.encode(" end", add_special_tokens=False).ids[-1:]
     rows = [Row("B-0", [i], seq=k, start=Start() if k == 0 else None) for k, i in enumerate(run)]
-    return Frame(tokens(rows), len(rows), len(rows), f"{len(rows)} one-id rows of one open byte run")
+    rows.append(Row("B-0", word, seq=len(run), finish=Finish("length")))
+    return Frame(tokens(rows), len(rows), len(rows), f"{len(run)} one-id rows of one open byte run, then a word")
 
 
 @dataclass(frozen=True)

@@ -69,13 +69,20 @@ class Abort(Struct, tag_field="type", tag="abort"):
     rids: list[str]
 
 
+# Peers' strings that are no rid: an address (a unix socket path is at most 107 bytes,
+# a tcp one a few dozen) and an op, bounded so a frame cannot make detokd log or keep
+# megabytes of them; longer ones fail to decode (a bad frame).
+MAX_ADDRESS = 1024
+MAX_OP = 256
+
+
 class Register(Struct, tag_field="type", tag="register"):
     worker: int
-    address: str
+    address: Annotated[str, Meta(max_length=MAX_ADDRESS)]
 
 
 class Control(Struct, tag_field="type", tag="control"):
-    op: str
+    op: Annotated[str, Meta(max_length=MAX_OP)]
 
 
 Inbound = Union[Tokens, Embeddings, Abort, Register, Control]
