@@ -346,7 +346,8 @@ def test_a_supervisor_port_that_cannot_work_is_one_line_and_exit_2(tmp_path: Pat
 
 # A shard that is its own executable file (so one shard's spawn can fail for real: the
 # test takes the file's execute bit away), records every SIGTERM it gets, and on the
-# first lingers 0.5 s (a second SIGTERM in that time is recorded too) before exiting 0.
+# first lingers 0.5 s (a second SIGTERM in that time is recorded too) before exiting 0,
+# which it records too.
 LINGERER = r"""
 import os, signal, sys, time
 d, i = sys.argv[1], sys.argv[2]
@@ -362,6 +363,7 @@ open(tmp, "w").write(str(os.getpid()))
 os.replace(tmp, os.path.join(d, "pid." + i))
 while not stopping or time.monotonic() < stopping[0] + 0.5:
     time.sleep(0.01)
+open(os.path.join(d, "lingered.%d" % os.getpid()), "w").close()  # the whole linger, then a clean exit
 sys.exit(0)
 """
 
@@ -415,3 +417,41 @@ def test_a_shard_that_cannot_be_spawned_backs_off_while_the_supervisor_and_its_s
     for pid in (pid0, new1):
         assert (tmp_path / f"terms.{pid}").read_text() == "TERM\n", f"shard pid {pid} got more or less than one SIGTERM"
         assert not alive(pid)
+
+
+# The supervisor of LINGERERs, whose argv for shard 1's restart raises: a failure of the
+# supervisor itself, not of a spawn.
+BROKEN_SUPERVISOR = EXEC_SUPERVISOR.replace(
+    "lambda i: [os.path.join(d, \"shard-%d\" % i), d, str(i)]", "argv"
+).replace("d = sys.argv[1]\n", """d = sys.argv[1]
+calls = []
+def argv(i):
+    calls.append(i)
+    if calls.count(1) > 1:
+        raise RuntimeError("no argv for shard 1's restart")
+    return [os.path.join(d, "shard-%d" % i), d, str(i)]
+""")
+
+
+def test_a_supervisor_that_fails_stops_each_shard_with_one_sigterm_and_its_linger(tmp_path: Path) -> None:
+    """The supervisor's own loop raises (here: building shard 1's restart): it stops its
+    shards as a signal would, one SIGTERM each and their whole linger, before it exits
+    1. Before, its exit left them to PR_SET_PDEATHSIG, once per exiting thread: a second
+    SIGTERM ~2 ms later, which a shard reads as "exit now, skip the linger"."""
+    assert BROKEN_SUPERVISOR != EXEC_SUPERVISOR and "def argv" in BROKEN_SUPERVISOR
+    for i in range(2):
+        exe = tmp_path / f"shard-{i}"
+        exe.write_text(f"#!{sys.executable}\n{LINGERER}")
+        exe.chmod(0o755)
+    sup = Supervised([sys.executable, "-c", BROKEN_SUPERVISOR, str(tmp_path)], tmp_path / "supervisor.log")
+    try:
+        sup.status_port()
+        pid0, pid1 = (_wait(lambda i=i: _pid(tmp_path, i), what=f"shard {i} pid") for i in range(2))
+        os.kill(pid1, signal.SIGKILL)
+        out, _ = sup.communicate(timeout=30)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert sup.returncode == 1 and "supervisor failed: stopping its shards" in out and "no argv for shard 1" in out, out
+    assert (tmp_path / f"terms.{pid0}").read_text() == "TERM\n"
+    assert (tmp_path / f"lingered.{pid0}").exists() and not alive(pid0)
