@@ -13,7 +13,10 @@ emitted, in SGLang's prompt context, with SGLang's trim rules) and SGLang's own 
 from __future__ import annotations
 
 import json
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import requests
@@ -27,8 +30,8 @@ from standin_scheduler import REPLIES
 CASES = [("qwen2", "pickle"), ("mistral_v3", "msgpack")]
 # Per case: SGLang's own detokenizer, detokd, and detokd as two processes behind SGLang's router.
 RUNS = [("sglang", 1), ("detokd", 1), ("detokd", 2)]
-# The first test starts all six servers (22 processes that import SGLang and torch, ~10 s
-# of CPU each): minutes on two cores, more than pytest's default per-test timeout.
+# The first test runs every case's servers (11 processes that import SGLang and torch,
+# ~10 s of CPU each, per case): minutes on two cores, past pytest's per-test timeout.
 pytestmark = pytest.mark.timeout(1800)
 
 
@@ -125,31 +128,66 @@ def oracle(name: str, rec: dict) -> str:
     return text
 
 
-@pytest.fixture(scope="module")
-def served(plugin_path, tmp_path_factory):  # noqa: F811
-    """Every (case, run) server, started together (SGLang's imports dominate start-up),
-    then the whole mix sent to each; {(name, enc, detokenizer, workers): (Frontend, answers)}."""
-    root = tmp_path_factory.mktemp("frontend")
-    fes = {}
+@dataclass
+class Served:
+    """One server's run, as the tests read it: the mix, what each client got, the
+    stand-in's records, and what the server did after (detokd's runs only)."""
+
+    mix: list[dict]
+    answers: dict[str, dict]
+    records: dict[str, dict]
+    titles: list[str]  # its detokenizer processes' titles (the router's not among them)
+    health: int | None = None  # /health after the mix (its hang-up included)
+    health_generate: int | None = None
+    exit_after_kill: int | None = None  # the server's exit status once a detokd process was killed
+
+
+def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, Served]:
+    """The case's servers (SGLang's own detokenizer, detokd, detokd as two processes),
+    started together (SGLang's imports dominate start-up), the whole mix sent to each at
+    once, what the tests check recorded, then every server closed. One case at a time:
+    the three servers are 11 processes of SGLang and torch, ~9 GB."""
+    model = model_folder(root, name)
+    fes = {(name, enc, det, workers): Frontend(model, detokenizer=det, encoding=enc, workers=workers,
+                                                plugin_path=plugin_path, log_dir=root)
+           for det, workers in RUNS}
     try:
-        for name, enc in CASES:
-            model = model_folder(root, name)
-            for det, workers in RUNS:
-                fes[name, enc, det, workers] = Frontend(model, detokenizer=det, encoding=enc, workers=workers,
-                                                        plugin_path=plugin_path, log_dir=root)
         for fe in fes.values():
             fe.wait_ready()
-        mixes = {key: requests_for(key[0]) for key in fes}
-        jobs = [(key, r) for key, mix in mixes.items() for r in mix]
-        with ThreadPoolExecutor(len(jobs)) as pool:  # every server's mix at once
+        mix = requests_for(name)
+        jobs = [(key, r) for key in fes for r in mix]
+        with ThreadPoolExecutor(len(jobs)) as pool:
             done = list(pool.map(lambda job: call(fes[job[0]], job[1]), jobs))
-        answers = {key: {} for key in fes}
-        for (key, r), answer in zip(jobs, done):
-            answers[key][r["rid"]] = answer
-        yield {key: (fe, mixes[key], answers[key]) for key, fe in fes.items()}
+        out = {}
+        for key, fe in fes.items():
+            answers = {r["rid"]: answer for (k, r), answer in zip(jobs, done) if k == key}
+            titles = [" ".join(p.cmdline()) for p in fe.detokenizer_processes()]
+            out[key] = Served(mix, answers, fe.records(), titles)
+        for key, fe in fes.items():
+            if key[2] != "detokd":
+                continue
+            run = out[key]
+            run.health = requests.get(fe.url + "/health", timeout=30).status_code
+            run.health_generate = requests.get(fe.url + "/health_generate", timeout=60).status_code
+            fe.detokenizer_processes()[0].kill()
+            try:
+                run.exit_after_kill = fe.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                pass  # still serving without its detokenizer: the test says so
+        return out
     finally:
         for fe in fes.values():
             fe.close()
+
+
+@pytest.fixture(scope="module")
+def served(plugin_path, tmp_path_factory):  # noqa: F811
+    """{(name, enc, detokenizer, workers): Served} of every case."""
+    root = tmp_path_factory.mktemp("frontend")
+    out = {}
+    for name, enc in CASES:
+        out.update(run_case(root, plugin_path, name, enc))
+    return out
 
 
 def keys(det: str):
@@ -158,12 +196,11 @@ def keys(det: str):
 
 @pytest.mark.parametrize("key", keys("detokd"), ids=lambda k: f"{k[0]}-{k[1]}-{k[3]}proc")
 def test_every_clients_text_is_the_oracles(served, key):
-    fe, mix, answers = served[key]
-    assert "(detokd)" in " ".join(" ".join(p.cmdline()) for p in fe.detokenizer_processes())
-    assert len(fe.detokenizer_processes()) == key[3]
-    records = fe.records()
-    wrong = {r["rid"]: (answers[r["rid"]]["text"], oracle(key[0], records[r["rid"]]))
-             for r in mix if r["api"] != "hangup" and answers[r["rid"]]["text"] != oracle(key[0], records[r["rid"]])}
+    run = served[key]
+    assert len(run.titles) == key[3] and all("(detokd)" in t for t in run.titles), run.titles
+    wrong = {r["rid"]: (run.answers[r["rid"]]["text"], oracle(key[0], run.records[r["rid"]]))
+             for r in run.mix
+             if r["api"] != "hangup" and run.answers[r["rid"]]["text"] != oracle(key[0], run.records[r["rid"]])}
     assert not wrong, wrong
 
 
@@ -173,31 +210,25 @@ def test_finish_reasons_usage_and_logprobs_are_sglangs_own(served, key):
     where SGLang's own is not the oracle's (docs/sglang.md: a stop string that began in
     sent text)."""
     name, enc = key[:2]
-    _, mix, mine = served[key]
-    sg_fe, _, theirs = served[name, enc, "sglang", 1]
-    records = sg_fe.records()
-    for r in mix:
+    mine, theirs = served[key], served[name, enc, "sglang", 1]
+    for r in mine.mix:
         if r["api"] == "hangup":
             continue
-        a, b = mine[r["rid"]], theirs[r["rid"]]
+        a, b = mine.answers[r["rid"]], theirs.answers[r["rid"]]
         assert (a["finish"], a["usage"], a.get("logprobs")) == (b["finish"], b["usage"], b.get("logprobs")), r
-        assert a["text"] == b["text"] or b["text"] != oracle(name, records[r["rid"]]), r
+        assert a["text"] == b["text"] or b["text"] != oracle(name, theirs.records[r["rid"]]), r
     # The forwarded fields were there to compare: logprobs reached the client.
-    assert all(mine[r["rid"]]["logprobs"] for r in mix if "logprobs" in r["params"])
+    assert all(mine.answers[r["rid"]]["logprobs"] for r in mine.mix if "logprobs" in r["params"])
 
 
 @pytest.mark.parametrize("key", keys("detokd"), ids=lambda k: f"{k[0]}-{k[1]}-{k[3]}proc")
 def test_a_client_hanging_up_aborts_its_request_and_the_server_stays_healthy(served, key):
-    fe, _, _ = served[key]
-    rec = fe.records().get("hangup")
+    run = served[key]
+    rec = run.records.get("hangup")
     assert rec is not None and rec["finish"]["type"] == "abort", rec
-    assert requests.get(fe.url + "/health", timeout=30).status_code == 200
-    assert requests.get(fe.url + "/health_generate", timeout=60).status_code == 200
+    assert (run.health, run.health_generate) == (200, 200)
 
 
 @pytest.mark.parametrize("key", keys("detokd"), ids=lambda k: f"{k[0]}-{k[1]}-{k[3]}proc")
 def test_killing_detokd_makes_sglangs_server_exit(served, key):
-    fe, _, _ = served[key]
-    fe.detokenizer_processes()[0].kill()
-    fe.proc.wait(120)
-    assert fe.proc.returncode is not None
+    assert served[key].exit_after_kill is not None
