@@ -12,10 +12,10 @@ import pytest
 import zmq
 
 from conftest import fast_codec, vocab
-from detokd.collector import Collector
 from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery
+from detokd.gc_policy import GcPolicy
 from detokd.core.stats import Stats
 from detokd.wire import native as P
 
@@ -96,7 +96,7 @@ def dialect():
     v = vocab("deepseek")
     core = Detokenizer(fast_codec("deepseek"), v.size, outbox, max_states=16, max_prompt_tail=8, stats=stats)
     delivery = Delivery(ctx, outbox, ["inproc://native-w0"], feedback=None, hwm=100, queue_bytes=1 << 20, linger_ms=0, stats=stats)
-    d = P.NativeDialect(core, delivery, Collector(stats), stats)
+    d = P.NativeDialect(core, delivery, GcPolicy(stats), stats)
     delivery.attach(d, lost=core.stalled, live=core.table.__contains__)
     yield d, pull
     delivery.close()

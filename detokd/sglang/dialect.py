@@ -30,9 +30,9 @@ from ..core.records import BAD_ROW, Finish, OutRow, Row, Start, StoppedRow
 from . import schema
 
 if TYPE_CHECKING:
-    from ..collector import Collector
     from ..core.detokenizer import Detokenizer
     from ..delivery import Delivery
+    from ..gc_policy import GcPolicy
     from ..core.stats import Stats
 
 log = logging.getLogger("detokd.sglang.dialect")
@@ -74,7 +74,7 @@ class SglangDialect:
         self,
         core: Detokenizer,
         delivery: Delivery,
-        collector: Collector,
+        gc_policy: GcPolicy,
         stats: Stats,
         *,
         ipc: schema.MsgpackCodec | schema.PickleCodec,
@@ -84,7 +84,7 @@ class SglangDialect:
     ) -> None:
         self.core = core
         self.delivery = delivery
-        self.collector = collector
+        self.gc_policy = gc_policy
         self.stats = stats
         self.ipc = ipc
         self.size = vocab_size
@@ -117,7 +117,7 @@ class SglangDialect:
         elif kind == "BatchEmbeddingOutput":
             self.embeddings(msg, frame)
         elif kind == "FreezeGCReq":
-            self.collector.freeze()
+            self.gc_policy.freeze()
         elif kind == "ConfigureLoggingReq":
             if msg.log_level is not None:
                 logging.getLogger().setLevel(msg.log_level.upper())

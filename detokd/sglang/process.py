@@ -102,9 +102,9 @@ def dialect_factory(vocab, use_pickle: bool | None = None):
     log.info("detokd's settings from SGLang: tool_call_parser=%r (stop ids kept %s), HTTP workers %d, %s IPC",
              parser, sorted(keep), serving.tokenizer_worker_num, ipc.name)
 
-    def make(core, delivery, collector, stats, cfg) -> SglangDialect:
+    def make(core, delivery, gc_policy, stats, cfg) -> SglangDialect:
         return SglangDialect(
-            core, delivery, collector, stats,
+            core, delivery, gc_policy, stats,
             ipc=ipc, vocab_size=vocab.size, http_workers=serving.tokenizer_worker_num > 1,
             keep_stop_ids=frozenset(keep),
         )
