@@ -386,7 +386,7 @@ class Server:
         core = self.core
         self.stats.live = len(core.table)
         self.stats.memory = {
-            "tombstones": (len(core.dead), core.dead.nbytes),
+            "tombstones": (len(core.tombstones), core.tombstones.nbytes),
             "stop_automata": (len(core.automata.cache), core.automata.cache.nbytes),
             "stop_automata_alive": (core.automata.alive, core.automata.alive_bytes),
         }

@@ -87,7 +87,7 @@ class SglangDialect:
         self.gc_policy = gc_policy
         self.stats = stats
         self.ipc = ipc
-        self.size = vocab_size
+        self.vocab_size = vocab_size
         self.http_workers = http_workers  # tokenizer_worker_num > 1: route rows by http_worker_ipcs
         self.keep_stop_ids = keep_stop_ids  # stop tokens SGLang never trims (tool-call closers)
         self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
@@ -142,7 +142,7 @@ class SglangDialect:
         except Exception as exc:
             self._unreadable(batch, exc)
             return
-        self.core.tokens(rows, frame_bytes)
+        self.core.tokens(rows, ids_at_most=frame_bytes)
 
     def _answering(self, batch: Any) -> None:
         self.batch, self.blank, self.cause, self.texts = batch, None, None, None
@@ -182,8 +182,8 @@ class SglangDialect:
     def _row(self, batch: Any, i: int, rid: str, ids: list[int], worker: int) -> Row:
         """Row i of the batch as the core's row: a live request's next ids, or the start
         of a new one (its ids begin with the prompt context)."""
-        size = self.size
-        if ids and (max(ids) >= size or min(ids) < 0):
+        vocab_size = self.vocab_size
+        if ids and (max(ids) >= vocab_size or min(ids) < 0):
             ids = self._clamp(ids)
         finish = None
         reason = batch.finished_reasons[i]
@@ -238,7 +238,7 @@ class SglangDialect:
             rid = rids[i]
             if reasons[i] is None:
                 if start:  # a start may evict a request of a later row: the core goes first
-                    core.tokens(pending, 0)
+                    core.tokens(pending, ids_at_most=0)
                     pending, start = [], False
                 text = quick_text(rid, ids)
                 if text is not None:
@@ -248,7 +248,7 @@ class SglangDialect:
             pending.append(row)
             start = start or row.start is not None
         if pending:
-            core.tokens(pending, 0)  # 0: takes_whole checked the frame's id budget
+            core.tokens(pending, ids_at_most=0)  # 0: takes_whole checked the frame's id budget
         self.texts, self.quick_batch = texts, batch
 
     def _finish(self, reason: dict | None, ids: list[int], no_stop_trim: bool) -> tuple[Finish | None, bool]:
@@ -268,8 +268,8 @@ class SglangDialect:
     def _clamp(self, ids: list[int]) -> list[int]:
         """SGLang decodes an id outside the vocabulary as id 0 (multimodal placeholders);
         so does detokd, counted."""
-        size = self.size
-        out = [i if 0 <= i < size else 0 for i in ids]
+        vocab_size = self.vocab_size
+        out = [i if 0 <= i < vocab_size else 0 for i in ids]
         self.stats.clamped_ids += sum(1 for a, b in zip(ids, out) if a != b)
         return out
 
