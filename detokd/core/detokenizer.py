@@ -121,7 +121,7 @@ class Detokenizer:
         for row in rows:
             rid = row.rid
             request = get(rid)
-            if (request is None or request.slow or row.start is not None or row.finish is not None
+            if (request is None or request.needs_feed or row.start is not None or row.finish is not None
                     or len(row.meta) > max_meta):
                 self._guarded(row)
                 continue
@@ -136,8 +136,8 @@ class Detokenizer:
                 if not 0 <= i < vocab_size:
                     self._guarded(row)
                     continue
-                quick = request.decoder.quick
-                text = quick[i] if quick is not None else None
+                settled = request.decoder.settled_text
+                text = settled[i] if settled is not None else None
             elif n and (n > max_ids or max(ids) >= vocab_size or min(ids) < 0):
                 self._guarded(row)
                 continue
@@ -180,26 +180,27 @@ class Detokenizer:
 
     def takes_whole(self, rows: int, ids: int) -> bool:
         """Whether a frame of this many rows and ids is within the frame caps, and the
-        core decodes (not stopping): then `quick_text` may answer its rows."""
+        core decodes (not stopping): then `settled_text` may answer its rows."""
         return not self.closing and rows <= self.limits.rows and ids <= self.limits.frame_ids
 
-    def quick_text(self, rid: str, ids: list[int]) -> str | None:
+    def settled_text(self, rid: str, ids: list[int]) -> str | None:
         """The fast path of `tokens` for a dialect that answers rows itself: the text of a
         live plain streaming request's next ids (not finishing) when its decoder renders
-        each of them without a change of state, its state advanced as that row's would
-        be; None when the row must go through `tokens` (in order with the others)."""
+        each of them without a change of state (the decoder's `settled_text` table), its
+        state advanced as that row's would be; None when the row must go through `tokens`
+        (in order with the others)."""
         request = self.table.states.get(rid)
-        if request is None or request.slow:
+        if request is None or request.needs_feed:
             return None
-        quick = request.decoder.quick
-        if quick is None or not ids:
+        settled = request.decoder.settled_text
+        if settled is None or not ids:
             return None
         vocab_size = self.vocab_size
         if len(ids) == 1:
             i = ids[0]
-            text = quick[i] if 0 <= i < vocab_size else None
+            text = settled[i] if 0 <= i < vocab_size else None
         elif len(ids) <= self.limits.row_ids and min(ids) >= 0 and max(ids) < vocab_size:
-            parts = [quick[i] for i in ids]
+            parts = [settled[i] for i in ids]
             text = None if None in parts else "".join(parts)
         else:
             return None

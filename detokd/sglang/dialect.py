@@ -210,10 +210,10 @@ class SglangDialect:
     # --- the quick path ---------------------------------------------------------------
     #
     # Most rows of a step are a live streaming request's next ids, which the core can
-    # answer at once (Detokenizer.quick_text, its own fast path). Those rows skip the
+    # answer at once (Detokenizer.settled_text, its own fast path). Those rows skip the
     # core's Row and OutRow and the batch position's round trip: their text goes straight
     # into the batch's output_strs. Every other row (a start, a finish, an id outside the
-    # vocabulary or without a quick text) goes to the core as before, in order, once the
+    # vocabulary or without a settled text) goes to the core as before, in order, once the
     # batch is read; only a start can change another row's request (it may evict one),
     # so the rows gathered up to a start go to the core before the next quick row. (A
     # batch naming a rid twice: a later quick row cannot overtake an earlier row of its
@@ -227,7 +227,7 @@ class SglangDialect:
 
     def _quick(self, batch: Any, id_rows: list[list[int]]) -> None:
         core = self.core
-        quick_text = core.quick_text
+        settled_text = core.settled_text
         rids = batch.rids
         reasons = batch.finished_reasons
         position_meta(len(rids))
@@ -240,7 +240,7 @@ class SglangDialect:
                 if start:  # a start may evict a request of a later row: the core goes first
                     core.tokens(pending, ids_at_most=0)
                     pending, start = [], False
-                text = quick_text(rid, ids)
+                text = settled_text(rid, ids)
                 if text is not None:
                     texts[i] = text
                     continue
