@@ -38,7 +38,7 @@ from .wire.dialect import Dialect, DialectFactory
 log = logging.getLogger("detokd.server")
 
 POLL_MS = 100  # the loop turns at least this often, so /health sees it alive when idle
-MAX_FRAMES_PER_TURN = 256  # then settle owed rows and refresh metrics before reading on
+MAX_FRAMES_PER_TURN = 256  # then send owed rows and refresh metrics before reading on
 RSS_EVERY = 0.1  # seconds between two reads of the resident size, at most
 PAGE = os.sysconf("SC_PAGE_SIZE")
 EXIT_GRACE = 3  # the exit status when the shutdown grace ran out, or a second signal came
@@ -377,7 +377,7 @@ class Server:
         # Connections that broke fail what was in flight on them; error rows owed to
         # workers (a full queue, a broken connection) go out once they have room.
         self.delivery.watch_connections()
-        self.delivery.settle()
+        self.delivery.send_owed()
         self._publish_stats()
 
     def _publish_stats(self) -> None:

@@ -102,7 +102,7 @@ def test_each_worker_gets_one_message_per_batch_with_its_rows_in_order(rig) -> N
     assert [(w.sent, w.dropped) for w in r.delivery.workers.values()] == [(2, 0), (1, 0)]
 
 
-def test_a_full_queue_loses_only_that_workers_message_and_settle_sends_what_it_is_owed(rig) -> None:
+def test_a_full_queue_loses_only_that_workers_message_and_send_owed_sends_what_it_is_owed(rig) -> None:
     # A worker's queue is ZMQ's (hwm messages) and behind it a backlog bounded in bytes.
     r = rig(hwm=4, queue_bytes=1000)
     r.bind(1)  # worker 0 is bound by nobody: its queue fills
@@ -122,17 +122,17 @@ def test_a_full_queue_loses_only_that_workers_message_and_settle_sends_what_it_i
     assert r.delivery.workers[1].dropped == 0 and not r.delivery.workers[1].backlog
     assert lost not in r.core.table and r.stats.errors[P.WORKER_STALLED] == 1
     r.delivery.flush()
-    r.delivery.settle()  # still no room: still owed
+    r.delivery.send_owed()  # still no room: still owed
     assert set(w0.owed) == {lost}
     r.bind(0)
     wait_until(lambda: r.drained(0), 5, "worker 0's backlog to drain")
     queued = r.messages(0, steps - 1)
     assert [m[0].rid for m in queued] == [f"a{i}" for i in range(1, steps)]  # in order, ZMQ's then the backlog's
     wait_until(lambda: r.delivery.has_room(w0), 5, "room in worker 0's queue")
-    r.delivery.settle()
+    r.delivery.send_owed()
     (owed,) = r.messages(0, 1)
     assert [(x.rid, x.error) for x in owed] == [(lost, P.WORKER_STALLED)]
-    r.delivery.settle()  # sent once
+    r.delivery.send_owed()  # sent once
     assert not r.pulls[0].poll(50) and not w0.owed and w0.backlog_bytes == 0
 
 

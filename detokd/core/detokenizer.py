@@ -176,7 +176,7 @@ class Detokenizer:
     def answer_batch(self, worker: int) -> None:
         """This batch owes `worker` a message even with no rows (an engine that waits on
         an answer to every batch: SGLang's health check sends an empty one)."""
-        self.outbox.expect(worker)
+        self.outbox.answer_batch(worker)
 
     def takes_whole(self, rows: int, ids: int) -> bool:
         """Whether a frame of this many rows and ids is within the frame caps, and the
@@ -309,7 +309,7 @@ class Detokenizer:
                 return None
             self.stop_chars_left -= built
             stops = StopScanner(self.automata.get(start.stop), start.no_stop_trim)
-        request = Request(start.worker, self.outbox.to(start.worker), start, decoder, stops)
+        request = Request(start.worker, self.outbox.rows_of(start.worker), start, decoder, stops)
         for old_rid, old in self.table.put(rid, request):
             self.stats.evictions += 1
             if old.stopped:  # finished from the worker's view; only the engine's row was pending

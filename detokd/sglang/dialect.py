@@ -284,7 +284,7 @@ class SglangDialect:
         # SGLang's scheduler names the HTTP worker of each row, as its own detokenizer
         # trusts it to: a destination of the engine's, not a peer's `register`.
         w = len(self.delivery.workers)
-        if not self.delivery.place(w, ipc):
+        if not self.delivery.connect_worker(w, ipc):
             return None
         self.worker_of[ipc] = w
         return w
