@@ -210,7 +210,7 @@ def test_emitted_text_is_never_taken_back(name: str, kind: str) -> None:
 
 @pytest.mark.parametrize("name,kind", [(n, "fast") for n in ALL] + [(n, "word") for n in BYTE_LEVEL + SENTENCEPIECE])
 def test_the_settled_text_lookup_gives_what_step_would(name: str, kind: str) -> None:
-    """The service's fast path reads `decoder.settled_text[i]` for a one-id row instead of
+    """The core's fast path reads `decoder.settled_text[i]` for a one-id row instead of
     calling step: it must give the same text and leave the stream unchanged."""
 
     def prop(v, codec, case: Case) -> None:
