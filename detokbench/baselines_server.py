@@ -24,7 +24,7 @@ from typing import Iterable
 
 import zmq
 
-from detokd.wire import native as protocol
+from detokd.wire import native
 from detokd.wire.native import Abort, Control, Embeddings, OutRow, Register, Text, Tokens
 
 from .baselines import ALGOS, FloorStream, Stream, Tok
@@ -81,15 +81,15 @@ class Server:
             if sock is None:
                 log.warning("no address for worker %d: %d rows dropped", w, len(rows))
                 continue
-            sock.send(protocol.encode(Text(rows)))
+            sock.send(native.encode(Text(rows)))
 
     def serve(self) -> None:
-        decode_inbound = protocol.decode_inbound
+        decode_inbound = native.decode_inbound
         while True:
             frame = self.pull.recv()
             try:
                 msg = decode_inbound(frame)
-            except protocol.DecodeError as e:
+            except native.DecodeError as e:
                 log.warning("undecodable message: %s", e)
                 continue
             if type(msg) is Tokens:
@@ -120,7 +120,7 @@ class Server:
             else:
                 st = states.get(rid)
                 if st is None:
-                    err = OutRow(rid, "", row.finish, 0, row.meta, protocol.UNKNOWN_RID)
+                    err = OutRow(rid, "", row.finish, 0, row.meta, native.UNKNOWN_RID)
                     for w in self.pushes:
                         out.setdefault(w, []).append(err)
                     continue
@@ -169,7 +169,7 @@ class Server:
             by.setdefault(r.worker, []).append(r)
         for w, rows in by.items():
             if w in self.pushes:
-                self.pushes[w].send(protocol.encode(Embeddings(rows)))
+                self.pushes[w].send(native.encode(Embeddings(rows)))
 
 
 def main(argv: Iterable[str]) -> int:

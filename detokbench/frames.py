@@ -75,7 +75,7 @@ class Hostile:
 
     def __init__(self, rng: random.Random, vocab_size: int) -> None:
         self.rng = rng
-        self.size = vocab_size
+        self.vocab_size = vocab_size
         self.n = 0
         self.counts: collections.Counter = collections.Counter()
         self.big_left = 6  # the expensive ones (hundreds of thousands of rows), a few times
@@ -197,7 +197,7 @@ class Hostile:
 
     # --- schema-valid, hostile values: error rows, not bad frames
     def bad_ids(self):
-        bad = self.rng.choice([-1, -(2**63), 2**64 - 1, 2**63, self.size, self.size + 1, 2**32])
+        bad = self.rng.choice([-1, -(2**63), 2**64 - 1, 2**63, self.vocab_size, self.vocab_size + 1, 2**32])
         row = {"rid": self.rid(), "ids": [5, bad, 7], "start": {"worker": self.rng.randrange(2)}}
         if self.rng.random() < 0.3:
             row["start"]["prompt_tail"] = [bad]

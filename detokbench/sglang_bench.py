@@ -12,8 +12,9 @@
   HIGHEST_PROTOCOL, or io_struct.msgpack_encode) - all before any timing. One built stream
   is sent to both processes.
 * The processes: both started as SGLang's Engine starts its detokenizer
-  (sglang_replay.DetokenizerProcess: spawn, run_detokenizer_process(server_args, port_args)):
-  "sglang" = sglang.srt.managers.detokenizer_manager's, "detokd" = detokd.sglang.process's.
+  (sglang_replay.SglangDetokenizerUnderTest: spawn, target(server_args, port_args)):
+  "sglang" = sglang.srt.managers.detokenizer_manager.run_detokenizer_process,
+  "detokd" = detokd.sglang.process.run_sglang_detokenizer.
   Each is warmed up with a short stream of the same batch size first.
 * Two modes per pass over the whole stream:
   latency    - send step k only after step k-1's BatchStrOutput arrived; a step's latency
@@ -52,13 +53,15 @@ import time
 from pathlib import Path
 
 from detokd import zoo
-from detokd.sglang.process import run_detokenizer_process as detokd_target
+from detokd.sglang.process import run_sglang_detokenizer as detokd_target
 from detokd.tokenizer import load
 
 from . import ROOT
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
-from .sglang_replay import DetokenizerProcess, Scripted, accumulate, build_stream, freeze_gc_req, ipc_encoding
+from .sglang_replay import (
+    Scripted, SglangDetokenizerUnderTest, accumulate, build_stream, freeze_gc_req, ipc_encoding,
+)
 
 TARGETS = {"sglang": None, "detokd": detokd_target}
 PROMPT = 5  # prompt ids per request: SGLang's incremental-detokenization context
@@ -123,7 +126,7 @@ class Hung(RuntimeError):
     pass
 
 
-def run_pass(proc: DetokenizerProcess, stream: Stream, window: int) -> dict:
+def run_pass(proc: SglangDetokenizerUnderTest, stream: Stream, window: int) -> dict:
     """Send the whole stream with at most `window` steps unanswered; time every step."""
     push, pull = proc._push, proc._pulls[0]
     pid = proc.process.pid
@@ -380,7 +383,8 @@ def main(argv: list[str]) -> int:
     vocab = load(TOKENIZER)
     ids = vocab.hf.encode(corpus(), add_special_tokens=False)
     folder = zoo.build(TOKENIZER)
-    procs = {enc: {name: DetokenizerProcess(folder, encoding=enc, target=fn).start() for name, fn in TARGETS.items()}
+    procs = {enc: {name: SglangDetokenizerUnderTest(folder, encoding=enc, target=fn).start()
+                   for name, fn in TARGETS.items()}
              for enc in args.encodings}
     results, raw, failure = [], [], None
     try:

@@ -7,9 +7,10 @@ Three pieces, each usable alone by the SGLang tests and `detokbench sglang-bench
 - `build_stream`: the per-step `BatchTokenIDOutput` messages, made by SGLang's own
   scheduler-side builder (`Req` + `_GenerationStreamAccumulator` of
   scheduler_components/output_streamer.py), not by a re-implementation of it.
-- `DetokenizerProcess`: a detokenizer started the way SGLang's Engine starts it (spawn,
-  `target(server_args, port_args)`), fed by a fake scheduler (PUSH, SGLang's `sock_send`)
-  and drained by fake TokenizerManagers (PULL, SGLang's `sock_recv`).
+- `SglangDetokenizerUnderTest`: a detokenizer (SGLang's or detokd's) started the way
+  SGLang's Engine starts it (spawn, `target(server_args, port_args)`), fed by a fake
+  scheduler (PUSH, SGLang's `sock_send`) and drained by fake TokenizerManagers (PULL,
+  SGLang's `sock_recv`).
 
 SGLang picks its IPC encoding once, at import of io_struct, from SGLANG_USE_PICKLE_IPC.
 A test process needs both encodings, so `ipc_encoding` sets the module flag and the
@@ -436,9 +437,10 @@ class DetokenizerDied(RuntimeError):
     """The detokenizer process exited, or signalled its parent (SIGQUIT) that it failed."""
 
 
-class DetokenizerProcess:
-    """A detokenizer process on fresh ipc addresses, with a fake scheduler and fake
-    TokenizerManager(s) around it. Use as a context manager; close() always reaps it."""
+class SglangDetokenizerUnderTest:
+    """A detokenizer process (`target`, SGLang's own by default) on fresh ipc addresses,
+    with a fake scheduler and fake TokenizerManager(s) around it. Use as a context
+    manager; close() always reaps it."""
 
     def __init__(
         self,
@@ -468,7 +470,7 @@ class DetokenizerProcess:
 
     # lifecycle
 
-    def start(self) -> "DetokenizerProcess":
+    def start(self) -> "SglangDetokenizerUnderTest":
         """Spawn the process (returns at once; the first exchange waits for it)."""
         import multiprocessing as mp
 
@@ -556,7 +558,7 @@ class DetokenizerProcess:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
 
-    def __enter__(self) -> "DetokenizerProcess":
+    def __enter__(self) -> "SglangDetokenizerUnderTest":
         return self if self.process is not None else self.start()
 
     def __exit__(self, *exc) -> None:

@@ -7,7 +7,7 @@ a worker that stops reading fills its own queue and only its requests fail
 (`worker_stalled`), while every other worker is served as before (SGLang #29366
 fanned out one message per request and stalled everyone behind one slow peer). The
 whole stall policy is `deliver`: a lost message's requests are failed by the core,
-and the worker is owed their error rows, sent by `settle` once its queue has room.
+and the worker is owed their error rows, sent by `send_owed` once its queue has room.
 
 A worker's queue is ZMQ's (`send_hwm` messages, kept short, and only while the worker
 is connected: ZMQ_IMMEDIATE) and, behind it, a backlog here (`send_queue_bytes`). ZMQ
@@ -186,7 +186,7 @@ class Delivery:
         self.feedback: Worker | None = None  # the scheduler's `stopped` messages, queued as a worker's
         try:
             for i, address in enumerate(workers):
-                if not self.place(i, address):
+                if not self.connect_worker(i, address):
                     raise ValueError(f"cannot connect to worker {i} at {address}")
             if feedback:
                 sock, _ = self._connect(feedback, curve.feedback if curve else None)
@@ -214,7 +214,7 @@ class Delivery:
             return False
         new = index not in self.workers
         changed = new or self.workers[index].address != address
-        if not self.place(index, address):
+        if not self.connect_worker(index, address):
             return False
         if new:
             self.added += 1
@@ -222,7 +222,7 @@ class Delivery:
             self.stats.register_changes += 1
         return True
 
-    def place(self, index: int, address: str) -> bool:
+    def connect_worker(self, index: int, address: str) -> bool:
         """Add worker `index`, or move it to a new address (it rebound elsewhere): for
         destinations detokd trusts (the config's workers, the ones a dialect derives from
         its engine's own messages); a peer's `register` goes through `register`.
@@ -292,7 +292,7 @@ class Delivery:
         w.in_flight_bytes = 0
         w.disconnects += 1
         if rows and self.lost is not None:
-            self._owe(w, self.lost(w.index, rows))
+            self._keep_owed(w, self.lost(w.index, rows))
         log.warning("worker %d %s: %d request(s) with rows in flight failed (worker_stalled)", w.index, how, len(rows))
 
     def _close_socket(self, w: Worker, linger: int) -> None:
@@ -423,17 +423,17 @@ class Delivery:
         for index, rows in self.outbox.take():
             if not self._send_frames(index, encoder.encode_text(rows), rows):
                 log.warning("worker %d's queue is full: %d rows lost, their requests failed", index, len(rows))
-                self._owe(self.workers[index], self.lost(index, rows))
+                self._keep_owed(self.workers[index], self.lost(index, rows))
         stopped = self.outbox.take_stopped()
         if stopped and self.feedback is not None and not self._queue(self.feedback, encoder.encode_stopped(stopped), []):
             self.stats.feedback_dropped += len(stopped)
             log.warning("feedback queue full: %d stopped rows lost (the scheduler generates until its own stop)", len(stopped))
 
-    def _owe(self, w: Worker, rows: list[OutRow]) -> None:
+    def _keep_owed(self, w: Worker, rows: list[OutRow]) -> None:
         for row in rows:
             w.owed.put(row.rid, row)
 
-    def settle(self) -> None:
+    def send_owed(self) -> None:
         """Send owed error rows to each worker whose queue has room, but for rids that
         began a new request since."""
         for w in self.workers.values():

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from .http import Endpoint, Reply
 
-__all__ = ["derive_address", "run_shards", "die_with_parent", "Shard", "StatusServer"]
+__all__ = ["derive_address", "supervise_shards", "die_with_parent", "Shard", "StatusServer"]
 
 log = logging.getLogger("detokd.launch")
 
@@ -96,7 +96,7 @@ class Shard:
         }
 
 
-def run_shards(
+def supervise_shards(
     argv_for_shard: Callable[[int], list[str]],
     n: int,
     *,

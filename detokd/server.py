@@ -22,7 +22,6 @@ from typing import NoReturn
 import zmq
 
 from . import logs, readiness, sockets
-from .collector import Collector
 from .config import Config, ConfigError, check
 from .core.decoder import make_codec
 from .core.detokenizer import Detokenizer
@@ -30,6 +29,7 @@ from .core.outbox import Outbox
 from .core.records import INTERNAL, SHUTDOWN
 from .core.stats import Stats
 from .delivery import Delivery, RegisterPolicy
+from .gc_policy import GcPolicy
 from .logs import RateLimitFilter
 from .metrics import MetricsServer
 from .tokenizer import Vocab, load
@@ -38,7 +38,7 @@ from .wire.dialect import Dialect, DialectFactory
 log = logging.getLogger("detokd.server")
 
 POLL_MS = 100  # the loop turns at least this often, so /health sees it alive when idle
-MAX_FRAMES_PER_TURN = 256  # then settle owed rows and refresh metrics before reading on
+MAX_FRAMES_PER_TURN = 256  # then send owed rows and refresh metrics before reading on
 RSS_EVERY = 0.1  # seconds between two reads of the resident size, at most
 PAGE = os.sysconf("SC_PAGE_SIZE")
 EXIT_GRACE = 3  # the exit status when the shutdown grace ran out, or a second signal came
@@ -145,8 +145,8 @@ class Server:
             self.codec, self.vocab.size, self.outbox,
             max_states=cfg.max_states, max_prompt_tail=cfg.max_prompt_tail, stats=self.stats, limits=cfg.limits(),
         )
-        self.collector = Collector(self.stats)
-        self.dialect: Dialect = dialect(self.core, self.delivery, self.collector, self.stats, cfg)
+        self.gc_policy = GcPolicy(self.stats)
+        self.dialect: Dialect = dialect(self.core, self.delivery, self.gc_policy, self.stats, cfg)
         self.delivery.attach(self.dialect, lost=self.dialect.stalled, live=self.core.table.__contains__)
         self._limit_log_rates()
         self.stop_requested_at: float | None = None  # when the first SIGTERM/SIGINT came
@@ -246,7 +246,7 @@ class Server:
     def run(self) -> int:
         watch = GraceWatch(self.cfg.shutdown_grace_s)  # first: every handled signal reaches it
         old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        self.collector.start()
+        self.gc_policy.start()
         stats = self.stats
         stats.ready = True
         log.info("serving: input %s, %d worker(s), %s dialect", self.bound, len(self.delivery.workers), self.dialect.name)
@@ -292,7 +292,7 @@ class Server:
                 if empty and drain_until is not None:
                     break
         finally:
-            self.collector.stop()
+            self.gc_policy.stop()
             readiness.notify("STOPPING=1")
             log.info(
                 "stopping: %d queued frame(s) answered (%d row(s) with shutdown); sends get up to %d ms to leave",
@@ -373,11 +373,11 @@ class Server:
         logs.report_suppressed()  # security events are limited in rate, never lost without a count
         if self.max_rss is not None:
             self._guard_rss(now)
-        self.collector.tick(now)  # the young generations, once a second
+        self.gc_policy.tick(now)  # the young generations, once a second
         # Connections that broke fail what was in flight on them; error rows owed to
         # workers (a full queue, a broken connection) go out once they have room.
         self.delivery.watch_connections()
-        self.delivery.settle()
+        self.delivery.send_owed()
         self._publish_stats()
 
     def _publish_stats(self) -> None:
@@ -386,7 +386,7 @@ class Server:
         core = self.core
         self.stats.live = len(core.table)
         self.stats.memory = {
-            "tombstones": (len(core.dead), core.dead.nbytes),
+            "tombstones": (len(core.tombstones), core.tombstones.nbytes),
             "stop_automata": (len(core.automata.cache), core.automata.cache.nbytes),
             "stop_automata_alive": (core.automata.alive, core.automata.alive_bytes),
         }

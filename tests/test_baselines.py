@@ -98,7 +98,7 @@ def test_bench_frames_are_protocol_messages(tok):
     """The benchmark's pre-encoded frames, filled in for a step, decode as PROTOCOL.md
     `tokens` messages with that step's seq and meta in every row."""
     from detokd.client import shard_for
-    from detokd.wire import native as protocol
+    from detokd.wire import native
 
     corp = workload.Corpus(str(tok.dir))
     wl = workload.Workload(corp, 20, 4, "t")
@@ -106,14 +106,14 @@ def test_bench_frames_are_protocol_messages(tok):
     for k, step in ((0, fr["start"]), (5, fr["cyc"][5]), (9, fr["finish"])):
         rows = []
         for shard, template in step:
-            msg = protocol.decode_inbound(template.fill(*workload.step_values(k * 4, (k, 123))))
-            assert isinstance(msg, protocol.Tokens)
+            msg = native.decode_inbound(template.fill(*workload.step_values(k * 4, (k, 123))))
+            assert isinstance(msg, native.Tokens)
             assert {shard_for(r.rid, 2) for r in msg.rows} == {shard}
             rows += msg.rows
         assert sorted(r.rid for r in rows) == sorted(wl.rids)
         for r in rows:
             i = wl.rids.index(r.rid)
-            assert r.seq == k * 4 and bytes(r.meta) == protocol.encode((k, 123))
+            assert r.seq == k * 4 and bytes(r.meta) == native.encode((k, 123))
             assert (r.start is not None) == (k == 0) and (r.finish is not None) == (k == 9)
             if k == 0:
                 assert r.start.prompt_tail == corp.tail(wl.offsets[i])

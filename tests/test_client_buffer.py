@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from detokd.client.buffer import Buffer, ends
-from detokd.wire import native as P
+from detokd.wire import native
 from utils import out_row
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,11 +51,11 @@ def test_a_negative_bound_is_refused() -> None:
 def test_an_error_row_for_a_rid_never_seen_is_ignored_not_buffered() -> None:
     """detokd sends errors for rids it cannot place to every worker."""
     b = Buffer(4)
-    b.offer(out_row("theirs", error=P.UNKNOWN_RID))
+    b.offer(out_row("theirs", error=native.UNKNOWN_RID))
     assert len(b) == 0 and b.ignored_errors == 1
     b.offer(out_row("mine", "t", 1))
-    b.offer(out_row("mine", error=P.EVICTED))  # a buffered rid's error waits for its reader
-    assert [r.error for r in b.claim("mine")] == [None, P.EVICTED] and b.ignored_errors == 1
+    b.offer(out_row("mine", error=native.EVICTED))  # a buffered rid's error waits for its reader
+    assert [r.error for r in b.claim("mine")] == [None, native.EVICTED] and b.ignored_errors == 1
 
 
 def test_an_abandoned_rid_drops_its_rows_until_its_end_then_is_buffered_anew() -> None:
@@ -99,8 +99,8 @@ def test_the_abandoned_memory_is_bounded_too() -> None:
 
 
 def test_what_ends_a_request() -> None:
-    assert ends(out_row("r", finish="stop")) and ends(out_row("r", error=P.EVICTED))
-    assert ends(P.EmbeddingRow("r")) and not ends(out_row("r", "text", 1))
+    assert ends(out_row("r", finish="stop")) and ends(out_row("r", error=native.EVICTED))
+    assert ends(native.EmbeddingRow("r")) and not ends(out_row("r", "text", 1))
 
 
 def test_the_policy_runs_where_zmq_cannot_even_be_imported() -> None:

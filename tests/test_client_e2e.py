@@ -13,7 +13,7 @@ from pathlib import Path
 from conftest import oracle, vocab
 from detokd.client import SchedulerClient, WorkerClient, shard_for
 from detokd.launch import derive_address
-from detokd.wire import native as P
+from detokd.wire import native
 from utils import arun
 
 CORPUS = [
@@ -49,7 +49,7 @@ def test_many_requests_over_three_workers_one_registered_late_are_exact(detokd, 
         prompt = encode(rng.choice(CORPUS))
         tail = prompt[-rng.randint(0, 8):] if rng.random() < 0.8 else []
         stop_token = rng.random() < 0.5
-        finish = P.Finish("stop", eos) if stop_token else P.Finish("length")
+        finish = native.Finish("stop", eos) if stop_token else native.Finish("length")
         if stop_token:
             ids.append(eos)
         skip = rng.random() < 0.7
@@ -114,7 +114,7 @@ def test_with_two_shards_rids_spread_over_the_derived_inputs_and_text_is_exact(d
                 sched.begin(rid, ids[:3])
             sched.flush()
             for rid, ids in reqs.items():
-                sched.add(rid, ids[3:], finish=P.Finish("length"))
+                sched.add(rid, ids[3:], finish=native.Finish("length"))
             sched.flush()
             got = dict(zip(streams, await asyncio.gather(*streams.values()), strict=True))
         sched.close()

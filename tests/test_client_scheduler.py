@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from detokd.client import SchedulerClient, shard_for
-from detokd.wire import native as P
+from detokd.wire import native
 from utils import FakeShards
 
 # --------------------------------------------------------------------------- sharding
@@ -84,16 +84,16 @@ def test_seq_tracking_and_finish(shards3: FakeShards) -> None:
     c.add(rid, [4])
     c.add(rid, [])  # an empty delta is a row too (meta only, say)
     c.flush()
-    c.add(rid, [5, 6], finish=P.Finish("length"))
+    c.add(rid, [5, 6], finish=native.Finish("length"))
     assert c.seq_of(rid) is None  # finished: forgotten right away
     c.flush()
     msgs = shards3.drain()
     assert all(not m for i, m in enumerate(msgs) if i != sh)
     rows = [r for m in msgs[sh] for r in m.rows]
     assert [(r.ids, r.seq) for r in rows] == [([1, 2, 3], 0), ([4], 3), ([], 4), ([5, 6], 4)]
-    assert rows[0].start == P.Start(worker=1, prompt_tail=[9, 9])
+    assert rows[0].start == native.Start(worker=1, prompt_tail=[9, 9])
     assert all(r.start is None for r in rows[1:])
-    assert rows[-1].finish == P.Finish("length")
+    assert rows[-1].finish == native.Finish("length")
     # The rid may start a new request after its finish: seq counts from 0 again.
     c.begin(rid, [7])
     c.add(rid, [8])
@@ -107,7 +107,7 @@ def test_new_vid_resets_seq_same_vid_does_not(shards3: FakeShards) -> None:
     c = shards3.client()
     c.begin("a", [1, 2], vid=0)
     c.add("a", [3])
-    c.add("a", [4], start=P.Start(vid=0))  # same vid: detokd keeps the state, so does seq
+    c.add("a", [4], start=native.Start(vid=0))  # same vid: detokd keeps the state, so does seq
     c.begin("a", [10, 11], vid=1)  # retracted and re-run
     c.add("a", [12])
     c.flush()
@@ -135,7 +135,7 @@ def test_flush_sends_one_message_per_shard_in_order(shards3: FakeShards) -> None
         want = [a for a in added if shard_for(a[0], 3) == shard]
         assert len(got) == (1 if want else 0)
         if want:
-            assert isinstance(got[0], P.Tokens)
+            assert isinstance(got[0], native.Tokens)
             assert [(r.rid, r.ids[0]) for r in got[0].rows] == want
     assert sum(len(m) for m in msgs) == 3  # 60 rids cover every shard
     c.close()
@@ -149,7 +149,7 @@ def test_take_encodes_what_flush_would_send_and_sends_nothing(shards3: FakeShard
     taken = c.take()
     assert [shard for shard, _ in taken] == sorted({shard_for(r, 3) for r in rids})
     for shard, frame in taken:
-        rows = P.decode_inbound(frame).rows
+        rows = native.decode_inbound(frame).rows
         assert [r.rid for r in rows] == [r for r in rids if shard_for(r, 3) == shard]
     assert c.take() == []  # taken rows are gone from the queue
     for rid in rids:
@@ -173,8 +173,8 @@ def test_rows_leave_keys_at_their_default_out(shards3: FakeShards) -> None:
     assert first == {"rid": "d", "ids": [7], "start": {"prompt_tail": [1, 2], "stop": ["x"]}}
     assert second == {"rid": "d", "ids": [8], "seq": 1}
     # and what is left out decodes back to the defaults
-    decoded = [r for f in frames for r in P.decode_inbound(f).rows if r.rid == "d"]
-    assert decoded == [P.Row("d", [7], 0, P.Start(prompt_tail=[1, 2], stop=["x"])), P.Row("d", [8], 1)]
+    decoded = [r for f in frames for r in native.decode_inbound(f).rows if r.rid == "d"]
+    assert decoded == [native.Row("d", [7], 0, native.Start(prompt_tail=[1, 2], stop=["x"])), native.Row("d", [8], 1)]
     c.close()
 
 
@@ -187,7 +187,7 @@ def test_meta_passes_as_msgpack(shards3: FakeShards) -> None:
     c.flush()
     rows = shards3.recv(shard_for("m", 3)).rows
     assert msgspec.msgpack.decode(rows[0].meta) == meta
-    assert bytes(rows[1].meta) == bytes(P.NIL)
+    assert bytes(rows[1].meta) == bytes(native.NIL)
     assert msgspec.msgpack.decode(rows[2].meta) == [1, 2]
     c.close()
 
@@ -219,7 +219,7 @@ def test_abort_goes_to_the_rid_shard_and_drops_queued_rows(shards3: FakeShards) 
     sent_rows: list[str] = []
     for shard, got in enumerate(msgs):
         for m in got:
-            if isinstance(m, P.Abort):
+            if isinstance(m, native.Abort):
                 assert all(shard_for(r, 3) == shard for r in m.rids)
                 aborted += m.rids
             else:
@@ -242,8 +242,8 @@ def test_register_control_go_to_every_shard(shards3: FakeShards) -> None:
             assert kinds == ["Register", "Tokens", "Control"]
         else:
             assert kinds == ["Register", "Control"]
-        assert got[0] == P.Register(2, "tcp://10.0.0.2:7000")
-        assert got[-1] == P.Control("flush")
+        assert got[0] == native.Register(2, "tcp://10.0.0.2:7000")
+        assert got[-1] == native.Control("flush")
     c.close()
 
 
@@ -251,12 +251,12 @@ def test_embeddings_go_to_the_rid_shard(shards3: FakeShards) -> None:
     c = shards3.client()
     c.embeddings(
         [{"rid": f"e{i}", "worker": i % 2, "data": [0.5, float(i)], "meta": {"i": i}} for i in range(9)]
-        + [P.EmbeddingRow("raw", 1, msgspec.Raw(msgspec.msgpack.encode("d")))]
+        + [native.EmbeddingRow("raw", 1, msgspec.Raw(msgspec.msgpack.encode("d")))]
     )
     seen = {}
     for shard, got in enumerate(shards3.drain()):
         for m in got:
-            assert isinstance(m, P.Embeddings)
+            assert isinstance(m, native.Embeddings)
             for r in m.rows:
                 assert shard_for(r.rid, 3) == shard
                 seen[r.rid] = r
@@ -277,7 +277,7 @@ def test_single_address_string_and_close_delivers_queued(tmp_path: Path) -> None
     c.begin("one", [1])
     c.close()
     assert pull.poll(2000)
-    assert P.decode_inbound(pull.recv()).rows[0].rid == "one"
+    assert native.decode_inbound(pull.recv()).rows[0].rid == "one"
     pull.close(0)
     ctx.term()
 
@@ -317,7 +317,7 @@ def test_seq_matches_a_model(ops: list[tuple[str, str, int]], n: int) -> None:
                 vid = k
                 c.begin(rid, list(range(k)), vid=k)
             else:
-                c.add(rid, list(range(k)), finish=P.Finish("stop") if kind == "finish" else None)
+                c.add(rid, list(range(k)), finish=native.Finish("stop") if kind == "finish" else None)
             pending.append((rid, seq, k))
             if kind == "finish":
                 live.pop(rid, None)
@@ -326,7 +326,7 @@ def test_seq_matches_a_model(ops: list[tuple[str, str, int]], n: int) -> None:
     c.flush()
     sent += pending
     msgs = shards.drain()
-    got = [(r.rid, r.seq, len(r.ids)) for ms in msgs for m in ms if isinstance(m, P.Tokens) for r in m.rows]
+    got = [(r.rid, r.seq, len(r.ids)) for ms in msgs for m in ms if isinstance(m, native.Tokens) for r in m.rows]
     # Order holds per shard, hence per rid; compare each rid's rows.
     assert sorted(got, key=lambda g: g[0]) == sorted(sent, key=lambda g: g[0])
     for rid in live:

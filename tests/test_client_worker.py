@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from detokd.client import DetokdError, WorkerClient, WorkerClosed
-from detokd.wire import native as P
+from detokd.wire import native
 from utils import FakeDetokd, FakeShards, arun, out_row, until
 
 LOOPS = ["asyncio", "uvloop"]
@@ -41,7 +41,7 @@ def test_stream_yields_deltas_and_ends_at_finish(waddr: str, loop: str) -> None:
             d.text(out_row("r", "!", 6, finish="stop", meta=[7]))
             got = [t async for t in s]
             assert got == ["Hel", "lo 世界", "!"]
-            assert s.finish == P.Finish("stop") and s.n_ids == 6 and s.done
+            assert s.finish == native.Finish("stop") and s.n_ids == 6 and s.done
             assert s.meta_obj() == [7]
             # The unclaimed rid "other" waited in the buffer.
             assert w.buffered_rids == 1
@@ -72,7 +72,7 @@ def test_error_row_raises(waddr: str) -> None:
         async with WorkerClient(waddr) as w:
             d = FakeDetokd(waddr)
             s = w.stream("bad")
-            d.text(out_row("bad", "partial", 3), out_row("bad", "", 3, error=P.SEQUENCE_GAP))
+            d.text(out_row("bad", "partial", 3), out_row("bad", "", 3, error=native.SEQUENCE_GAP))
             got = []
             with pytest.raises(DetokdError) as ei:
                 async for t in s:
@@ -94,8 +94,8 @@ def test_error_rows_of_other_workers_rids_are_ignored(waddr: str) -> None:
             d = FakeDetokd(waddr)
             s = w.stream("mine")
             # detokd broadcasts unknown-rid errors to every worker: not ours, not buffered.
-            d.text(*[out_row(f"theirs{i}", error=P.UNKNOWN_RID) for i in range(5)])
-            d.text(out_row("buffered", "t", 1), out_row("buffered", error=P.EVICTED))
+            d.text(*[out_row(f"theirs{i}", error=native.UNKNOWN_RID) for i in range(5)])
+            d.text(out_row("buffered", "t", 1), out_row("buffered", error=native.EVICTED))
             d.text(out_row("mine", "ok", 1, finish="stop"))
             assert await s.text() == "ok"
             assert w.ignored_errors == 5 and w.buffered_rids == 1
@@ -238,7 +238,8 @@ def test_embedding(waddr: str) -> None:
         async with WorkerClient(waddr) as w:
             d = FakeDetokd(waddr)
             fut = asyncio.ensure_future(w.embedding("e"))
-            d.raw(P.encode(P.Embeddings([P.EmbeddingRow("e", 0, msgspec.Raw(msgspec.msgpack.encode([0.25])))])))
+            data = msgspec.Raw(msgspec.msgpack.encode([0.25]))
+            d.raw(native.encode(native.Embeddings([native.EmbeddingRow("e", 0, data)])))
             r = await fut
             assert msgspec.msgpack.decode(r.data) == [0.25]
             d.close()
@@ -268,16 +269,16 @@ def test_worker_registers_with_every_shard(tmp_path: Path) -> None:
     addr = f"ipc://{tmp_path}/w3"
     w = WorkerClient(addr, shards=shards.addresses, worker=3, context=shards.ctx)
     for i in range(2):
-        assert shards.recv(i) == P.Register(3, addr)
+        assert shards.recv(i) == native.Register(3, addr)
     w.register()  # again, e.g. after a detokd restart
     for i in range(2):
-        assert shards.recv(i) == P.Register(3, addr)
+        assert shards.recv(i) == native.Register(3, addr)
     w.close()
     # A wildcard bind registers the address detokd can reach.
     w = WorkerClient("tcp://127.0.0.1:*", shards=shards.addresses, worker=4,
                      advertise="tcp://worker-host:6000", context=shards.ctx)
     for i in range(2):
-        assert shards.recv(i) == P.Register(4, "tcp://worker-host:6000")
+        assert shards.recv(i) == native.Register(4, "tcp://worker-host:6000")
     w.close()
     shards.close()
 

@@ -209,16 +209,16 @@ def test_emitted_text_is_never_taken_back(name: str, kind: str) -> None:
 
 
 @pytest.mark.parametrize("name,kind", [(n, "fast") for n in ALL] + [(n, "word") for n in BYTE_LEVEL + SENTENCEPIECE])
-def test_the_quick_lookup_gives_what_step_would(name: str, kind: str) -> None:
-    """The service's fast path reads `decoder.quick[i]` for a one-id row instead of
+def test_the_settled_text_lookup_gives_what_step_would(name: str, kind: str) -> None:
+    """The core's fast path reads `decoder.settled_text[i]` for a one-id row instead of
     calling step: it must give the same text and leave the stream unchanged."""
 
     def prop(v, codec, case: Case) -> None:
         stepped, looked = codec.new(case.tail, case.skip), codec.new(case.tail, case.skip)
         for row in case.rows:
             want = stepped.step(list(row))
-            quick = looked.quick
-            text = quick[row[0]] if quick is not None and len(row) == 1 else None
+            settled = looked.settled_text
+            text = settled[row[0]] if settled is not None and len(row) == 1 else None
             got = looked.step(list(row)) if text is None else text
             assert got == want
         assert looked.finish() == stepped.finish()
@@ -415,7 +415,7 @@ def test_a_prompt_ending_mid_character_never_leaks_prompt_text(name: str, kind: 
 def test_a_fast_decoder_counts_the_prompt_characters_it_still_has_to_drop(name: str) -> None:
     """The byte and piece decoders share one base: after a prompt ending mid-character
     (or in an open byte run) they hold `prompt_left` characters of the prompt's text,
-    which the first text they commit comes out without; until then no quick lookup."""
+    which the first text they commit comes out without; until then no settled_text lookup."""
     v, codec = vocab(name), fast_codec(name)
     ids = encode(name, "Hello 🤖 world")
     for k in range(1, len(ids)):
@@ -423,7 +423,7 @@ def test_a_fast_decoder_counts_the_prompt_characters_it_still_has_to_drop(name: 
         assert isinstance(d, PromptDecoder) and not hasattr(d, "__dict__")
         whole, committed = v.decode(ids[:k], False), codec.new([], False).step(ids[:k])
         assert d.prompt_left == len(whole) - len(committed)
-        assert (d.quick is None) == bool(d.prompt_left or held_state(d) or isinstance(d, PieceDecoder) and d.fresh)
+        assert (d.settled_text is None) == bool(d.prompt_left or held_state(d) or isinstance(d, PieceDecoder) and d.fresh)
         got = "".join(d.step([i]) for i in ids[k:]) + d.finish()
         assert got == oracle(v, ids[:k], ids[k:], False) and d.prompt_left == 0
 

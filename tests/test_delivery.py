@@ -17,7 +17,7 @@ from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery, RegisterPolicy
 from detokd.core.stats import Stats
-from detokd.wire import native as P
+from detokd.wire import native
 from utils import wait_until
 
 IDS = vocab("deepseek").backend.encode("Grüße, 世界!", add_special_tokens=False).ids
@@ -37,7 +37,7 @@ class Rig:
             self.ctx, self.outbox, self.addresses, feedback=None, hwm=hwm, queue_bytes=queue_bytes, linger_ms=0,
             stats=self.stats, policy=open_register,
         )
-        self.delivery.attach(P, lost=self.core.stalled, live=self.core.table.__contains__)
+        self.delivery.attach(native, lost=self.core.stalled, live=self.core.table.__contains__)
         self.pulls: dict[int, zmq.Socket] = {}
 
     def bind(self, worker: int) -> zmq.Socket:
@@ -45,12 +45,12 @@ class Rig:
         s.bind(self.addresses[worker])
         return s
 
-    def step(self, rows: list[P.Row]) -> None:
+    def step(self, rows: list[native.Row]) -> None:
         self.delivery.flush()  # as the loop does at each turn
         self.core.tokens(rows)
         self.delivery.deliver()
 
-    def messages(self, worker: int, n: int) -> list[list[P.OutRow]]:
+    def messages(self, worker: int, n: int) -> list[list[native.OutRow]]:
         """The next n messages of a worker, each its list of rows (fails at a deadline)."""
         s, out = self.pulls[worker], []
 
@@ -60,7 +60,7 @@ class Rig:
 
         for _ in range(n):
             wait_until(arrived, 5, f"worker {worker}'s message {len(out) + 1} of {n}")
-            out.append(msgspec.msgpack.decode(s.recv(), type=P.Text).rows)
+            out.append(msgspec.msgpack.decode(s.recv(), type=native.Text).rows)
         return out
 
     def drained(self, worker: int) -> bool:
@@ -86,8 +86,8 @@ def rig(tmp_path):
         r.close()
 
 
-def start(rid: str, worker: int) -> P.Row:
-    return P.Row(rid, IDS, 0, P.Start(worker=worker))
+def start(rid: str, worker: int) -> native.Row:
+    return native.Row(rid, IDS, 0, native.Start(worker=worker))
 
 
 def test_each_worker_gets_one_message_per_batch_with_its_rows_in_order(rig) -> None:
@@ -102,7 +102,7 @@ def test_each_worker_gets_one_message_per_batch_with_its_rows_in_order(rig) -> N
     assert [(w.sent, w.dropped) for w in r.delivery.workers.values()] == [(2, 0), (1, 0)]
 
 
-def test_a_full_queue_loses_only_that_workers_message_and_settle_sends_what_it_is_owed(rig) -> None:
+def test_a_full_queue_loses_only_that_workers_message_and_send_owed_sends_what_it_is_owed(rig) -> None:
     # A worker's queue is ZMQ's (hwm messages) and behind it a backlog bounded in bytes.
     r = rig(hwm=4, queue_bytes=1000)
     r.bind(1)  # worker 0 is bound by nobody: its queue fills
@@ -120,19 +120,19 @@ def test_a_full_queue_loses_only_that_workers_message_and_settle_sends_what_it_i
     lost = f"a{steps}"
     assert w0.backlog_bytes == before > 1000 - 200 and not r.delivery.has_room(w0)  # full: a frame here is ~75 bytes
     assert r.delivery.workers[1].dropped == 0 and not r.delivery.workers[1].backlog
-    assert lost not in r.core.table and r.stats.errors[P.WORKER_STALLED] == 1
+    assert lost not in r.core.table and r.stats.errors[native.WORKER_STALLED] == 1
     r.delivery.flush()
-    r.delivery.settle()  # still no room: still owed
+    r.delivery.send_owed()  # still no room: still owed
     assert set(w0.owed) == {lost}
     r.bind(0)
     wait_until(lambda: r.drained(0), 5, "worker 0's backlog to drain")
     queued = r.messages(0, steps - 1)
     assert [m[0].rid for m in queued] == [f"a{i}" for i in range(1, steps)]  # in order, ZMQ's then the backlog's
     wait_until(lambda: r.delivery.has_room(w0), 5, "room in worker 0's queue")
-    r.delivery.settle()
+    r.delivery.send_owed()
     (owed,) = r.messages(0, 1)
-    assert [(x.rid, x.error) for x in owed] == [(lost, P.WORKER_STALLED)]
-    r.delivery.settle()  # sent once
+    assert [(x.rid, x.error) for x in owed] == [(lost, native.WORKER_STALLED)]
+    r.delivery.send_owed()  # sent once
     assert not r.pulls[0].poll(50) and not w0.owed and w0.backlog_bytes == 0
 
 

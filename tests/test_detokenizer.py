@@ -15,15 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import cut, fast_codec, first_stop, oracle, vocab
-from detokd.wire import native as p
 from detokd.core.stats import Stats
-from detokd.wire.native import Finish, OutRow, Row, Start
+from detokd.wire.native import NIL, Finish, OutRow, Row, Start, StoppedRow
 from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
 
 
-class Service:
-    """A Detokenizer with two workers; `step` returns what each worker got from one batch."""
+class CoreRig:
+    """The core in-process: a Detokenizer with an Outbox of two workers; `step` returns
+    what each worker got from one batch."""
 
     def __init__(self, name: str = "deepseek", max_states: int = 64, limits: Limits = Limits()) -> None:
         self.vocab = vocab(name)
@@ -41,7 +41,7 @@ class Service:
         out = dict(self.outbox.take())
         return out.get(0, []), out.get(1, [])
 
-    def stopped(self) -> list[p.StoppedRow]:
+    def stopped(self) -> list[StoppedRow]:
         return self.outbox.take_stopped()
 
     def live(self, rid: str) -> bool:
@@ -66,7 +66,7 @@ class Req:
         self.seq = 0
         self.sent_start = False
 
-    def row(self, ids=(), finish: Finish | None = None, meta=p.NIL) -> Row:
+    def row(self, ids=(), finish: Finish | None = None, meta=NIL) -> Row:
         start = None if self.sent_start else self.start
         self.sent_start = True
         row = Row(self.rid, list(ids), self.seq, start, finish, meta)
@@ -75,13 +75,13 @@ class Req:
 
 
 @pytest.fixture
-def svc():
-    return Service()
+def rig():
+    return CoreRig()
 
 
 @pytest.fixture
 def mistral():
-    return Service("mistral_v3")
+    return CoreRig("mistral_v3")
 
 
 def texts_of(rows: list[OutRow], rid: str) -> list[str]:
@@ -91,137 +91,137 @@ def texts_of(rows: list[OutRow], rid: str) -> list[str]:
 # --- rows in, rows out --------------------------------------------------------------------
 
 
-def test_one_output_row_per_input_row_in_arrival_order(svc) -> None:
+def test_one_output_row_per_input_row_in_arrival_order(rig) -> None:
     a, b, c = Req(worker=0), Req(worker=1), Req(worker=0)
-    hello, world, bonjour = svc.encode("Hello"), svc.encode(" world"), svc.encode("Bonjour")
-    w0, w1 = svc.step(a.row(hello), b.row(), c.row(bonjour), a.row(world))
+    hello, world, bonjour = rig.encode("Hello"), rig.encode(" world"), rig.encode("Bonjour")
+    w0, w1 = rig.step(a.row(hello), b.row(), c.row(bonjour), a.row(world))
     assert [(r.rid, r.n_ids) for r in w0] == [(a.rid, len(hello)), (c.rid, len(bonjour)), (a.rid, len(hello + world))]
     assert [(r.rid, r.text, r.n_ids) for r in w1] == [(b.rid, "", 0)]
     assert "".join(texts_of(w0, a.rid)) == "Hello world"
     assert all(r.error is None and r.finish is None for r in w0 + w1)
 
 
-def test_each_row_is_decoded_with_its_own_requests_flags(svc) -> None:
+def test_each_row_is_decoded_with_its_own_requests_flags(rig) -> None:
     """SGLang #11944 decoded a whole batch with request 0's skip flag."""
-    ids = [svc.token("<｜begin▁of▁sentence｜>")] + svc.encode("Hi") + [svc.token("<｜end▁of▁sentence｜>")]
+    ids = [rig.token("<｜begin▁of▁sentence｜>")] + rig.encode("Hi") + [rig.token("<｜end▁of▁sentence｜>")]
     keep, skip = Req(skip_special_tokens=False), Req(skip_special_tokens=True)
-    w0, _ = svc.step(skip.row(ids), keep.row(ids), skip.row(ids))
+    w0, _ = rig.step(skip.row(ids), keep.row(ids), skip.row(ids))
     assert texts_of(w0, skip.rid) == ["Hi", "Hi"]
     assert texts_of(w0, keep.rid) == ["<｜begin▁of▁sentence｜>Hi<｜end▁of▁sentence｜>"]
 
 
-def test_the_prompt_tail_gives_the_first_characters_their_context(svc) -> None:
-    prompt = svc.encode("Tell me: 🤖")
+def test_the_prompt_tail_gives_the_first_characters_their_context(rig) -> None:
+    prompt = rig.encode("Tell me: 🤖")
     a = Req(prompt_tail=prompt[:-1])  # the prompt ends inside the emoji
-    w0, _ = svc.step(a.row(prompt[-1:] + svc.encode(" ok")))
-    assert w0[0].text == oracle(svc.vocab, prompt[:-1], prompt[-1:] + svc.encode(" ok"), True) == " ok"
+    w0, _ = rig.step(a.row(prompt[-1:] + rig.encode(" ok")))
+    assert w0[0].text == oracle(rig.vocab, prompt[:-1], prompt[-1:] + rig.encode(" ok"), True) == " ok"
 
 
-def test_a_request_ends_with_its_finishing_row(svc) -> None:
+def test_a_request_ends_with_its_finishing_row(rig) -> None:
     a = Req()
-    hi, there = svc.encode("Hi"), svc.encode(" there")
-    svc.step(a.row(hi))
-    (done,), _ = svc.step(a.row(there, Finish("length")))
+    hi, there = rig.encode("Hi"), rig.encode(" there")
+    rig.step(a.row(hi))
+    (done,), _ = rig.step(a.row(there, Finish("length")))
     assert (done.text, done.finish, done.n_ids) == (" there", Finish("length"), len(hi + there))
-    assert not svc.live(a.rid)
+    assert not rig.live(a.rid)
 
 
 # --- the engine's stops -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("stop", ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"])
-def test_a_stop_token_is_not_rendered(svc, stop) -> None:
+def test_a_stop_token_is_not_rendered(rig, stop) -> None:
     """Also id 0 (<｜begin▁of▁sentence｜>), which a truthiness check never trims (SGLang #33151)."""
-    sid = svc.token(stop)
+    sid = rig.token(stop)
     a = Req(skip_special_tokens=False)
-    svc.step(a.row(svc.encode("Answer")))
-    (done,), _ = svc.step(a.row(svc.encode(" 42") + [sid], Finish("stop", sid)))
+    rig.step(a.row(rig.encode("Answer")))
+    (done,), _ = rig.step(a.row(rig.encode(" 42") + [sid], Finish("stop", sid)))
     assert done.text == " 42"
-    assert done.n_ids == len(svc.encode("Answer") + svc.encode(" 42")) + 1  # the stop token counts
+    assert done.n_ids == len(rig.encode("Answer") + rig.encode(" 42")) + 1  # the stop token counts
     assert done.finish == Finish("stop", sid)
 
 
-def test_id_zero_is_a_stop_token_like_any_other(svc) -> None:
-    assert svc.token("<｜begin▁of▁sentence｜>") == 0
+def test_id_zero_is_a_stop_token_like_any_other(rig) -> None:
+    assert rig.token("<｜begin▁of▁sentence｜>") == 0
     a = Req(skip_special_tokens=False)
-    (done,), _ = svc.step(a.row(svc.encode("x") + [0], Finish("stop", 0)))
+    (done,), _ = rig.step(a.row(rig.encode("x") + [0], Finish("stop", 0)))
     assert done.text == "x"
 
 
-def test_no_stop_trim_renders_the_stop_token(svc) -> None:
-    sid = svc.token("<｜end▁of▁sentence｜>")
+def test_no_stop_trim_renders_the_stop_token(rig) -> None:
+    sid = rig.token("<｜end▁of▁sentence｜>")
     a = Req(skip_special_tokens=False, no_stop_trim=True)
-    (done,), _ = svc.step(a.row(svc.encode("x") + [sid], Finish("stop", sid)))
+    (done,), _ = rig.step(a.row(rig.encode("x") + [sid], Finish("stop", sid)))
     assert done.text == "x<｜end▁of▁sentence｜>"
 
 
-def test_a_stop_token_that_is_not_the_last_id_is_left_alone(svc) -> None:
-    sid = svc.token("<｜end▁of▁sentence｜>")
+def test_a_stop_token_that_is_not_the_last_id_is_left_alone(rig) -> None:
+    sid = rig.token("<｜end▁of▁sentence｜>")
     a = Req(skip_special_tokens=False)
-    (done,), _ = svc.step(a.row([sid] + svc.encode("x"), Finish("stop", sid)))
+    (done,), _ = rig.step(a.row([sid] + rig.encode("x"), Finish("stop", sid)))
     assert done.text == "<｜end▁of▁sentence｜>x"
 
 
-def test_engine_stop_string_is_cut_at_its_last_occurrence_in_unsent_text(svc) -> None:
+def test_engine_stop_string_is_cut_at_its_last_occurrence_in_unsent_text(rig) -> None:
     """The engine stopped right after the last occurrence; an earlier one stays."""
     a = Req()
-    svc.step(a.row(svc.encode("Think: END? ")))
-    (done,), _ = svc.step(a.row(svc.encode("Yes. END. Then END tail"), Finish("stop", "END")))
+    rig.step(a.row(rig.encode("Think: END? ")))
+    (done,), _ = rig.step(a.row(rig.encode("Yes. END. Then END tail"), Finish("stop", "END")))
     assert done.text == "Yes. END. Then "
     assert done.finish == Finish("stop", "END")
 
 
-def test_engine_stop_string_with_no_stop_trim_is_kept(svc) -> None:
+def test_engine_stop_string_with_no_stop_trim_is_kept(rig) -> None:
     a = Req(no_stop_trim=True)
-    (done,), _ = svc.step(a.row(svc.encode("Yes END tail"), Finish("stop", "END")))
+    (done,), _ = rig.step(a.row(rig.encode("Yes END tail"), Finish("stop", "END")))
     assert done.text == "Yes END"
 
 
-def test_engine_stop_string_that_began_in_sent_text_sends_nothing_more(svc) -> None:
+def test_engine_stop_string_that_began_in_sent_text_sends_nothing_more(rig) -> None:
     """The engine let the stop string's first characters out (SGLang checks its hold-back
     in token space, and a tail ending in part of a character slips through): the
     finishing row sends none of the rest."""
     a = Req()
-    (first,), _ = svc.step(a.row(svc.encode("Emoji: 👨\u200d")))
-    (done,), _ = svc.step(a.row(svc.encode("👩 and more"), Finish("stop", "\u200d👩")))
+    (first,), _ = rig.step(a.row(rig.encode("Emoji: 👨\u200d")))
+    (done,), _ = rig.step(a.row(rig.encode("👩 and more"), Finish("stop", "\u200d👩")))
     assert (first.text, done.text) == ("Emoji: 👨\u200d", "")
 
 
-def test_engine_stop_string_that_began_in_sent_text_on_the_fast_path_too(svc) -> None:
+def test_engine_stop_string_that_began_in_sent_text_on_the_fast_path_too(rig) -> None:
     """Plain streaming rows skip Request.feed; what they send is kept all the same."""
     a = Req()
-    svc.step(a.row(svc.encode("Answer: 42 ST")))
-    svc.step(a.row(svc.encode("O")))
-    (done,), _ = svc.step(a.row(svc.encode("P tail"), Finish("stop", "STOP")))
+    rig.step(a.row(rig.encode("Answer: 42 ST")))
+    rig.step(a.row(rig.encode("O")))
+    (done,), _ = rig.step(a.row(rig.encode("P tail"), Finish("stop", "STOP")))
     assert done.text == ""
 
 
-def test_engine_stop_string_wholly_in_text_already_sent_is_past_recall(svc) -> None:
+def test_engine_stop_string_wholly_in_text_already_sent_is_past_recall(rig) -> None:
     """An occurrence that ended in sent text is not the one the engine matched now."""
     a = Req()
-    (first,), _ = svc.step(a.row(svc.encode("Yes END")))
-    (done,), _ = svc.step(a.row(svc.encode(" more"), Finish("stop", "END")))
+    (first,), _ = rig.step(a.row(rig.encode("Yes END")))
+    (done,), _ = rig.step(a.row(rig.encode(" more"), Finish("stop", "END")))
     assert (first.text, done.text) == ("Yes END", " more")
 
 
 # --- stream=false -------------------------------------------------------------------------
 
 
-def test_without_streaming_the_whole_text_comes_in_the_finishing_row(svc) -> None:
+def test_without_streaming_the_whole_text_comes_in_the_finishing_row(rig) -> None:
     a = Req(stream=False)
-    parts = [svc.encode("Hello"), svc.encode(" wörld 🤖"), [], svc.encode(" done")]
-    rows = [svc.step(a.row(ids))[0][0] for ids in parts]
-    (done,), _ = svc.step(a.row(svc.encode("!"), Finish("length")))
+    parts = [rig.encode("Hello"), rig.encode(" wörld 🤖"), [], rig.encode(" done")]
+    rows = [rig.step(a.row(ids))[0][0] for ids in parts]
+    (done,), _ = rig.step(a.row(rig.encode("!"), Finish("length")))
     assert [r.text for r in rows] == ["", "", "", ""]
     assert [r.n_ids for r in rows] == list(itertools.accumulate(map(len, parts)))
     assert done.text == "Hello wörld 🤖 done!"
 
 
-def test_without_streaming_stop_tokens_are_still_trimmed(svc) -> None:
-    sid = svc.token("<｜end▁of▁sentence｜>")
+def test_without_streaming_stop_tokens_are_still_trimmed(rig) -> None:
+    sid = rig.token("<｜end▁of▁sentence｜>")
     a = Req(stream=False, skip_special_tokens=False)
-    svc.step(a.row(svc.encode("Hello")))
-    (done,), _ = svc.step(a.row([sid], Finish("stop", sid)))
+    rig.step(a.row(rig.encode("Hello")))
+    (done,), _ = rig.step(a.row([sid], Finish("stop", sid)))
     assert done.text == "Hello"
 
 
@@ -244,7 +244,7 @@ def test_the_stopped_feedback_counts_ids_through_the_completing_one(mistral) -> 
     a = Req(stop=["STOP"], vid=3)
     s.step(a.row(ids[:2]))
     s.step(a.row(ids[2:]))
-    assert s.stopped() == [p.StoppedRow(a.rid, 3, "STOP", through)]
+    assert s.stopped() == [StoppedRow(a.rid, 3, "STOP", through)]
 
 
 def test_rows_after_a_detected_stop_are_swallowed_until_the_engines_finish(mistral) -> None:
@@ -256,7 +256,7 @@ def test_rows_after_a_detected_stop_are_swallowed_until_the_engines_finish(mistr
     assert s.live(a.rid)
     assert s.step(a.row(s.encode("."), Finish("length"))) == ([], [])
     assert not s.live(a.rid)
-    assert s.stopped() == [p.StoppedRow(a.rid, 0, "STOP", len(s.encode("Hello STOP")))]
+    assert s.stopped() == [StoppedRow(a.rid, 0, "STOP", len(s.encode("Hello STOP")))]
 
 
 def test_a_stop_found_in_the_finishing_row_frees_the_request(mistral) -> None:
@@ -308,7 +308,7 @@ def test_without_streaming_a_detected_stop_sends_the_whole_text_cut(mistral) -> 
     assert (done.text, done.finish) == (cut(oracle(s.vocab, [], one + two, True), ["STOP"], False)[0], Finish("stop", "STOP"))
 
 
-# --- stop strings through the service, any split ------------------------------------------------
+# --- stop strings through the core, any split ---------------------------------------------------
 
 FRAGMENTS = (
     "Hello, wörld! ", "Привет, мир. ", "你好，世界。", "𠀋𪚥 ", "👍🏽👩‍👩‍👧‍👦 ", "def f(x):\n\treturn x\n", "  \n\n",
@@ -346,7 +346,7 @@ def stop_cases(draw, name: str):
 
 @pytest.mark.parametrize("name", ["deepseek", "mistral_v3"])
 def test_detected_stops_cut_the_text_at_the_first_to_complete(name) -> None:
-    s = Service(name)
+    s = CoreRig(name)
 
     @settings(max_examples=settings.default.max_examples)
     @given(case=stop_cases(name))
@@ -386,43 +386,43 @@ def test_detected_stops_cut_the_text_at_the_first_to_complete(name) -> None:
 # --- errors -------------------------------------------------------------------------------------
 
 
-def test_a_sequence_gap_fails_the_request(svc) -> None:
+def test_a_sequence_gap_fails_the_request(rig) -> None:
     a = Req(worker=1)
-    svc.step(a.row(svc.encode("Hello")))
+    rig.step(a.row(rig.encode("Hello")))
     a.seq += 1  # a row was lost
-    _, (err,) = svc.step(a.row(svc.encode(" world")))
+    _, (err,) = rig.step(a.row(rig.encode(" world")))
     assert (err.rid, err.error, err.text) == (a.rid, "sequence_gap", "")
-    assert not svc.live(a.rid)
-    _, (again,) = svc.step(a.row(svc.encode("!")))  # later rows: the same answer, same worker
+    assert not rig.live(a.rid)
+    _, (again,) = rig.step(a.row(rig.encode("!")))  # later rows: the same answer, same worker
     assert again.error == "sequence_gap"
 
 
 @pytest.mark.parametrize("bad", [-1, -(2**40), "size", 2**40], ids=["-1", "very-negative", "size", "huge"])
-def test_ids_outside_the_vocabulary_fail_the_request(svc, bad) -> None:
-    bad = svc.vocab.size if bad == "size" else bad
+def test_ids_outside_the_vocabulary_fail_the_request(rig, bad) -> None:
+    bad = rig.vocab.size if bad == "size" else bad
     a = Req(worker=1)
-    svc.step(a.row(svc.encode("Hello")))
-    _, (err,) = svc.step(a.row([bad]))
+    rig.step(a.row(rig.encode("Hello")))
+    _, (err,) = rig.step(a.row([bad]))
     assert err.error == "bad_ids"
     b = Req(worker=1)  # in the middle of a longer row, on the first row
-    _, (err,) = svc.step(b.row(svc.encode("Hi") + [bad] + svc.encode("there")))
+    _, (err,) = rig.step(b.row(rig.encode("Hi") + [bad] + rig.encode("there")))
     assert err.error == "bad_ids"
-    assert not svc.live(a.rid) and not svc.live(b.rid)
+    assert not rig.live(a.rid) and not rig.live(b.rid)
 
 
-def test_a_prompt_tail_outside_the_vocabulary_fails_the_request(svc) -> None:
-    a = Req(worker=1, prompt_tail=[5, svc.vocab.size])
-    _, (err,) = svc.step(a.row(svc.encode("Hi")))
+def test_a_prompt_tail_outside_the_vocabulary_fails_the_request(rig) -> None:
+    a = Req(worker=1, prompt_tail=[5, rig.vocab.size])
+    _, (err,) = rig.step(a.row(rig.encode("Hi")))
     assert err.error == "bad_ids"
 
 
-def test_a_row_of_an_unknown_rid_gets_an_error_at_every_worker(svc) -> None:
-    w0, w1 = svc.step(Row("nobody", [1, 2], 0))
+def test_a_row_of_an_unknown_rid_gets_an_error_at_every_worker(rig) -> None:
+    w0, w1 = rig.step(Row("nobody", [1, 2], 0))
     assert [(r.rid, r.error) for r in w0] == [(r.rid, r.error) for r in w1] == [("nobody", "unknown_rid")]
 
 
 def test_eviction_tells_the_evicted_requests_worker_at_once() -> None:
-    s = Service(max_states=2)
+    s = CoreRig(max_states=2)
     old, mid, new = Req(worker=1), Req(worker=0), Req(worker=0)
     s.step(old.row(s.encode("a")), mid.row(s.encode("b")))
     w0, w1 = s.step(new.row(s.encode("c")))
@@ -436,7 +436,7 @@ def test_eviction_tells_the_evicted_requests_worker_at_once() -> None:
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=8), st.integers(0, 12))
 @settings(max_examples=60)
 def test_rows_past_the_frames_id_budget_get_too_large_in_order(sizes, budget) -> None:
-    s = Service(limits=Limits(frame_ids=budget))
+    s = CoreRig(limits=Limits(frame_ids=budget))
     reqs = [Req() for _ in sizes]
     ids = [s.encode("héllo wörld, 🙂 ok")[:n] for n in sizes]
     w0, _ = s.step(*(q.row(i) for q, i in zip(reqs, ids)))
@@ -449,59 +449,59 @@ def test_rows_past_the_frames_id_budget_get_too_large_in_order(sizes, budget) ->
             assert out.error == "too_large" and not s.live(q.rid)
 
 
-def test_a_start_with_a_new_vid_restarts_the_request(svc) -> None:
-    a = Req(prompt_tail=svc.encode("Say:"))
-    svc.step(a.row(svc.encode("Hello there")))
-    again = Req(prompt_tail=svc.encode("Say:"), vid=1)
+def test_a_start_with_a_new_vid_restarts_the_request(rig) -> None:
+    a = Req(prompt_tail=rig.encode("Say:"))
+    rig.step(a.row(rig.encode("Hello there")))
+    again = Req(prompt_tail=rig.encode("Say:"), vid=1)
     again.rid = a.rid  # the engine retracted and re-runs it; seq counts from 0 again
-    (row,), _ = svc.step(again.row(svc.encode("Bye")))
-    assert (row.text, row.n_ids, row.error) == ("Bye", len(svc.encode("Bye")), None)
-    (row,), _ = svc.step(again.row(svc.encode(" now"), Finish("length")))
+    (row,), _ = rig.step(again.row(rig.encode("Bye")))
+    assert (row.text, row.n_ids, row.error) == ("Bye", len(rig.encode("Bye")), None)
+    (row,), _ = rig.step(again.row(rig.encode(" now"), Finish("length")))
     assert row.text == " now"
 
 
-def test_a_start_with_the_same_vid_does_not_restart(svc) -> None:
+def test_a_start_with_the_same_vid_does_not_restart(rig) -> None:
     a = Req()
-    svc.step(a.row(svc.encode("Hello")))
-    (row,), _ = svc.step(Row(a.rid, svc.encode(" world"), a.seq, a.start))
+    rig.step(a.row(rig.encode("Hello")))
+    (row,), _ = rig.step(Row(a.rid, rig.encode(" world"), a.seq, a.start))
     assert (row.text, row.error) == (" world", None)
 
 
-def test_abort_frees_the_state_and_later_rows_are_unknown(svc) -> None:
+def test_abort_frees_the_state_and_later_rows_are_unknown(rig) -> None:
     a = Req(worker=1)
-    svc.step(a.row(svc.encode("Hello")))
-    svc.det.abort([a.rid])
-    assert not svc.live(a.rid)
-    w0, w1 = svc.step(a.row(svc.encode(" world")))
+    rig.step(a.row(rig.encode("Hello")))
+    rig.det.abort([a.rid])
+    assert not rig.live(a.rid)
+    w0, w1 = rig.step(a.row(rig.encode(" world")))
     assert [r.error for r in w0] == [r.error for r in w1] == ["unknown_rid"]
 
 
-def test_meta_passes_through_as_the_same_bytes(svc) -> None:
+def test_meta_passes_through_as_the_same_bytes(rig) -> None:
     meta = msgspec.Raw(msgspec.msgpack.encode({"logprobs": [-0.5, -1.25], "t": "é"}))
     a = Req(worker=1)
-    _, (first,) = svc.step(a.row(svc.encode("Hi"), meta=meta))
-    _, (done,) = svc.step(a.row(svc.encode("!"), Finish("length"), meta=meta))
-    w0, _ = svc.step(Row("nobody", [1], 0, meta=meta))
+    _, (first,) = rig.step(a.row(rig.encode("Hi"), meta=meta))
+    _, (done,) = rig.step(a.row(rig.encode("!"), Finish("length"), meta=meta))
+    w0, _ = rig.step(Row("nobody", [1], 0, meta=meta))
     for r in (first, done, w0[0]):
         assert bytes(r.meta) == bytes(meta)
     assert bytes(OutRow("x").meta) == b"\xc0"  # no meta: MessagePack nil
 
 
 
-def test_rows_after_a_detected_stop_get_no_row_even_when_out_of_sequence(svc) -> None:
+def test_rows_after_a_detected_stop_get_no_row_even_when_out_of_sequence(rig) -> None:
     """The worker already has the finishing row: a stale error row would contradict it."""
     r = Req(stop=["END"])
-    ids = svc.encode("one END two three")
-    w0, _ = svc.step(r.row(ids))
+    ids = rig.encode("one END two three")
+    w0, _ = rig.step(r.row(ids))
     assert w0[-1].finish == Finish("stop", "END")
     late = Row(r.rid, [100], r.seq + 5)  # out of sequence, and still swallowed
-    assert svc.step(late) == ([], [])
-    assert svc.step(r.row([], finish=Finish("stop", "END"))) == ([], [])
-    assert not svc.live(r.rid)
+    assert rig.step(late) == ([], [])
+    assert rig.step(r.row([], finish=Finish("stop", "END"))) == ([], [])
+    assert not rig.live(r.rid)
 
 
 def test_evicting_a_request_detokd_already_stopped_sends_no_error() -> None:
-    s = Service(max_states=1)
+    s = CoreRig(max_states=1)
     stopped, other = Req(stop=["END"]), Req()
     s.step(stopped.row(s.encode("one END two")))
     w0, _ = s.step(other.row([100]))
@@ -513,7 +513,7 @@ def test_a_live_request_costs_well_under_4_kib(name) -> None:
     """State per request: the table slot, the request, its decoder and stop scanner."""
     import tracemalloc
 
-    s = Service(name, max_states=4096)
+    s = CoreRig(name, max_states=4096)
     tail = s.encode("User: hello there, how are you?")[-8:]
     rows = [Row(f"m{i}", [], 0, Start(prompt_tail=tail, stop=["</answer>", "STOP"])) for i in range(2000)]
     tracemalloc.start()

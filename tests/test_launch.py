@@ -23,16 +23,16 @@ from pathlib import Path
 import pytest
 
 from conftest import alive
-from detokd.launch import derive_address, run_shards
+from detokd.launch import derive_address, supervise_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
 SUPERVISOR = r"""
 import logging, sys
-from detokd.launch import run_shards
+from detokd.launch import supervise_shards
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 d, n, child, max_restarts, stop_timeout = sys.argv[1:6]
-rc = run_shards(
+rc = supervise_shards(
     lambda i: [d, str(i)], int(n), restart_delay=0.05, max_delay=0.4, max_restarts=int(max_restarts),
     stop_timeout=float(stop_timeout), command=[sys.executable, "-c", child], status_port=0,
 )
@@ -102,9 +102,9 @@ def test_derive_address_negative_shard() -> None:
         derive_address("ipc:///tmp/x", -1)
 
 
-def test_run_shards_needs_a_shard() -> None:
+def test_supervise_shards_needs_a_shard() -> None:
     with pytest.raises(ValueError):
-        run_shards(lambda i: [], 0)
+        supervise_shards(lambda i: [], 0)
 
 
 def _wait(pred, timeout: float = 10.0, what: str = "condition"):
@@ -267,10 +267,10 @@ def test_shards_die_with_a_killed_supervisor(tmp_path: Path) -> None:
 DETOKD_SUPERVISOR = r"""
 import logging, sys
 from detokd import logs
-from detokd.launch import derive_address, run_shards
+from detokd.launch import derive_address, supervise_shards
 logs.setup("info")
 base, worker = sys.argv[1:3]
-rc = run_shards(
+rc = supervise_shards(
     lambda i: ["serve", "--input", derive_address(base, i), "--worker", worker, "--tokenizer", "deepseek"],
     2, restart_delay=0.05, max_delay=2.0, max_restarts=2, status_port=0,
 )
@@ -370,10 +370,10 @@ sys.exit(0)
 EXEC_SUPERVISOR = r"""
 import os, sys
 from detokd import logs
-from detokd.launch import run_shards
+from detokd.launch import supervise_shards
 logs.setup("info")  # as `detokd serve --shards` does: its writer is one more thread
 d = sys.argv[1]
-rc = run_shards(
+rc = supervise_shards(
     lambda i: [os.path.join(d, "shard-%d" % i), d, str(i)], 2, restart_delay=0.05, max_delay=0.4,
     max_restarts=50, stop_timeout=5.0, command=[], status_port=0,
 )

@@ -23,7 +23,7 @@ LAYERS = [
     ["zoo", "readiness"],
     ["tokenizer"],
     ["core"],  # table, decoders, stops, request state, the stats record
-    ["logs", "config", "collector"],
+    ["logs", "config", "gc_policy"],
     ["http", "sockets", "process"],
     ["metrics", "delivery", "launch"],
     ["wire"],  # the native dialect

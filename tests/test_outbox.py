@@ -11,13 +11,13 @@ def test_take_gives_each_worker_its_rows_in_order_and_empties_the_same_lists() -
     box.open(0)
     box.open(1)
     box.open(1)  # opening twice keeps the list
-    held = box.to(0)  # what a live request appends to
+    held = box.rows_of(0)  # what a live request appends to
     held.append(OutRow("a", "x"))
     box.add(1, OutRow("b", "y"))
     box.add(0, OutRow("a", "z"))
     assert box.take() == [(0, [OutRow("a", "x"), OutRow("a", "z")]), (1, [OutRow("b", "y")])]
     assert box.take() == []  # a worker with no rows this batch gets no message
-    assert box.to(0) is held and held == []
+    assert box.rows_of(0) is held and held == []
 
 
 def test_broadcast_reaches_every_known_worker_and_no_other() -> None:

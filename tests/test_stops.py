@@ -377,5 +377,5 @@ def test_engine_stop_trim_is_the_cut_of_the_whole_text_for_any_split(before, sto
 
 @pytest.mark.parametrize("matched", [None, "", 0, 2, "absent"])
 def test_engine_stop_that_is_no_string_in_the_text_leaves_it_alone(matched) -> None:
-    """Stop token ids (0 included) are trimmed as ids by the service, not as text here."""
+    """Stop token ids (0 included) are trimmed as ids by the core, not as text here."""
     assert trim_engine_stop("sent 0 ", "text 0 2", matched, False) == "text 0 2"

@@ -12,12 +12,12 @@ import pytest
 import zmq
 
 from conftest import fast_codec, vocab
-from detokd.collector import Collector
 from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery
+from detokd.gc_policy import GcPolicy
 from detokd.core.stats import Stats
-from detokd.wire import native as P
+from detokd.wire import native
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
@@ -30,42 +30,44 @@ RAW = lambda obj: msgspec.Raw(enc(obj))  # noqa: E731
         (
             {"type": "tokens", "rows": [{"rid": "a", "ids": [1, 2], "seq": 3, "start": {"worker": 1, "stop": ["x"]},
                                          "finish": {"reason": "stop", "matched": 2}, "meta": {"k": 1}}]},
-            P.Tokens([P.Row("a", [1, 2], 3, P.Start(worker=1, stop=["x"]), P.Finish("stop", 2), RAW({"k": 1}))]),
+            native.Tokens([native.Row("a", [1, 2], 3, native.Start(worker=1, stop=["x"]), native.Finish("stop", 2),
+                                      RAW({"k": 1}))]),
         ),
-        ({"type": "tokens", "rows": [{"rid": "b"}]}, P.Tokens([P.Row("b")])),
+        ({"type": "tokens", "rows": [{"rid": "b"}]}, native.Tokens([native.Row("b")])),
         (
             {"type": "embeddings", "rows": [{"rid": "e", "worker": 2, "data": [0.5], "meta": None}]},
-            P.Embeddings([P.EmbeddingRow("e", 2, RAW([0.5]), P.NIL)]),
+            native.Embeddings([native.EmbeddingRow("e", 2, RAW([0.5]), native.NIL)]),
         ),
-        ({"type": "abort", "rids": ["a", "b"]}, P.Abort(["a", "b"])),
-        ({"type": "register", "worker": 3, "address": "tcp://h:1"}, P.Register(3, "tcp://h:1")),
-        ({"type": "control", "op": "freeze_gc"}, P.Control("freeze_gc")),
+        ({"type": "abort", "rids": ["a", "b"]}, native.Abort(["a", "b"])),
+        ({"type": "register", "worker": 3, "address": "tcp://h:1"}, native.Register(3, "tcp://h:1")),
+        ({"type": "control", "op": "freeze_gc"}, native.Control("freeze_gc")),
     ],
     ids=["tokens", "tokens-defaults", "embeddings", "abort", "register", "control"],
 )
-def test_every_inbound_message_type_decodes_to_its_record(frame: dict, want: P.Inbound) -> None:
-    got = P.decode_inbound(enc(frame))
+def test_every_inbound_message_type_decodes_to_its_record(frame: dict, want: native.Inbound) -> None:
+    got = native.decode_inbound(enc(frame))
     assert got == want
-    assert P.decode_inbound(P.encode(got)) == want  # and what detokd's peers encode decodes back
+    assert native.decode_inbound(native.encode(got)) == want  # and what detokd's peers encode decodes back
 
 
 def test_text_and_stopped_encode_to_protocol_maps() -> None:
-    text = dec(P.encode_text([P.OutRow("r", "hé", P.Finish("length"), 4, RAW([1]), None)]))
+    text = dec(native.encode_text([native.OutRow("r", "hé", native.Finish("length"), 4, RAW([1]), None)]))
     assert text == {"type": "text", "rows": [
         {"rid": "r", "text": "hé", "finish": {"reason": "length", "matched": None}, "n_ids": 4, "meta": [1], "error": None}]}
-    stopped = dec(P.encode_stopped([P.StoppedRow("r", 1, "###", 7)]))
+    stopped = dec(native.encode_stopped([native.StoppedRow("r", 1, "###", 7)]))
     assert stopped == {"type": "stopped", "rows": [{"rid": "r", "vid": 1, "matched": "###", "n_ids": 7}]}
 
 
 def test_unknown_keys_are_ignored_at_every_level() -> None:
     frame = {"type": "tokens", "v": 2, "rows": [
         {"rid": "a", "ids": [5], "future": [1, 2], "start": {"worker": 1, "temperature": 0.7}}]}
-    assert P.decode_inbound(enc(frame)) == P.Tokens([P.Row("a", [5], 0, P.Start(worker=1))])
-    assert P.decode_inbound(enc({"type": "abort", "rids": ["x"], "why": "client left"})) == P.Abort(["x"])
+    assert native.decode_inbound(enc(frame)) == native.Tokens([native.Row("a", [5], 0, native.Start(worker=1))])
+    assert native.decode_inbound(enc({"type": "abort", "rids": ["x"], "why": "client left"})) == native.Abort(["x"])
 
 
 def test_rows_and_starts_leave_keys_at_their_default_out_when_encoded() -> None:
-    frame = P.encode(P.Tokens([P.Row("a", [7], 0, P.Start(prompt_tail=[1])), P.Row("a", [8], 1), P.Row("b")]))
+    rows = [native.Row("a", [7], 0, native.Start(prompt_tail=[1])), native.Row("a", [8], 1), native.Row("b")]
+    frame = native.encode(native.Tokens(rows))
     assert dec(frame) == {"type": "tokens", "rows": [
         {"rid": "a", "ids": [7], "start": {"prompt_tail": [1]}}, {"rid": "a", "ids": [8], "seq": 1}, {"rid": "b"}]}
 
@@ -73,17 +75,17 @@ def test_rows_and_starts_leave_keys_at_their_default_out_when_encoded() -> None:
 def test_salvage_keeps_the_good_rows_of_a_frame_with_one_bad_row() -> None:
     frame = enc({"type": "tokens", "rows": [
         {"rid": "ok1", "ids": [1]}, {"rid": "bad", "ids": "not a list"}, {"ids": [3]}, {"rid": "ok2", "seq": 2}]})
-    with pytest.raises(P.DecodeError):
-        P.decode_inbound(frame)
-    good, bad = P.salvage_rows(frame, max_rows=4)
-    assert good == [P.Row("ok1", [1]), P.Row("ok2", [], 2)]
+    with pytest.raises(native.DecodeError):
+        native.decode_inbound(frame)
+    good, bad = native.salvage_rows(frame, max_rows=4)
+    assert good == [native.Row("ok1", [1]), native.Row("ok2", [], 2)]
     assert bad == ["bad"]  # the row with no rid cannot be answered: it is only dropped
-    assert P.salvage_rows(frame, max_rows=3) is None  # more rows than max_rows: dropped whole, like a good frame
+    assert native.salvage_rows(frame, max_rows=3) is None  # more rows than max_rows: dropped whole, like a good frame
 
 
 @pytest.mark.parametrize("frame", [b"\xc1", enc([1, 2]), enc({"type": "abort", "rids": [1]}), enc({"type": "tokens"})])
 def test_salvage_gives_up_on_a_frame_that_is_no_tokens_batch(frame: bytes) -> None:
-    assert P.salvage_rows(frame, max_rows=65536) is None
+    assert native.salvage_rows(frame, max_rows=65536) is None
 
 
 @pytest.fixture
@@ -96,7 +98,7 @@ def dialect():
     v = vocab("deepseek")
     core = Detokenizer(fast_codec("deepseek"), v.size, outbox, max_states=16, max_prompt_tail=8, stats=stats)
     delivery = Delivery(ctx, outbox, ["inproc://native-w0"], feedback=None, hwm=100, queue_bytes=1 << 20, linger_ms=0, stats=stats)
-    d = P.NativeDialect(core, delivery, Collector(stats), stats)
+    d = native.NativeDialect(core, delivery, GcPolicy(stats), stats)
     delivery.attach(d, lost=core.stalled, live=core.table.__contains__)
     yield d, pull
     delivery.close()
@@ -115,7 +117,7 @@ def test_handle_serves_the_good_rows_of_a_bad_frame_and_fails_the_bad_rows_reque
     d.delivery.deliver()
     rows = {r["rid"]: r for r in dec(pull.recv())["rows"]}
     assert rows["good"]["text"] == vocab("deepseek").reference([], ids) and rows["good"]["finish"]
-    assert rows["bad"]["error"] == P.BAD_ROW and "bad" not in d.core.table  # failed, freed
+    assert rows["bad"]["error"] == native.BAD_ROW and "bad" not in d.core.table  # failed, freed
 
 
 def test_a_bad_rows_rid_beyond_max_rid_len_gets_no_row_it_would_be_echoed_to_every_worker(dialect) -> None:
@@ -123,8 +125,8 @@ def test_a_bad_rows_rid_beyond_max_rid_len_gets_no_row_it_would_be_echoed_to_eve
     long = "r" * (d.core.limits.rid_len + 1)
     assert d.handle(enc({"type": "tokens", "rows": [{"rid": long, "ids": "no"}, {"rid": "short", "ids": "no"}]}))
     d.delivery.deliver()
-    assert [(r["rid"], r["error"]) for r in dec(pull.recv())["rows"]] == [("short", P.BAD_ROW)]
-    assert d.stats.errors == {P.TOO_LARGE: 1, P.BAD_ROW: 1}
+    assert [(r["rid"], r["error"]) for r in dec(pull.recv())["rows"]] == [("short", native.BAD_ROW)]
+    assert d.stats.errors == {native.TOO_LARGE: 1, native.BAD_ROW: 1}
 
 
 def test_handle_counts_a_frame_with_no_message_and_says_so(dialect) -> None:

@@ -30,7 +30,7 @@ import zmq
 from conftest import vocab
 from detokbench.frames import CORPUS, mixed_ids
 from detokd.client import SchedulerClient
-from detokd.wire import native as P
+from detokd.wire import native
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
@@ -305,17 +305,17 @@ class FakeShards:
     def client(self, **kw: Any) -> SchedulerClient:
         return SchedulerClient(self.addresses, context=self.ctx, **kw)
 
-    def recv(self, shard: int, timeout: float = 2.0) -> P.Inbound:
+    def recv(self, shard: int, timeout: float = 2.0) -> native.Inbound:
         s = self.socks[shard]
         assert s.poll(int(timeout * 1000)), f"shard {shard} got nothing"
-        return P.decode_inbound(s.recv())
+        return native.decode_inbound(s.recv())
 
-    def drain(self) -> list[list[P.Inbound]]:
-        out: list[list[P.Inbound]] = []
+    def drain(self) -> list[list[native.Inbound]]:
+        out: list[list[native.Inbound]] = []
         for s in self.socks:
             msgs = []
             while s.poll(5):  # inproc: a sent message is already in the pipe
-                msgs.append(P.decode_inbound(s.recv()))
+                msgs.append(native.decode_inbound(s.recv()))
             out.append(msgs)
         return out
 
@@ -332,8 +332,8 @@ class FakeDetokd:
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.connect(address)
 
-    def text(self, *rows: P.OutRow) -> None:
-        self.sock.send(P.encode(P.Text(list(rows))))
+    def text(self, *rows: native.OutRow) -> None:
+        self.sock.send(native.encode(native.Text(list(rows))))
 
     def raw(self, frame: bytes) -> None:
         self.sock.send(frame)
@@ -343,9 +343,11 @@ class FakeDetokd:
         self.ctx.term()
 
 
-def out_row(rid: str, text: str = "", n: int = 0, *, finish: str | None = None, error: str | None = None, meta: Any = None) -> P.OutRow:
+def out_row(
+    rid: str, text: str = "", n: int = 0, *, finish: str | None = None, error: str | None = None, meta: Any = None
+) -> native.OutRow:
     """An output row as detokd would send it."""
-    return P.OutRow(
-        rid, text, P.Finish(finish) if finish else None, n,
-        msgspec.Raw(msgspec.msgpack.encode(meta)) if meta is not None else P.NIL, error,
+    return native.OutRow(
+        rid, text, native.Finish(finish) if finish else None, n,
+        msgspec.Raw(msgspec.msgpack.encode(meta)) if meta is not None else native.NIL, error,
     )

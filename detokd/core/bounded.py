@@ -5,6 +5,11 @@ rows owed to a worker, log-rate windows, a client's buffers) is one of these: pu
 an entry evicts the oldest ones until both bounds hold, and hands them back so the
 caller can tell whoever owned them.
 
+A utility shared by the whole package, not a part of the core's logic: it lives in
+core/ because the core needs it (table.py, stops.py) and the core imports nothing of
+detokd outside core/ but the tokenizer (tests/test_layers.py); delivery, logs and
+the client import it from here.
+
 Eviction is O(1) per entry: an OrderedDict's popitem(last=False) unlinks the head of
 its list. A plain dict's `next(iter(d))` is not: it walks the deleted slots at the
 front of the dict's entry array, which at 65,536 entries in steady eviction cost

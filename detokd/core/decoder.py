@@ -50,10 +50,10 @@ class RunTooLong(ValueError):
 
 
 class Decoder(Protocol):
-    # While not None, the text of one more id `i` is `quick[i]` when that is not None:
+    # While not None, the text of one more id `i` is `settled_text[i]` when that is not None:
     # the caller may look it up instead of calling step (the decoder's state would not
     # change). None while the decoder holds anything back.
-    quick: list[str | None] | None
+    settled_text: list[str | None] | None
 
     def step(self, ids: list[int]) -> str:
         """Feed new ids (all < vocab size); return the text they commit."""
@@ -79,14 +79,14 @@ class PromptDecoder:
 
     A subclass defines step and finish (each passing what it commits through
     `_emit`), `held` (what it holds, rendered as finish would) and `settle` (sets
-    `quick` for its new state).
+    `settled_text` for its new state).
     """
 
-    __slots__ = ("prompt_left", "quick")
+    __slots__ = ("prompt_left", "settled_text")
 
     def __init__(self) -> None:
         self.prompt_left = 0  # characters of the prompt's text still to drop
-        self.quick: list[str | None] | None = None
+        self.settled_text: list[str | None] | None = None
 
     def step(self, ids: list[int]) -> str:
         raise NotImplementedError
@@ -104,7 +104,7 @@ class PromptDecoder:
         self.settle()
 
     def _emit(self, text: str) -> str:
-        """Committed text, less the prompt's characters still in it; settles quick."""
+        """Committed text, less the prompt's characters still in it; sets settled_text anew."""
         left = self.prompt_left
         if left and text:
             text, self.prompt_left = text[left:], max(0, left - len(text))
@@ -142,10 +142,10 @@ class ByteDecoder(PromptDecoder):
         self.id_bytes = id_bytes
         self.id_text = id_text  # None where an id's bytes are no whole characters
         self.pending = b""
-        self.quick = id_text
+        self.settled_text = id_text
 
     def settle(self) -> None:
-        self.quick = None if self.pending or self.prompt_left else self.id_text
+        self.settled_text = None if self.pending or self.prompt_left else self.id_text
 
     def step(self, ids: list[int]) -> str:
         if len(ids) == 1 and not self.pending:
@@ -153,7 +153,7 @@ class ByteDecoder(PromptDecoder):
             text = self.id_text[i]
             if text is not None:
                 if not self.prompt_left:
-                    return text  # nothing held before or after: quick stays as it is
+                    return text  # nothing held before or after: settled_text stays as it is
                 return self._emit(text)
             text, n = _utf8_decode(self.id_bytes[i], "replace", False)
             self.pending = self.id_bytes[i][n:]
@@ -299,7 +299,7 @@ class PieceDecoder(PromptDecoder):
         self.run_first = False
 
     def settle(self) -> None:
-        self.quick = None if self.fresh or self.run is not None or self.prompt_left else self.next
+        self.settled_text = None if self.fresh or self.run is not None or self.prompt_left else self.next
 
     def held(self) -> str:
         """The open byte run, rendered as if it ended here."""
@@ -416,7 +416,7 @@ class WindowDecoder:
     """
 
     __slots__ = ("codec", "skip_special", "hidden", "ids", "committed", "text")
-    quick = None  # every step goes through the tokenizer
+    settled_text = None  # every step goes through the tokenizer
 
     def __init__(self, codec: WindowCodec, tail: list[int], skip_special: bool) -> None:
         self.codec = codec

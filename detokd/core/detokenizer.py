@@ -78,10 +78,10 @@ class Detokenizer:
         limits: Limits = Limits(),
     ) -> None:
         self.codec = codec
-        self.size = vocab_size
+        self.vocab_size = vocab_size
         self.outbox = outbox
         self.table: RequestTable[Request] = RequestTable(max_states)
-        self.dead = Tombstones(max(1024, max_states))
+        self.tombstones = Tombstones(max(1024, max_states))
         self.max_tail = max_prompt_tail
         self.stats = stats
         self.limits = limits
@@ -90,11 +90,11 @@ class Detokenizer:
         self.stop_chars_left = limits.frame_stop_chars  # this frame's budget for building stop automata
         self.automata = StopAutomata(limits.stop_bytes)
 
-    def tokens(self, rows: list[Row], most_ids: int | None = None) -> None:
+    def tokens(self, rows: list[Row], ids_at_most: int | None = None) -> None:
         """One engine step. The common row (a live, plain streaming request's next ids)
         is handled inline; everything else goes through `_row`.
 
-        `most_ids` is a bound on the ids the rows hold, where the caller has one for
+        `ids_at_most` is a bound on the ids the rows hold, where the caller has one for
         free (a frame's size in bytes: no id costs less than a byte); the frame's id
         budget is counted only when it could be exceeded."""
         limits = self.limits
@@ -106,57 +106,58 @@ class Detokenizer:
             self._shut(rows)
             return
         self.stop_chars_left = limits.frame_stop_chars
-        if most_ids is None or most_ids > limits.frame_ids:
+        if ids_at_most is None or ids_at_most > limits.frame_ids:
             cut = _over_budget(rows, limits.frame_ids)
             if cut is not None:
-                self.tokens(rows[:cut], 0)
+                self.tokens(rows[:cut], ids_at_most=0)
                 for row in rows[cut:]:
                     self._too_large(row, self.table.get(row.rid), self._oversize(row) or "ids per frame")
                 return
         get = self.table.states.get
-        size = self.size
+        vocab_size = self.vocab_size
         max_ids = limits.row_ids
         max_meta = limits.meta_bytes
         n_tok = 0
         for row in rows:
             rid = row.rid
-            st = get(rid)
-            if st is None or st.slow or row.start is not None or row.finish is not None or len(row.meta) > max_meta:
+            request = get(rid)
+            if (request is None or request.needs_feed or row.start is not None or row.finish is not None
+                    or len(row.meta) > max_meta):
                 self._guarded(row)
                 continue
             ids = row.ids
             n = len(ids)
-            seq = st.n_ids
+            seq = request.n_ids
             if row.seq != seq:
                 self._guarded(row)
                 continue
             if n == 1:
                 i = ids[0]
-                if not 0 <= i < size:
+                if not 0 <= i < vocab_size:
                     self._guarded(row)
                     continue
-                quick = st.decoder.quick
-                text = quick[i] if quick is not None else None
-            elif n and (n > max_ids or max(ids) >= size or min(ids) < 0):
+                settled = request.decoder.settled_text
+                text = settled[i] if settled is not None else None
+            elif n and (n > max_ids or max(ids) >= vocab_size or min(ids) < 0):
                 self._guarded(row)
                 continue
             else:
                 text = None if n else ""
             seq += n
-            st.n_ids = seq
+            request.n_ids = seq
             n_tok += n
             if text is None:
                 try:
-                    text = st.step(ids)
+                    text = request.step(ids)
                 except RunTooLong:
-                    self._too_large(row, st, "open byte run")
+                    self._too_large(row, request, "open byte run")
                     continue
                 except Exception:
-                    self._internal(row, st)
+                    self._internal(row, request)
                     continue
-            st.outbox.append(OutRow(rid, text, None, seq, row.meta, None))
+            request.outbox.append(OutRow(rid, text, None, seq, row.meta, None))
             if text:  # kept for an engine stop string that begins in it (Request.sent)
-                st.sent = (st.sent + text)[-SENT_TAIL:]
+                request.sent = (request.sent + text)[-SENT_TAIL:]
         stats = self.stats
         stats.rows += len(rows)
         stats.tokens += n_tok
@@ -165,48 +166,49 @@ class Detokenizer:
 
     def seq_of(self, rid: str) -> int | None:
         """The ids a live request has consumed (its next row's seq), or None."""
-        st = self.table.states.get(rid)
-        return None if st is None else st.n_ids
+        request = self.table.states.get(rid)
+        return None if request is None else request.n_ids
 
     def ended(self, rid: str) -> bool:
         """Whether detokd ended this rid itself (evicted, failed): its rows get that error."""
-        return self.dead.get(rid) is not None
+        return self.tombstones.get(rid) is not None
 
     def answer_batch(self, worker: int) -> None:
         """This batch owes `worker` a message even with no rows (an engine that waits on
         an answer to every batch: SGLang's health check sends an empty one)."""
-        self.outbox.expect(worker)
+        self.outbox.answer_batch(worker)
 
     def takes_whole(self, rows: int, ids: int) -> bool:
         """Whether a frame of this many rows and ids is within the frame caps, and the
-        core decodes (not stopping): then `quick_text` may answer its rows."""
+        core decodes (not stopping): then `settled_text` may answer its rows."""
         return not self.closing and rows <= self.limits.rows and ids <= self.limits.frame_ids
 
-    def quick_text(self, rid: str, ids: list[int]) -> str | None:
+    def settled_text(self, rid: str, ids: list[int]) -> str | None:
         """The fast path of `tokens` for a dialect that answers rows itself: the text of a
         live plain streaming request's next ids (not finishing) when its decoder renders
-        each of them without a change of state, its state advanced as that row's would
-        be; None when the row must go through `tokens` (in order with the others)."""
-        st = self.table.states.get(rid)
-        if st is None or st.slow:
+        each of them without a change of state (the decoder's `settled_text` table), its
+        state advanced as that row's would be; None when the row must go through `tokens`
+        (in order with the others)."""
+        request = self.table.states.get(rid)
+        if request is None or request.needs_feed:
             return None
-        quick = st.decoder.quick
-        if quick is None or not ids:
+        settled = request.decoder.settled_text
+        if settled is None or not ids:
             return None
-        size = self.size
+        vocab_size = self.vocab_size
         if len(ids) == 1:
             i = ids[0]
-            text = quick[i] if 0 <= i < size else None
-        elif len(ids) <= self.limits.row_ids and min(ids) >= 0 and max(ids) < size:
-            parts = [quick[i] for i in ids]
+            text = settled[i] if 0 <= i < vocab_size else None
+        elif len(ids) <= self.limits.row_ids and min(ids) >= 0 and max(ids) < vocab_size:
+            parts = [settled[i] for i in ids]
             text = None if None in parts else "".join(parts)
         else:
             return None
         if text is None:
             return None
-        st.n_ids += len(ids)
+        request.n_ids += len(ids)
         if text:  # kept for an engine stop string that begins in it (Request.sent)
-            st.sent = (st.sent + text)[-SENT_TAIL:]
+            request.sent = (request.sent + text)[-SENT_TAIL:]
         stats = self.stats
         stats.rows += 1
         stats.tokens += len(ids)
@@ -220,57 +222,58 @@ class Detokenizer:
         except Exception:
             self._internal(row, self.table.get(row.rid))
 
-    def _internal(self, row: Row, st: Request | None) -> None:
+    def _internal(self, row: Row, request: Request | None) -> None:
         log.exception("internal error decoding rid %r; failing that request only", row.rid)
-        if st is not None and self.table.get(row.rid) is st:
+        if request is not None and self.table.get(row.rid) is request:
             self.table.pop(row.rid)
-        self._error(row.rid, st.worker if st is not None else None, r.INTERNAL, row.meta, st.n_ids if st else 0)
+        worker = request.worker if request is not None else None
+        self._error(row.rid, worker, r.INTERNAL, row.meta, request.n_ids if request else 0)
 
     def _row(self, row: Row) -> None:
         rid = row.rid
-        st = self.table.get(rid)
+        request = self.table.get(rid)
         start = row.start
         why = self._oversize(row)
         if why is not None:
-            self._too_large(row, st, why)
+            self._too_large(row, request, why)
             return
-        if start is not None and st is not None and start.worker != st.worker:
-            self._collision(row, st)
+        if start is not None and request is not None and start.worker != request.worker:
+            self._collision(row, request)
             return
-        if start is not None and (st is None or st.vid != start.vid):
-            if st is not None:  # a new vid: the engine retracted and re-runs this request
+        if start is not None and (request is None or request.vid != start.vid):
+            if request is not None:  # a new vid: the engine retracted and re-runs this request
                 self.table.pop(rid)
             elif self.overloaded:
                 self._refuse_new(row, start)
                 return
-            st = self._begin(row, start)
-            if st is None:
+            request = self._begin(row, start)
+            if request is None:
                 return
-        elif st is None:
+        elif request is None:
             self._unknown(row)
             return
         ids = row.ids
-        if st.stopped:
+        if request.stopped:
             # detokd finished it already and the worker has its finishing row: until the
             # engine catches up, its rows (even malformed ones) get no row at all.
             if row.finish is not None:
                 self.table.pop(rid)
             return
-        if row.seq != st.n_ids:
-            self._fail(rid, st, r.SEQUENCE_GAP, row)
+        if row.seq != request.n_ids:
+            self._fail(rid, request, r.SEQUENCE_GAP, row)
             return
-        if ids and (max(ids) >= self.size or min(ids) < 0):
-            self._fail(rid, st, r.BAD_IDS, row)
+        if ids and (max(ids) >= self.vocab_size or min(ids) < 0):
+            self._fail(rid, request, r.BAD_IDS, row)
             return
         self.stats.tokens += len(ids)
-        held = st.held
-        text, finish, stopped = st.feed(rid, ids, row.finish)
-        if st.held != held and finish is None:  # stream=false text kept for the finishing row
-            if st.held > self.limits.held_text_bytes:
-                self._too_large(row, st, "held text")
+        held = request.held
+        text, finish, stopped = request.feed(rid, ids, row.finish)
+        if request.held != held and finish is None:  # stream=false text kept for the finishing row
+            if request.held > self.limits.held_text_bytes:
+                self._too_large(row, request, "held text")
                 return
             if self.overloaded:  # the RSS guard: a live request that keeps growing is failed
-                self._fail(rid, st, r.OVERLOADED, row)
+                self._fail(rid, request, r.OVERLOADED, row)
                 return
         if stopped is not None:
             self.stats.stops += 1
@@ -279,17 +282,17 @@ class Detokenizer:
                 self.table.pop(rid)
         elif finish is not None:
             self.table.pop(rid)
-        st.outbox.append(OutRow(rid, text, finish, st.n_ids, row.meta, None))
+        request.outbox.append(OutRow(rid, text, finish, request.n_ids, row.meta, None))
 
     def _begin(self, row: Row, start: r.Start) -> Request | None:
         rid = row.rid
-        self.dead.discard(rid)
+        self.tombstones.discard(rid)
         if not self.outbox.known(start.worker):
             log.warning("rid %r names worker %d, which has no address", rid, start.worker)
             self._error(rid, None, r.BAD_START, row.meta, 0)
             return None
         tail = start.prompt_tail[-self.max_tail :] if self.max_tail > 0 else []
-        if tail and (max(tail) >= self.size or min(tail) < 0):
+        if tail and (max(tail) >= self.vocab_size or min(tail) < 0):
             self._error(rid, start.worker, r.BAD_IDS, row.meta, 0)
             return None
         decoder = self.codec.new(tail, start.skip_special_tokens)
@@ -306,16 +309,16 @@ class Detokenizer:
                 return None
             self.stop_chars_left -= built
             stops = StopScanner(self.automata.get(start.stop), start.no_stop_trim)
-        st = Request(start.worker, self.outbox.to(start.worker), start, decoder, stops)
-        for old_rid, old in self.table.put(rid, st):
+        request = Request(start.worker, self.outbox.rows_of(start.worker), start, decoder, stops)
+        for old_rid, old in self.table.put(rid, request):
             self.stats.evictions += 1
             if old.stopped:  # finished from the worker's view; only the engine's row was pending
                 continue
             self.stats.error(r.EVICTED)
-            self.dead.add(old_rid, old.worker, r.EVICTED)
+            self.tombstones.add(old_rid, old.worker, r.EVICTED)
             old.outbox.append(error_row(old_rid, r.EVICTED, n_ids=old.n_ids))
         self.stats.started += 1
-        return st
+        return request
 
     # --- caps, collisions, overload ---------------------------------------------------
 
@@ -339,41 +342,41 @@ class Detokenizer:
                 return "stop characters"
         return None
 
-    def _too_large(self, row: Row, st: Request | None, why: str) -> None:
+    def _too_large(self, row: Row, request: Request | None, why: str) -> None:
         """Fail the row's request. Its meta is echoed unless it is what is too large (a
         dialect may place the row by it: SGLang's batch position); a rid beyond the
         cap gets no row at all: it would be echoed to every worker."""
         rid = row.rid
         log.warning("row of rid %r beyond the cap on %s: too_large", rid[:64], why)
-        if st is not None:
+        if request is not None:
             self.table.pop(rid)
         if why == "rid":
             self.stats.error(r.TOO_LARGE)
             return
         meta = r.NIL if why == "meta" else row.meta
-        if st is not None and row.start is not None and row.start.worker != st.worker:
+        if request is not None and row.start is not None and row.start.worker != request.worker:
             # Another scheduler's live rid: a collision first, so the sender's worker
             # hears nothing of that request (its n_ids, its later rows' meta).
-            self._collision(row, st, meta)
+            self._collision(row, request, meta)
             return
-        worker = st.worker if st is not None else None
+        worker = request.worker if request is not None else None
         if row.start is not None and self.outbox.known(row.start.worker):
             worker = row.start.worker
         if worker is not None:
-            self.dead.add(rid, worker, r.TOO_LARGE)
-        self._error(rid, worker, r.TOO_LARGE, meta, st.n_ids if st is not None else 0)
+            self.tombstones.add(rid, worker, r.TOO_LARGE)
+        self._error(rid, worker, r.TOO_LARGE, meta, request.n_ids if request is not None else 0)
 
-    def _collision(self, row: Row, st: Request, meta: Raw | None = None) -> None:
+    def _collision(self, row: Row, request: Request, meta: Raw | None = None) -> None:
         """Two schedulers started one rid for two workers: neither can be served
         without the other never hearing of its request, so both are told and the
         state is dropped (later rows of the rid are unknown to every worker). Each
         row carries only its own request's state: the newcomer's n_ids is 0."""
         rid, other = row.rid, row.start.worker
         meta = row.meta if meta is None else meta
-        log.warning("rid %r started for worker %d while live for worker %d: rid_collision", rid, other, st.worker)
+        log.warning("rid %r started for worker %d while live for worker %d: rid_collision", rid, other, request.worker)
         self.table.pop(rid)
-        self.dead.discard(rid)
-        self._error(rid, st.worker, r.RID_COLLISION, r.NIL, st.n_ids)
+        self.tombstones.discard(rid)
+        self._error(rid, request.worker, r.RID_COLLISION, r.NIL, request.n_ids)
         if self.outbox.known(other):
             self._error(rid, other, r.RID_COLLISION, meta, 0)
         else:
@@ -385,13 +388,13 @@ class Detokenizer:
 
     # --- errors -----------------------------------------------------------------------
 
-    def _fail(self, rid: str, st: Request, error: str, row: Row) -> None:
+    def _fail(self, rid: str, request: Request, error: str, row: Row) -> None:
         self.table.pop(rid)
-        self.dead.add(rid, st.worker, error)
-        self._error(rid, st.worker, error, row.meta, st.n_ids)
+        self.tombstones.add(rid, request.worker, error)
+        self._error(rid, request.worker, error, row.meta, request.n_ids)
 
     def _unknown(self, row: Row) -> None:
-        tomb = self.dead.get(row.rid)
+        tomb = self.tombstones.get(row.rid)
         if tomb is not None and self.outbox.known(tomb.worker):
             self._error(row.rid, tomb.worker, tomb.error, row.meta, 0)
         else:
@@ -415,25 +418,25 @@ class Detokenizer:
         self.stats.rows += len(rows)
         for row in rows:
             rid = row.rid
-            st = self.table.pop(rid)
-            if (st is not None and st.stopped) or len(rid) > self.limits.rid_len:
+            request = self.table.pop(rid)
+            if (request is not None and request.stopped) or len(rid) > self.limits.rid_len:
                 continue
-            if st is not None:
-                worker = st.worker
+            if request is not None:
+                worker = request.worker
             elif row.start is not None and self.outbox.known(row.start.worker):
                 worker = row.start.worker
             else:
                 worker = None
-            self._error(rid, worker, r.SHUTDOWN, row.meta, st.n_ids if st is not None else 0)
+            self._error(rid, worker, r.SHUTDOWN, row.meta, request.n_ids if request is not None else 0)
 
     def fail(self, rid: str, worker: int, error: str, meta: Raw) -> None:
         """A row its dialect could not read: its request fails with `error` (its state, if
         live, goes; its later rows get the same error), answered to `worker`."""
-        st = self.table.pop(rid)
-        if st is not None:
-            worker = st.worker
-        self.dead.add(rid, worker, error)
-        self._error(rid, worker, error, meta, st.n_ids if st is not None else 0)
+        request = self.table.pop(rid)
+        if request is not None:
+            worker = request.worker
+        self.tombstones.add(rid, worker, error)
+        self._error(rid, worker, error, meta, request.n_ids if request is not None else 0)
 
     def bad_rows(self, rids: list[str]) -> None:
         """Rows that failed the schema: their request, if live, is failed too. A rid
@@ -442,10 +445,10 @@ class Detokenizer:
             if len(rid) > self.limits.rid_len:
                 self.stats.error(r.TOO_LARGE)
                 continue
-            st = self.table.pop(rid)
-            if st is not None:
-                self.dead.add(rid, st.worker, r.BAD_ROW)
-            self._error(rid, st.worker if st else None, r.BAD_ROW, r.NIL, st.n_ids if st else 0)
+            request = self.table.pop(rid)
+            if request is not None:
+                self.tombstones.add(rid, request.worker, r.BAD_ROW)
+            self._error(rid, request.worker if request else None, r.BAD_ROW, r.NIL, request.n_ids if request else 0)
 
     def stalled(self, worker: int, rows: list[OutRow]) -> list[OutRow]:
         """A message to `worker` was lost to its full queue: fail the requests it held.
@@ -460,10 +463,10 @@ class Detokenizer:
             owed.append(error_row(row.rid, row.error or r.WORKER_STALLED, n_ids=row.n_ids))
             if row.error is not None:  # ended already; its tombstone answers later rows
                 continue
-            st = self.table.get(row.rid)
-            if st is not None and st.worker == worker:
+            request = self.table.get(row.rid)
+            if request is not None and request.worker == worker:
                 self.table.pop(row.rid)
-            self.dead.add(row.rid, worker, r.WORKER_STALLED)
+            self.tombstones.add(row.rid, worker, r.WORKER_STALLED)
             self.stats.error(r.WORKER_STALLED)
         return owed
 
@@ -488,7 +491,7 @@ class Detokenizer:
                 continue
             if self.table.pop(rid) is not None:
                 self.stats.aborts += 1
-            self.dead.discard(rid)
+            self.tombstones.discard(rid)
 
     def flush(self) -> int:
         """Drop every request's state; return how many there were."""

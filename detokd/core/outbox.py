@@ -12,12 +12,12 @@ from .records import OutRow, StoppedRow
 
 
 class Outbox:
-    __slots__ = ("rows", "stopped", "due")
+    __slots__ = ("rows", "stopped", "must_answer")
 
     def __init__(self) -> None:
         self.rows: dict[int, list[OutRow]] = {}  # worker -> this batch's rows, in order
         self.stopped: list[StoppedRow] = []  # this batch's feedback for the scheduler
-        self.due: set[int] = set()  # workers owed a message this batch even if it has no rows
+        self.must_answer: set[int] = set()  # workers that get a message this batch even with no rows
 
     def open(self, worker: int) -> None:
         self.rows.setdefault(worker, [])
@@ -25,7 +25,7 @@ class Outbox:
     def known(self, worker: int) -> bool:
         return worker in self.rows
 
-    def to(self, worker: int) -> list[OutRow]:
+    def rows_of(self, worker: int) -> list[OutRow]:
         """The list a request appends its rows to; it stays the same list for good."""
         return self.rows[worker]
 
@@ -37,19 +37,19 @@ class Outbox:
         for rows in self.rows.values():
             rows.append(row)
 
-    def expect(self, worker: int) -> None:
+    def answer_batch(self, worker: int) -> None:
         """This batch owes `worker` a message even with no rows (SGLang answers an empty
         batch with an empty one: its TokenizerManager's health check waits on it)."""
-        self.due.add(worker)
+        self.must_answer.add(worker)
 
     def take(self) -> list[tuple[int, list[OutRow]]]:
         """Each worker's rows of this batch; the lists are left empty, in place."""
         out = []
         for worker, rows in self.rows.items():
-            if rows or worker in self.due:
+            if rows or worker in self.must_answer:
                 out.append((worker, rows[:]))
                 rows.clear()
-        self.due.clear()
+        self.must_answer.clear()
         return out
 
     def take_stopped(self) -> list[StoppedRow]:

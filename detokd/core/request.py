@@ -21,7 +21,8 @@ SENT_TAIL = 128
 
 
 class Request:
-    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "held", "stopped", "slow", "decoder", "sent")
+    __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "held", "stopped",
+                 "needs_feed", "decoder", "sent")
 
     def __init__(self, worker: int, outbox: list[OutRow], start: Start, decoder: Decoder, stops: StopScanner | None) -> None:
         self.worker = worker
@@ -36,8 +37,9 @@ class Request:
         self.held = 0  # bytes parts holds (each str and its list slot): a running sum, for the cap
         self.stopped = False  # detokd matched a stop string and finished the request
         self.sent = ""  # the last SENT_TAIL characters sent
-        # Rows of a plain streaming request take the dispatcher's fast path.
-        self.slow = stops is not None or not start.stream
+        # True with stop strings to scan or stream=false text to hold: every row then goes
+        # through feed. A plain streaming request's rows take the dispatcher's fast path.
+        self.needs_feed = stops is not None or not start.stream
 
     def feed(self, rid: str, ids: list[int], finish: Finish | None) -> tuple[str, Finish | None, StoppedRow | None]:
         """The text `ids` add (all in the vocabulary, the row's seq checked), the finish

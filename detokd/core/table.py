@@ -63,27 +63,27 @@ class Tombstones:
     is not remembered: its later rows get "unknown_rid".
     """
 
-    __slots__ = ("dead",)
+    __slots__ = ("tombs",)
 
     def __init__(self, capacity: int, max_bytes: int = TOMBSTONE_BYTES) -> None:
-        self.dead: BoundedMap[str, Tomb] = BoundedMap(capacity, max_bytes, tombstone_cost)
+        self.tombs: BoundedMap[str, Tomb] = BoundedMap(capacity, max_bytes, tombstone_cost)
 
     @property
     def capacity(self) -> int:
-        return self.dead.max_len
+        return self.tombs.max_len
 
     @property
     def nbytes(self) -> int:
-        return self.dead.nbytes
+        return self.tombs.nbytes
 
     def add(self, rid: str, worker: int, error: str) -> None:
-        self.dead.put(rid, Tomb(worker, error))
+        self.tombs.put(rid, Tomb(worker, error))
 
     def get(self, rid: str) -> Tomb | None:
-        return self.dead.get(rid)
+        return self.tombs.get(rid)
 
     def discard(self, rid: str) -> None:
-        self.dead.pop(rid)
+        self.tombs.pop(rid)
 
     def __len__(self) -> int:
-        return len(self.dead)
+        return len(self.tombs)

@@ -30,9 +30,9 @@ from ..core.records import BAD_ROW, Finish, OutRow, Row, Start, StoppedRow
 from . import schema
 
 if TYPE_CHECKING:
-    from ..collector import Collector
     from ..core.detokenizer import Detokenizer
     from ..delivery import Delivery
+    from ..gc_policy import GcPolicy
     from ..core.stats import Stats
 
 log = logging.getLogger("detokd.sglang.dialect")
@@ -74,7 +74,7 @@ class SglangDialect:
         self,
         core: Detokenizer,
         delivery: Delivery,
-        collector: Collector,
+        gc_policy: GcPolicy,
         stats: Stats,
         *,
         ipc: schema.MsgpackCodec | schema.PickleCodec,
@@ -84,10 +84,10 @@ class SglangDialect:
     ) -> None:
         self.core = core
         self.delivery = delivery
-        self.collector = collector
+        self.gc_policy = gc_policy
         self.stats = stats
         self.ipc = ipc
-        self.size = vocab_size
+        self.vocab_size = vocab_size
         self.http_workers = http_workers  # tokenizer_worker_num > 1: route rows by http_worker_ipcs
         self.keep_stop_ids = keep_stop_ids  # stop tokens SGLang never trims (tool-call closers)
         self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
@@ -117,7 +117,7 @@ class SglangDialect:
         elif kind == "BatchEmbeddingOutput":
             self.embeddings(msg, frame)
         elif kind == "FreezeGCReq":
-            self.collector.freeze()
+            self.gc_policy.freeze()
         elif kind == "ConfigureLoggingReq":
             if msg.log_level is not None:
                 logging.getLogger().setLevel(msg.log_level.upper())
@@ -142,7 +142,7 @@ class SglangDialect:
         except Exception as exc:
             self._unreadable(batch, exc)
             return
-        self.core.tokens(rows, frame_bytes)
+        self.core.tokens(rows, ids_at_most=frame_bytes)
 
     def _answering(self, batch: Any) -> None:
         self.batch, self.blank, self.cause, self.texts = batch, None, None, None
@@ -182,8 +182,8 @@ class SglangDialect:
     def _row(self, batch: Any, i: int, rid: str, ids: list[int], worker: int) -> Row:
         """Row i of the batch as the core's row: a live request's next ids, or the start
         of a new one (its ids begin with the prompt context)."""
-        size = self.size
-        if ids and (max(ids) >= size or min(ids) < 0):
+        vocab_size = self.vocab_size
+        if ids and (max(ids) >= vocab_size or min(ids) < 0):
             ids = self._clamp(ids)
         finish = None
         reason = batch.finished_reasons[i]
@@ -210,10 +210,10 @@ class SglangDialect:
     # --- the quick path ---------------------------------------------------------------
     #
     # Most rows of a step are a live streaming request's next ids, which the core can
-    # answer at once (Detokenizer.quick_text, its own fast path). Those rows skip the
+    # answer at once (Detokenizer.settled_text, its own fast path). Those rows skip the
     # core's Row and OutRow and the batch position's round trip: their text goes straight
     # into the batch's output_strs. Every other row (a start, a finish, an id outside the
-    # vocabulary or without a quick text) goes to the core as before, in order, once the
+    # vocabulary or without a settled text) goes to the core as before, in order, once the
     # batch is read; only a start can change another row's request (it may evict one),
     # so the rows gathered up to a start go to the core before the next quick row. (A
     # batch naming a rid twice: a later quick row cannot overtake an earlier row of its
@@ -227,7 +227,7 @@ class SglangDialect:
 
     def _quick(self, batch: Any, id_rows: list[list[int]]) -> None:
         core = self.core
-        quick_text = core.quick_text
+        settled_text = core.settled_text
         rids = batch.rids
         reasons = batch.finished_reasons
         position_meta(len(rids))
@@ -238,9 +238,9 @@ class SglangDialect:
             rid = rids[i]
             if reasons[i] is None:
                 if start:  # a start may evict a request of a later row: the core goes first
-                    core.tokens(pending, 0)
+                    core.tokens(pending, ids_at_most=0)
                     pending, start = [], False
-                text = quick_text(rid, ids)
+                text = settled_text(rid, ids)
                 if text is not None:
                     texts[i] = text
                     continue
@@ -248,7 +248,7 @@ class SglangDialect:
             pending.append(row)
             start = start or row.start is not None
         if pending:
-            core.tokens(pending, 0)  # 0: takes_whole checked the frame's id budget
+            core.tokens(pending, ids_at_most=0)  # 0: takes_whole checked the frame's id budget
         self.texts, self.quick_batch = texts, batch
 
     def _finish(self, reason: dict | None, ids: list[int], no_stop_trim: bool) -> tuple[Finish | None, bool]:
@@ -268,8 +268,8 @@ class SglangDialect:
     def _clamp(self, ids: list[int]) -> list[int]:
         """SGLang decodes an id outside the vocabulary as id 0 (multimodal placeholders);
         so does detokd, counted."""
-        size = self.size
-        out = [i if 0 <= i < size else 0 for i in ids]
+        vocab_size = self.vocab_size
+        out = [i if 0 <= i < vocab_size else 0 for i in ids]
         self.stats.clamped_ids += sum(1 for a, b in zip(ids, out) if a != b)
         return out
 
@@ -284,7 +284,7 @@ class SglangDialect:
         # SGLang's scheduler names the HTTP worker of each row, as its own detokenizer
         # trusts it to: a destination of the engine's, not a peer's `register`.
         w = len(self.delivery.workers)
-        if not self.delivery.place(w, ipc):
+        if not self.delivery.connect_worker(w, ipc):
             return None
         self.worker_of[ipc] = w
         return w

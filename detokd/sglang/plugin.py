@@ -4,15 +4,16 @@ Registered as the `detokd` entry point of group `sglang.srt.plugins`; SGLang's
 load_plugins() calls `register()` in every process that loads plugins. Disabled (the
 default) it does nothing at all. Enabled, it checks the schema and, if SGLang speaks
 detokd's, wraps `Engine._launch_detokenizer_subprocesses` (AROUND) and runs SGLang's own
-launch with `detokd.sglang.process.run_detokenizer_process` as the process function: one
+launch with `detokd.sglang.process.run_sglang_detokenizer` as the process function: one
 multiprocessing.Process of SGLang's own context (spawn), or with
 --detokenizer-worker-num N, N of them behind SGLang's own MultiDetokenizerRouter; SGLang
 records their pids in all_child_pids, watches them with SubprocessWatchdog and kills them
-with the process tree. Replacing the launch method rather than run_detokenizer_process
-keeps the spawn target picklable (a partial of a module function). Any SGLang feature detokd does not serve keeps SGLang's own
-detokenizer, with a warning naming the feature; so does a tokenizer detokd cannot
-decode exactly as SGLang does, which only the process can tell (it loads SGLang's
-tokenizer): the launch waits for its verdict before it returns.
+with the process tree. Replacing the launch method rather than SGLang's
+run_detokenizer_process keeps the spawn target picklable (a partial of a module
+function). Any SGLang feature detokd does not serve keeps SGLang's own detokenizer,
+with a warning naming the feature; so does a tokenizer detokd cannot decode exactly as
+SGLang does, which only the process can tell (it loads SGLang's tokenizer): the launch
+waits for its verdict before it returns.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_arg
         return original(cls, server_args=server_args, port_args=port_args,
                         run_detokenizer_process_func=run_detokenizer_process_func)
     try:
-        from detokd.sglang.process import run_detokenizer_process
+        from detokd.sglang.process import run_sglang_detokenizer
     except ImportError as e:
         logger.warning("detokd: keeping SGLang's own detokenizer: cannot import detokd.sglang.process: %s", e)
         return original(cls, server_args=server_args, port_args=port_args,
@@ -93,7 +94,7 @@ def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_arg
     # --detokenizer-worker-num N, N of them behind SGLang's MultiDetokenizerRouter.
     reader, writer = mp.Pipe(duplex=False)
     procs, names = original(cls, server_args=server_args, port_args=port_args,
-                            run_detokenizer_process_func=functools.partial(run_detokenizer_process, verdict=writer))
+                            run_detokenizer_process_func=functools.partial(run_sglang_detokenizer, verdict=writer))
     writer.close()  # only the children's copies are left
     workers = [p for p, name in zip(procs, names) if name != "detokenizer_router"]
     refusal = await_refusal(reader, workers)

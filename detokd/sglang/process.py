@@ -1,8 +1,9 @@
 """The process SGLang starts as its detokenizer, when the detokd plugin is on.
 
-`run_detokenizer_process(server_args, port_args)` has the signature of SGLang's own, so
-SGLang's Engine starts, watches and kills it as it would its own: it binds the address
-SGLang's schedulers push to (port_args.detokenizer_ipc_name), pushes to the
+`run_sglang_detokenizer(server_args, port_args)` has the signature of SGLang's own
+(sglang.srt.managers.detokenizer_manager.run_detokenizer_process), so SGLang's Engine
+starts, watches and kills it as it would its own: it binds the address SGLang's
+schedulers push to (port_args.detokenizer_ipc_name), pushes to the
 TokenizerManager (port_args.tokenizer_ipc_name) or, with several HTTP workers, to the
 worker each row names, dies with its parent, and on a failure tells the parent with
 SIGQUIT as SGLang's detokenizer does (SGLang's watchdog reads a clean exit as fine).
@@ -102,9 +103,9 @@ def dialect_factory(vocab, use_pickle: bool | None = None):
     log.info("detokd's settings from SGLang: tool_call_parser=%r (stop ids kept %s), HTTP workers %d, %s IPC",
              parser, sorted(keep), serving.tokenizer_worker_num, ipc.name)
 
-    def make(core, delivery, collector, stats, cfg) -> SglangDialect:
+    def make(core, delivery, gc_policy, stats, cfg) -> SglangDialect:
         return SglangDialect(
-            core, delivery, collector, stats,
+            core, delivery, gc_policy, stats,
             ipc=ipc, vocab_size=vocab.size, http_workers=serving.tokenizer_worker_num > 1,
             keep_stop_ids=frozenset(keep),
         )
@@ -112,7 +113,7 @@ def dialect_factory(vocab, use_pickle: bool | None = None):
     return make
 
 
-def run_detokenizer_process(server_args, port_args, verdict=None) -> None:
+def run_sglang_detokenizer(server_args, port_args, verdict=None) -> None:
     """SGLang's detokenizer process, served by detokd. `verdict`: the plugin's end of a
     pipe, told a Verdict before anything binds."""
     from sglang.srt.runtime_context import publish

@@ -3,7 +3,7 @@
 A dialect turns an inbound frame into calls on the core (rows, aborts, flushes) and
 delivery (registers, passthrough frames), and the core's output rows back into frames.
 It holds no request state: what it needs to know of a request it asks the core
-(`Detokenizer.seq_of`, `ended`, `quick_text`). Both dialects (detokd.wire.native,
+(`Detokenizer.seq_of`, `ended`, `settled_text`). Both dialects (detokd.wire.native,
 detokd.sglang.dialect) implement it, and the loop knows no other.
 """
 
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Protocol
 from ..core.records import OutRow, StoppedRow
 
 if TYPE_CHECKING:
-    from ..collector import Collector
     from ..config import Config
     from ..core.detokenizer import Detokenizer
     from ..core.stats import Stats
     from ..delivery import Delivery
+    from ..gc_policy import GcPolicy
 
 
 class Dialect(Protocol):
@@ -41,4 +41,4 @@ class Dialect(Protocol):
 
 
 # A dialect is built over the parts it drives, once the server has made them.
-DialectFactory = Callable[["Detokenizer", "Delivery", "Collector", "Stats", "Config"], Dialect]
+DialectFactory = Callable[["Detokenizer", "Delivery", "GcPolicy", "Stats", "Config"], Dialect]

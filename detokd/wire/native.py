@@ -41,10 +41,10 @@ from ..core.records import (  # noqa: F401 (v1's rows and error words, re-export
 )
 
 if TYPE_CHECKING:
-    from ..collector import Collector
     from ..config import Config
     from ..core.detokenizer import Detokenizer
     from ..delivery import Delivery
+    from ..gc_policy import GcPolicy
     from ..core.stats import Stats
 
 log = logging.getLogger("detokd.wire.native")
@@ -178,10 +178,10 @@ class NativeDialect:
 
     name = "native"
 
-    def __init__(self, core: Detokenizer, delivery: Delivery, collector: Collector, stats: Stats, *, debug_ops: bool = False) -> None:
+    def __init__(self, core: Detokenizer, delivery: Delivery, gc_policy: GcPolicy, stats: Stats, *, debug_ops: bool = False) -> None:
         self.core = core
         self.delivery = delivery
-        self.collector = collector
+        self.gc_policy = gc_policy
         self.stats = stats
         self.debug_ops = debug_ops
         self.decode = capped(core.limits.rows)[0].decode  # every list of rows within max_rows
@@ -193,9 +193,9 @@ class NativeDialect:
         return self.core.stalled(worker, rows)  # every row of a message is the core's
 
     @classmethod
-    def make(cls, core: Detokenizer, delivery: Delivery, collector: Collector, stats: Stats, cfg: Config) -> NativeDialect:
+    def make(cls, core: Detokenizer, delivery: Delivery, gc_policy: GcPolicy, stats: Stats, cfg: Config) -> NativeDialect:
         """The DialectFactory of `detokd serve`."""
-        return cls(core, delivery, collector, stats, debug_ops=cfg.debug_ops)
+        return cls(core, delivery, gc_policy, stats, debug_ops=cfg.debug_ops)
 
     def handle(self, frame: bytes) -> bool:
         """One inbound frame: decode it and do what it says. A frame that does not
@@ -248,7 +248,7 @@ class NativeDialect:
 
     def control(self, op: str) -> None:
         if op == "freeze_gc":
-            self.collector.freeze()
+            self.gc_policy.freeze()
         elif op == "flush":
             log.info("flush: dropped %d request states", self.core.flush())
         elif self.debug_ops and op.startswith("debug_stall:"):

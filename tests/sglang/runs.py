@@ -12,8 +12,10 @@ import os
 
 from conftest import vocab
 from detokd import zoo
-from detokd.sglang.process import run_detokenizer_process as detokd_target
-from detokbench.sglang_replay import DetokenizerProcess, Scripted, embedding_batch, freeze_gc_req, health_check_batch
+from detokd.sglang.process import run_sglang_detokenizer as detokd_target
+from detokbench.sglang_replay import (
+    Scripted, SglangDetokenizerUnderTest, embedding_batch, freeze_gc_req, health_check_batch,
+)
 
 # The encodings (a transport concern) are crossed with one tokenizer; the other families
 # take one encoding each. (tokenizer, encoding, HTTP workers)
@@ -130,7 +132,7 @@ def matches_oracle(got: str, want: str, s: Scripted) -> bool:
 class Run:
     """One exchange of the scenario through one detokenizer process."""
 
-    def __init__(self, name: str, proc: DetokenizerProcess):
+    def __init__(self, name: str, proc: SglangDetokenizerUnderTest):
         self.name, self.proc = name, proc
         self.requests = scenario(name, proc.http_workers)
         enc, ipcs = proc.encoding, proc.http_worker_ipcs
@@ -168,13 +170,13 @@ class Runs:
     """Every (tokenizer, encoding, workers, target) process, started together on first use."""
 
     def __init__(self) -> None:
-        self.procs: dict[tuple, DetokenizerProcess] = {}
+        self.procs: dict[tuple, SglangDetokenizerUnderTest] = {}
         self.done: dict[tuple, Run] = {}
 
     def _start_all(self) -> None:
         for name, enc, workers in [*CASES, MULTI]:
             for target, fn in TARGETS.items():
-                self.procs[name, enc, workers, target] = DetokenizerProcess(
+                self.procs[name, enc, workers, target] = SglangDetokenizerUnderTest(
                     zoo.build(name), encoding=enc, http_workers=workers, target=fn
                 ).start()
         # Ready once each answers a fence: they import SGLang side by side meanwhile.

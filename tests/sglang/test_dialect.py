@@ -10,10 +10,10 @@ import pytest
 import zmq
 
 from conftest import fast_codec, vocab
-from detokd.collector import Collector
 from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery
+from detokd.gc_policy import GcPolicy
 from detokd.core.stats import Stats
 from detokd.sglang import schema
 from detokbench.sglang_replay import Scripted, accumulate, build_stream, ipc_encoding
@@ -52,7 +52,7 @@ class Rig:
             fast_codec(NAME), self.v.size, outbox, max_states=64, max_prompt_tail=8, stats=self.stats, limits=limits
         )
         ipc = schema.MsgpackCodec() if encoding == "msgpack" else schema.PickleCodec()
-        self.dialect = SglangDialect(self.core, self.delivery, Collector(self.stats), self.stats, ipc=ipc, vocab_size=self.v.size)
+        self.dialect = SglangDialect(self.core, self.delivery, GcPolicy(self.stats), self.stats, ipc=ipc, vocab_size=self.v.size)
         self.delivery.attach(self.dialect, lost=self.dialect.stalled, live=self.core.table.__contains__)
         self.got: list = []
 

@@ -15,8 +15,8 @@ import pytest
 
 from conftest import vocab
 from detokd import zoo
-from detokd.sglang.process import run_detokenizer_process
-from detokbench.sglang_replay import DetokenizerDied, DetokenizerProcess, Scripted, accumulate, plain
+from detokd.sglang.process import run_sglang_detokenizer
+from detokbench.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, accumulate, plain
 from runs import CASES, MULTI, RUNS, expected_text, ids_of
 
 ALL = [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]]
@@ -139,10 +139,10 @@ def test_a_state_evicted_to_stay_within_capacity_kills_sglang_and_aborts_one_req
     # One after the other: a SIGQUIT does not say which child sent it.
     os.environ["SGLANG_DETOKENIZER_MAX_STATES"] = "2"
     try:
-        with DetokenizerProcess(zoo.build(name), encoding="msgpack") as sglang:
+        with SglangDetokenizerUnderTest(zoo.build(name), encoding="msgpack") as sglang:
             with pytest.raises(DetokenizerDied):
                 sglang.exchange(sglang.build(reqs), timeout=600)
-        with DetokenizerProcess(zoo.build(name), encoding="msgpack", target=run_detokenizer_process) as detokd:
+        with SglangDetokenizerUnderTest(zoo.build(name), encoding="msgpack", target=run_sglang_detokenizer) as detokd:
             (got,) = detokd.exchange(detokd.build(reqs), timeout=600)
     finally:
         del os.environ["SGLANG_DETOKENIZER_MAX_STATES"]

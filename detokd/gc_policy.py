@@ -16,12 +16,12 @@ import time
 
 from .core.stats import Stats
 
-log = logging.getLogger("detokd.collector")
+log = logging.getLogger("detokd.gc_policy")
 
 INTERVAL = 1.0  # seconds between collections of the young generations
 
 
-class Collector:
+class GcPolicy:
     def __init__(self, stats: Stats) -> None:
         self.stats = stats
         self.next = 0.0
