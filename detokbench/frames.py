@@ -15,6 +15,8 @@ from typing import Sequence
 
 import msgspec
 
+from detokd.wire.native import MAX_ADDRESS, MAX_OP
+
 enc = msgspec.msgpack.encode
 
 CORPUS = (
@@ -85,6 +87,7 @@ class Hostile:
             (3, self.truncated), (2, self.lying_header), (1, self.deep), (2, self.huge),
             (3, self.multipart), (4, self.bad_ids), (2, self.bad_seq), (1, self.bad_worker),
             (1, self.unknown_op), (1, self.odd_embeddings), (1, self.odd_register), (1, self.junk_abort),
+            (1, self.huge_register),
         ]
         self.weights = [w for w, _ in self.gens]
 
@@ -210,15 +213,22 @@ class Hostile:
         return enc({"type": "tokens", "rows": [{"rid": self.rid(), "ids": [5], "start": {"worker": self.rng.choice([-1, 99, 2**63 - 1])}}]}), False
 
     def unknown_op(self):
-        return enc({"type": "control", "op": self.rng.choice(["reboot", "debug_stall:5", "", "FLUSH", "x" * 1000])}), False
+        op = self.rng.choice(["reboot", "debug_stall:5", "", "FLUSH", "x" * 1000])
+        return enc({"type": "control", "op": op}), len(op) > MAX_OP  # a bad frame past MAX_OP
 
     def odd_embeddings(self):
         return enc({"type": "embeddings", "rows": [{"rid": self.rid(), "worker": self.rng.choice([-3, 42, 2**40]), "data": [1.0]}]}), False
 
     def odd_register(self):
         """Workers far from the real ones, at addresses that are garbage or lead nowhere."""
-        address = self.rng.choice(["garbage", "tcp://", "tcp://no-port", "ipc://", "ipc:///" + "x" * 300, "ipc:///nonexistent/dir/w.sock", "inproc://nobody"])
+        address = self.rng.choice(["garbage", "tcp://", "tcp://no-port", "ipc://", "ipc:///" + "x" * 300,
+                                   "ipc:///nonexistent/dir/w.sock", "inproc://nobody"])
         return enc({"type": "register", "worker": self.rng.randint(100, 103), "address": address}), False
+
+    def huge_register(self):
+        """An address past MAX_ADDRESS: a bad frame, never a register refused (or taken)."""
+        address = "tcp://" + "h" * self.rng.randint(MAX_ADDRESS, 4 * MAX_ADDRESS) + ":1"
+        return enc({"type": "register", "worker": 0, "address": address}), True
 
     def junk_abort(self):
         return enc({"type": "abort", "rids": [self.rid(), "", "x-" + "y" * 500]}), False

@@ -120,7 +120,7 @@ class RegisterPolicy:
         return None
 
 
-@dataclass
+@dataclass(slots=True)
 class Queued:
     """A frame waiting in a backlog, with the rows it carries (to fail them if lost)."""
 
