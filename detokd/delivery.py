@@ -47,9 +47,11 @@ log = logging.getLogger("detokd.delivery")
 
 FEEDBACK = -1  # the feedback queue's index among the backlogged: no worker's
 # Rows taken as lost when a worker's connection breaks: those of the last messages ZMQ
-# took, up to this many bytes of them (ZMQ's queue of send_hwm batch-sized messages, and
-# the connection's socket buffers: a unix socket's few hundred KB, tcp's few MB).
-IN_FLIGHT_BYTES = 4 << 20
+# took, up to this many rows or bytes of frames, whichever comes first (ZMQ's queue and
+# the socket buffers hold ~1 MB: 16 batch-sized messages, or a few thousand one-row
+# ones). Bounded in rows too: a kept row costs a few hundred bytes of Python objects.
+IN_FLIGHT_ROWS = 4096
+IN_FLIGHT_BYTES = 1 << 20
 MAX_OWED = 65536  # error rows kept per worker for when it has room again
 MAX_OWED_BYTES = 16 << 20  # and their bytes: rids are the peer's strings, of any length
 
@@ -150,6 +152,7 @@ class Worker:
     backlog_bytes: int = 0
     in_flight: deque[Sent] = field(default_factory=deque)  # the last messages ZMQ took
     in_flight_bytes: int = 0  # at most IN_FLIGHT_BYTES, but for the last message
+    in_flight_rows: int = 0  # at most IN_FLIGHT_ROWS, but for the last message
     owed: BoundedMap[str, OutRow] = field(default_factory=_owed)  # rid -> error row a full queue kept from this worker
 
 
@@ -289,7 +292,7 @@ class Delivery:
         worker is owed their error rows for when it can be reached again."""
         rows = list({row.rid: row for sent in w.in_flight for row in sent.rows}.values())  # each rid's last row
         w.in_flight.clear()
-        w.in_flight_bytes = 0
+        w.in_flight_bytes = w.in_flight_rows = 0
         w.disconnects += 1
         if rows and self.lost is not None:
             self._keep_owed(w, self.lost(w.index, rows))
@@ -370,8 +373,11 @@ class Delivery:
             return
         w.in_flight.append(Sent(rows, nbytes))
         w.in_flight_bytes += nbytes
-        while w.in_flight_bytes > IN_FLIGHT_BYTES and len(w.in_flight) > 1:
-            w.in_flight_bytes -= w.in_flight.popleft().nbytes
+        w.in_flight_rows += len(rows)
+        while (w.in_flight_bytes > IN_FLIGHT_BYTES or w.in_flight_rows > IN_FLIGHT_ROWS) and len(w.in_flight) > 1:
+            old = w.in_flight.popleft()
+            w.in_flight_bytes -= old.nbytes
+            w.in_flight_rows -= len(old.rows)
 
     def flush(self) -> None:
         """Move backlogged frames into ZMQ's queues while they take them, in order."""

@@ -851,7 +851,7 @@ def test_rows_in_flight_on_a_worker_connection_that_breaks_fail_their_requests_n
     old = Sink(zctx, d.workers[0], read=False, rcvhwm=1)
     d.wait_ready()
     v = vocab("deepseek")
-    ids = v.backend.encode(" one two three four five six seven eight nine ten" * 400, add_special_tokens=False).ids
+    ids = v.backend.encode(" one two three four five six seven eight nine ten" * 8000, add_special_tokens=False).ids
     reqs = [Req(f"r{k}", ids) for k in range(4)]
     eng = Engine(zctx, d.input)
     port = metrics_port(d)
@@ -859,14 +859,14 @@ def test_rows_in_flight_on_a_worker_connection_that_breaks_fail_their_requests_n
     # flight, in ZMQ's queue and the socket buffers.
     while not metric(scrape(port), "detokd_worker_backlog_messages", worker="0"):
         assert reqs[0].pos < len(ids) // 2, "no backlog"
-        for _ in range(20):
-            eng.rows([req.row(8) for req in reqs])
+        for _ in range(4):  # messages of ~4 x 2 KB: ZMQ's queue and the buffers fill within a few dozen
+            eng.rows([req.row(512) for req in reqs])
     old.close()  # the worker dies with all of it unread
     wait_until(lambda: metric(scrape(port), "detokd_worker_disconnects_total", worker="0") == 1, 20, "the broken connection seen")
     new = Sink(zctx, d.workers[0])
     for req in reqs:
         while not req.done:
-            eng.rows([req.row(4)])
+            eng.rows([req.row(512)])
     for req in reqs:
         new.wait(lambda: new.ended(req.rid), 20, f"{req.rid} to end")
     want = oracle(v, [], ids, True)
