@@ -183,22 +183,30 @@ def _make_req(s: Scripted, ipc: str | None, tokenizer: Any):
     return req
 
 
+def append_output_logprobs(lp: Any, tokens: Sequence[int], start: int) -> None:
+    """Deterministic output logprobs of the shapes SGLang's streamer sends, for `tokens`
+    at output positions start, start + 1, ...: the TokenizerManager reads them from the
+    fields a detokenizer forwards."""
+    for k, tok in enumerate(tokens):
+        pos = start + k
+        lp.output_token_logprobs_val.append(-(pos + 1) / 8)
+        lp.output_token_logprobs_idx.append(tok)
+        lp.output_top_logprobs_val.append([-(pos + 1) / 8, -4.0])
+        lp.output_top_logprobs_idx.append([tok, 0])
+        lp.output_token_ids_logprobs_val.append(None)
+        lp.output_token_ids_logprobs_idx.append(None)
+
+
 def _advance(req, s: Scripted, chunk: list[int], last: bool) -> None:
     """What a decode step leaves on the Req: new ids and their per-token payloads."""
     import torch
 
     base = len(req.output_ids)
     req.output_ids.extend(chunk)
+    if s.logprobs:
+        append_output_logprobs(req.logprob, chunk, base)
     for k, tok in enumerate(chunk):
         pos = base + k
-        if s.logprobs:
-            lp = req.logprob
-            lp.output_token_logprobs_val.append(-(pos + 1) / 8)
-            lp.output_token_logprobs_idx.append(tok)
-            lp.output_top_logprobs_val.append([-(pos + 1) / 8, -4.0])
-            lp.output_top_logprobs_idx.append([tok, 0])
-            lp.output_token_ids_logprobs_val.append(None)
-            lp.output_token_ids_logprobs_idx.append(None)
         if s.hidden_states:
             req.hidden_states.append([pos + 0.25, -pos - 0.5, 1.0])
         if s.customized_info:

@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable
 
 
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
     """Poll `pred` until it is truthy and return its value; TimeoutError naming `what`
     at the deadline."""
     deadline = time.monotonic() + timeout

@@ -982,7 +982,7 @@ def _queue_behind_a_stall(d, zctx, stall: float, frames: list[dict]) -> None:
 def _exit_code(d, within: float) -> int:
     try:
         return wait_until(lambda: d.proc.poll() is not None and (d.proc.returncode,), within, "detokd to exit")[0]
-    except AssertionError:
+    except TimeoutError:
         d.kill()
         raise
 

@@ -382,16 +382,21 @@ sys.exit(rc)
 """
 
 
+def _lingerers(d: Path) -> None:
+    """Two LINGERER shards as executable files of their own: shard-0, shard-1."""
+    for i in range(2):
+        exe = d / f"shard-{i}"
+        exe.write_text(f"#!{sys.executable}\n{LINGERER}")
+        exe.chmod(0o755)
+
+
 def test_a_shard_that_cannot_be_spawned_backs_off_while_the_supervisor_and_its_siblings_live_on(tmp_path: Path) -> None:
     """Shard 1's executable loses its execute bit and shard 1 is killed: every restart
     fails in Popen (EACCES). Before, the supervisor died of it (exit 1) and the kernel's
     PR_SET_PDEATHSIG hit each shard with SIGTERM once per exiting supervisor thread.
     Now each failed spawn is one more backoff; shard 0 keeps its process; shard 1 runs
     again once it can; on SIGTERM each shard gets one SIGTERM and ends its own way."""
-    for i in range(2):
-        exe = tmp_path / f"shard-{i}"
-        exe.write_text(f"#!{sys.executable}\n{LINGERER}")
-        exe.chmod(0o755)
+    _lingerers(tmp_path)
     sup = Supervised([sys.executable, "-c", EXEC_SUPERVISOR, str(tmp_path)], tmp_path / "supervisor.log")
     try:
         port = sup.status_port()
@@ -439,10 +444,7 @@ def test_a_supervisor_that_fails_stops_each_shard_with_one_sigterm_and_its_linge
     1. Before, its exit left them to PR_SET_PDEATHSIG, once per exiting thread: a second
     SIGTERM ~2 ms later, which a shard reads as "exit now, skip the linger"."""
     assert BROKEN_SUPERVISOR != EXEC_SUPERVISOR and "def argv" in BROKEN_SUPERVISOR
-    for i in range(2):
-        exe = tmp_path / f"shard-{i}"
-        exe.write_text(f"#!{sys.executable}\n{LINGERER}")
-        exe.chmod(0o755)
+    _lingerers(tmp_path)
     sup = Supervised([sys.executable, "-c", BROKEN_SUPERVISOR, str(tmp_path)], tmp_path / "supervisor.log")
     try:
         sup.status_port()

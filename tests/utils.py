@@ -29,6 +29,7 @@ import zmq
 
 from conftest import vocab
 from detokbench.frames import CORPUS, mixed_ids
+from detokbench.waits import wait_until  # noqa: F401  (the tests' wait too)
 from detokd.client import SchedulerClient
 from detokd.wire import native
 
@@ -63,18 +64,6 @@ def make_ids(rng: random.Random, n: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- peers
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    """Poll `pred` until it is truthy; fail with `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Req:

@@ -22,6 +22,8 @@ import re
 import time
 from typing import Any
 
+from detokbench.sglang_replay import append_output_logprobs
+
 # One step every STEP_S while requests run: slow enough that a stream has many rows,
 # fast enough that ~30 requests of ~60 ids end in seconds.
 STEP_S = 0.004
@@ -162,7 +164,7 @@ class Standin:
             new = [reply[(start + j) % len(reply)] for j in range(per_step)]
             req.output_ids.extend(new)
             if req.return_logprob:
-                self._append_logprobs(req, new, start)
+                append_output_logprobs(req.logprob, new, start)
             req.update_finish_state(len(new))
         self.streamer.stream_output(reqs, any(r.return_logprob for r in reqs))
         for req in reqs:
@@ -200,17 +202,6 @@ class Standin:
             for kind in ("token", "top", "token_ids"):
                 setattr(lp, f"output_{kind}_logprobs_{name}", [])
 
-    @staticmethod
-    def _append_logprobs(req: Any, new: list[int], start: int) -> None:
-        lp = req.logprob
-        for k, tok in enumerate(new):
-            pos = start + k
-            lp.output_token_logprobs_val.append(-(pos + 1) / 8)
-            lp.output_token_logprobs_idx.append(tok)
-            lp.output_top_logprobs_val.append([-(pos + 1) / 8, -4.0])
-            lp.output_top_logprobs_idx.append([tok, 0])
-            lp.output_token_ids_logprobs_val.append(None)
-            lp.output_token_ids_logprobs_idx.append(None)
 
 
 def run_standin_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, *_, **__):
