@@ -29,7 +29,7 @@ import zmq
 
 from conftest import vocab
 from detokbench.frames import CORPUS, mixed_ids
-from detokbench.waits import wait_until  # noqa: F401  (the tests' wait too)
+from detokbench.waits import wait_on, wait_until  # noqa: F401  (wait_until: the tests' wait too)
 from detokd.client import SchedulerClient
 from detokd.wire import native
 
@@ -172,16 +172,8 @@ class Sink:
         return [r["error"] for r in self.rows(rid) if r["error"] is not None]
 
     def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                value = pred()
-                if value:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-                self.cond.wait(min(left, 0.1))
+        """`pred`'s value once it is truthy (checked whenever a message arrived)."""
+        return wait_on(self.cond, pred, timeout, what)
 
 
 class Engine:
