@@ -29,7 +29,7 @@ import fnmatch
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -127,14 +127,14 @@ class Queued:
     """A frame waiting in a backlog, with the rows it carries (to fail them if lost)."""
 
     frame: bytes
-    rows: list[OutRow]
+    rows: Sequence[OutRow]
 
 
 @dataclass(slots=True)
 class Sent:
     """A message ZMQ took, by the rows it carries and its size."""
 
-    rows: list[OutRow]
+    rows: Sequence[OutRow]
     nbytes: int
 
 
@@ -335,7 +335,7 @@ class Delivery:
 
     # --- sending ------------------------------------------------------------------------
 
-    def send(self, index: int, frame: bytes, rows: list[OutRow] = []) -> bool:  # noqa: B006 (never mutated)
+    def send(self, index: int, frame: bytes, rows: Sequence[OutRow] = ()) -> bool:
         """Queue one frame for a worker: into ZMQ's queue, or behind it into the
         backlog while ZMQ's is full. False when there is no such worker or the backlog
         has no room for the frame (it is lost and counted). `rows`: what the frame
@@ -343,7 +343,7 @@ class Delivery:
         w = self.workers.get(index)
         return w is not None and self._queue(w, frame, rows)
 
-    def _queue(self, w: Worker, frame: bytes, rows: list[OutRow]) -> bool:
+    def _queue(self, w: Worker, frame: bytes, rows: Sequence[OutRow]) -> bool:
         if w.socket is None:
             return False
         if w.backlog:
@@ -367,7 +367,7 @@ class Delivery:
         return True
 
     @staticmethod
-    def _took(w: Worker, rows: list[OutRow], nbytes: int) -> None:
+    def _took(w: Worker, rows: Sequence[OutRow], nbytes: int) -> None:
         """ZMQ took a message of these rows: remember them while they may be in flight."""
         if w.index == FEEDBACK:  # a lost `stopped` message leaves the text unaffected
             return
@@ -431,7 +431,7 @@ class Delivery:
                 log.warning("worker %d's queue is full: %d rows lost, their requests failed", index, len(rows))
                 self._keep_owed(self.workers[index], self.lost(index, rows))
         stopped = self.outbox.take_stopped()
-        if stopped and self.feedback is not None and not self._queue(self.feedback, encoder.encode_stopped(stopped), []):
+        if stopped and self.feedback is not None and not self._queue(self.feedback, encoder.encode_stopped(stopped), ()):
             self.stats.feedback_dropped += len(stopped)
             log.warning("feedback queue full: %d stopped rows lost (the scheduler generates until its own stop)", len(stopped))
 
