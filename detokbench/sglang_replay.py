@@ -8,9 +8,10 @@ Three pieces, each usable alone by the SGLang tests and `detokbench sglang-bench
   scheduler-side builder (`Req` + `_GenerationStreamAccumulator` of
   scheduler_components/output_streamer.py), not by a re-implementation of it.
 - `SglangDetokenizerUnderTest`: a detokenizer (SGLang's or detokd's) started the way
-  SGLang's Engine starts it (spawn, `target(server_args, port_args)`), fed by a fake
-  scheduler (PUSH, SGLang's `sock_send`) and drained by fake TokenizerManagers (PULL,
-  SGLang's `sock_recv`).
+  SGLang's Engine starts it (spawn, `target(server_args, port_args)`; with N > 1, N of
+  them behind SGLang's own MultiDetokenizerRouter, as `--detokenizer-worker-num N`),
+  fed by a fake scheduler (PUSH, SGLang's `sock_send`) and drained by fake
+  TokenizerManagers (PULL, SGLang's `sock_recv`).
 
 SGLang picks its IPC encoding once, at import of io_struct, from SGLANG_USE_PICKLE_IPC.
 A test process needs both encodings, so `ipc_encoding` sets the module flag and the
@@ -31,6 +32,7 @@ import signal
 import tempfile
 import threading
 import time
+import zlib
 from array import array
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
@@ -328,14 +330,38 @@ def freeze_gc_req() -> Any:
     return FreezeGCReq()
 
 
-def fence_batch(tag: str, *, encoding: Encoding, http_worker_ipcs: Sequence[str | None]) -> Any:
-    """One finished one-token row per receiver, rids starting with FENCE_PREFIX."""
+def fence_batch(
+    tag: str, *, encoding: Encoding, http_worker_ipcs: Sequence[str | None], detokenizers: int = 1
+) -> Any:
+    """Finished one-token rows, rids starting with FENCE_PREFIX: one per receiver and
+    detokenizer that sends to it (`_fence_rids`)."""
     rows = [
-        Scripted(rid=f"{FENCE_PREFIX}{tag}:{i}", prompt_ids=[1], output_ids=[1], http_worker=i)
-        for i in range(len(http_worker_ipcs))
+        Scripted(rid=rid, prompt_ids=[1], output_ids=[1], http_worker=i)
+        for i, ipc in enumerate(http_worker_ipcs)
+        for rid in _fence_rids(tag, i, ipc, detokenizers)
     ]
     (msg,) = build_stream(rows, encoding=encoding, http_worker_ipcs=http_worker_ipcs)
     return msg
+
+
+def route(http_worker_ipc: str | None, rid: str, detokenizers: int) -> int:
+    """The detokenizer SGLang's MultiDetokenizerRouter gives a row (its `_pick_for`): by
+    the row's HTTP worker address, or by its rid when the row names none."""
+    return zlib.crc32((rid if http_worker_ipc is None else http_worker_ipc).encode()) % detokenizers
+
+
+def _fence_rids(tag: str, receiver: int, ipc: str | None, detokenizers: int) -> list[str]:
+    """A fence rid for each detokenizer that sends to this receiver: all of them when rows
+    are routed by rid, the one its address picks otherwise. Every process's output
+    reaches the receiver in order, so once each of its fences is in, all is."""
+    wanted = {route(ipc, "", detokenizers)} if ipc is not None else set(range(detokenizers))
+    rids: dict[int, str] = {}
+    salt = 0
+    while len(rids) < len(wanted):
+        rid = f"{FENCE_PREFIX}{tag}:{receiver}:{salt}"
+        rids.setdefault(route(ipc, rid, detokenizers), rid)
+        salt += 1
+    return [rids[d] for d in sorted(wanted)]
 
 
 def prompt_context(messages: Iterable[Any]) -> dict[str, list[int]]:
@@ -447,8 +473,9 @@ class DetokenizerDied(RuntimeError):
 
 class SglangDetokenizerUnderTest:
     """A detokenizer process (`target`, SGLang's own by default) on fresh ipc addresses,
-    with a fake scheduler and fake TokenizerManager(s) around it. Use as a context
-    manager; close() always reaps it."""
+    with a fake scheduler and fake TokenizerManager(s) around it; `detokenizers` > 1:
+    that many of them behind SGLang's router. Use as a context manager; close() always
+    reaps every process."""
 
     def __init__(
         self,
@@ -456,15 +483,17 @@ class SglangDetokenizerUnderTest:
         *,
         encoding: Encoding = "pickle",
         http_workers: int = 1,
+        detokenizers: int = 1,
         target: Callable | None = None,
         server_args: dict | None = None,
     ):
         self.tokenizer_dir = Path(tokenizer)
         self.encoding: Encoding = encoding
         self.http_workers = http_workers
+        self.detokenizers = detokenizers
         self.target = target
         self.server_args_overrides = dict(server_args or {})
-        self.process = None
+        self.processes: list = []  # the detokenizer(s), then SGLang's router if any
         self.sigquit = False
         self._root: Path | None = None
         self._ctx = None
@@ -479,9 +508,7 @@ class SglangDetokenizerUnderTest:
     # lifecycle
 
     def start(self) -> "SglangDetokenizerUnderTest":
-        """Spawn the process (returns at once; the first exchange waits for it)."""
-        import multiprocessing as mp
-
+        """Spawn the process(es) (returns at once; the first exchange waits for them)."""
         import zmq
         from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -494,6 +521,7 @@ class SglangDetokenizerUnderTest:
                 tokenizer_path=str(self.tokenizer_dir),
                 device="cpu",
                 tokenizer_worker_num=self.http_workers,
+                detokenizer_worker_num=self.detokenizers,
                 log_level="warning",
             )
             args.update(self.server_args_overrides)
@@ -531,27 +559,55 @@ class SglangDetokenizerUnderTest:
                 # SGLang's run_detokenizer_process SIGQUITs its parent on an exception.
                 self._old_sigquit = signal.signal(signal.SIGQUIT, self._on_sigquit)
             target = self.target or _sglang_target()
-            with ipc_encoding(self.encoding):  # the child inherits it before importing sglang
-                self.process = mp.get_context("spawn").Process(
-                    target=target, args=(self.server_args, self.port_args), daemon=True
-                )
-                self.process.start()
+            with ipc_encoding(self.encoding):  # the children inherit it before importing sglang
+                self._spawn(target)
         except BaseException:
             self.close()
             raise
         return self
 
+    def _spawn(self, target: Callable) -> None:
+        """What Engine._launch_detokenizer_subprocesses starts: the detokenizer on SGLang's
+        address, or N of them on their own addresses and SGLang's router on SGLang's."""
+        import multiprocessing as mp
+
+        spawn = mp.get_context("spawn")
+
+        def start(name: str, fn: Callable, args: tuple, kwargs: dict | None = None) -> None:
+            proc = spawn.Process(target=fn, name=name, args=args, kwargs=kwargs or {}, daemon=True)
+            proc.start()
+            self.processes.append(proc)
+
+        if self.detokenizers == 1:
+            start("detokenizer", target, (self.server_args, self.port_args))
+            return
+        from sglang.srt.managers.multi_tokenizer_mixin import run_multi_detokenizer_router_process
+
+        own = [f"ipc://{self._root / f'detokenizer_{i}'}" for i in range(self.detokenizers)]
+        for i, address in enumerate(own):
+            port_args = dataclasses.replace(self.port_args, detokenizer_ipc_name=address)
+            start(f"detokenizer_{i}", target, (self.server_args, port_args))
+        start("detokenizer_router", run_multi_detokenizer_router_process, (own, self.server_args, self.port_args),
+              {"enable_metrics": False})
+
+    @property
+    def process(self):
+        """The (first) detokenizer process."""
+        return self.processes[0] if self.processes else None
+
     def _on_sigquit(self, signum, frame) -> None:
         self.sigquit = True
 
     def close(self) -> None:
-        if self.process is not None:
-            if self.process.is_alive():
-                self.process.terminate()
-                self.process.join(5)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(5)
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.processes:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self.processes = []
         for sock in [self._push, *self._pulls]:
             if sock is not None:
                 sock.close(0)
@@ -567,7 +623,7 @@ class SglangDetokenizerUnderTest:
             self._root = None
 
     def __enter__(self) -> "SglangDetokenizerUnderTest":
-        return self if self.process is not None else self.start()
+        return self if self.processes else self.start()
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -586,26 +642,28 @@ class SglangDetokenizerUnderTest:
 
     def exchange(self, messages: Iterable[Any], *, timeout: float = 180.0) -> list[list[Any]]:
         """Send `messages` then a fence; return, per receiver (HTTP worker), every output
-        that arrived before its fence, in arrival order, fence rows removed."""
+        that arrived before its fences, in arrival order, fence rows removed."""
         import zmq
         from sglang.srt.managers.io_struct import sock_recv
 
         self._fences += 1
         tag = str(self._fences)
-        fence = fence_batch(tag, encoding=self.encoding, http_worker_ipcs=self.http_worker_ipcs)
+        ipcs, n = self.http_worker_ipcs, self.detokenizers
+        fence = fence_batch(tag, encoding=self.encoding, http_worker_ipcs=ipcs, detokenizers=n)
         self.send([*messages, fence])
+        due = [len(_fence_rids(tag, i, ipc, n)) for i, ipc in enumerate(ipcs)]
         got: list[list[Any]] = [[] for _ in self._pulls]
-        pending = set(range(len(self._pulls)))
         poller = zmq.Poller()
         for sock in self._pulls:
             poller.register(sock, zmq.POLLIN)
         deadline = time.monotonic() + timeout
         with ipc_encoding(self.encoding):
-            while pending:
+            while any(due):
                 self._check_alive()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no fence from receivers {sorted(pending)} within {timeout}s")
+                    pending = [i for i, left_due in enumerate(due) if left_due]
+                    raise TimeoutError(f"no fence from receivers {pending} within {timeout}s")
                 for sock, _ in poller.poll(min(left, 0.5) * 1000):
                     i = self._pulls.index(sock)
                     out = sock_recv(sock, zmq.NOBLOCK)
@@ -618,14 +676,35 @@ class SglangDetokenizerUnderTest:
                         raise AssertionError(f"fence rows mixed into an output: {rids}")
                     if any(not r.startswith(f"{FENCE_PREFIX}{tag}:") for r in fences):
                         raise AssertionError(f"stale fence {fences}")
-                    pending.discard(i)
+                    due[i] -= len(fences)
         return got
+
+    def streams(self, received: list[list[Any]]) -> list[list[Any]]:
+        """`received` cut into streams whose order is the detokenizers' own: per receiver,
+        one per detokenizer (the one SGLang's router gives the message's rows), then the
+        messages with no rows, which the router sends to every detokenizer. With one
+        detokenizer, `received` itself."""
+        if self.detokenizers == 1:
+            return received
+        out = []
+        for got in received:
+            cut: list[list[Any]] = [[] for _ in range(self.detokenizers + 1)]
+            for msg in got:
+                rids = getattr(msg, "rids", None) or []
+                ipcs = getattr(msg, "http_worker_ipcs", None) or [None] * len(rids)
+                picked = {route(ipc, rid, self.detokenizers) for ipc, rid in zip(ipcs, rids)}
+                if len(picked) > 1:
+                    raise AssertionError(f"one output holds rows of detokenizers {sorted(picked)}: {list(msg.rids)}")
+                cut[picked.pop() if picked else -1].append(msg)
+            out.extend(cut)
+        return out
 
     def _check_alive(self) -> None:
         if self.sigquit:
             raise DetokenizerDied("the detokenizer signalled SIGQUIT (it hit an exception; see its log)")
-        if self.process is not None and not self.process.is_alive():
-            raise DetokenizerDied(f"the detokenizer exited with code {self.process.exitcode}")
+        for proc in self.processes:
+            if not proc.is_alive():
+                raise DetokenizerDied(f"{proc.name} exited with code {proc.exitcode}")
 
 
 def _sglang_target() -> Callable:

@@ -21,6 +21,9 @@ from detokbench.sglang_replay import (
 # take one encoding each. (tokenizer, encoding, HTTP workers)
 CASES = [("deepseek", "pickle", 1), ("deepseek", "msgpack", 1), ("qwen2", "pickle", 1), ("mistral_v3", "msgpack", 1)]
 MULTI = ("deepseek", "msgpack", 2)
+# SGLang's multi-detokenizer mode (--detokenizer-worker-num 2: two detokenizers behind its
+# router, which spreads rows by rid) in both encodings. (tokenizer, encoding, HTTP workers, detokenizers)
+ROUTED = [("qwen2", "pickle", 1, 2), ("deepseek", "msgpack", 1, 2)]
 TARGETS = {"sglang": None, "detokd": detokd_target}
 
 TEXT = "Hello, world! 世界你好 🤖🎉👍🏽 Привет, мир! مرحبا بالعالم. Done."
@@ -130,7 +133,8 @@ def matches_oracle(got: str, want: str, s: Scripted) -> bool:
 
 
 class Run:
-    """One exchange of the scenario through one detokenizer process."""
+    """One exchange of the scenario through one detokenizer (or SGLang's router and its
+    detokenizers)."""
 
     def __init__(self, name: str, proc: SglangDetokenizerUnderTest):
         self.name, self.proc = name, proc
@@ -143,6 +147,8 @@ class Run:
             embedding_batch(["emb-0", "emb-1"], encoding=enc, http_worker_ipcs=ipcs, workers=[0, 1 % proc.http_workers]),
         ]
         self.received = proc.exchange(self.sent, timeout=600)
+        # What arrives in the order one process sent it (per receiver and detokenizer).
+        self.streams = proc.streams(self.received)
 
     def lifetimes(self) -> dict[str, list[Scripted]]:
         out: dict[str, list[Scripted]] = {}
@@ -167,26 +173,27 @@ class Run:
 
 
 class Runs:
-    """Every (tokenizer, encoding, workers, target) process, started together on first use."""
+    """Every (tokenizer, encoding, workers, detokenizers, target) process, started together
+    on first use."""
 
     def __init__(self) -> None:
         self.procs: dict[tuple, SglangDetokenizerUnderTest] = {}
         self.done: dict[tuple, Run] = {}
 
     def _start_all(self) -> None:
-        for name, enc, workers in [*CASES, MULTI]:
+        for name, enc, workers, detokenizers in [(*c, 1) for c in [*CASES, MULTI]] + ROUTED:
             for target, fn in TARGETS.items():
-                self.procs[name, enc, workers, target] = SglangDetokenizerUnderTest(
-                    zoo.build(name), encoding=enc, http_workers=workers, target=fn
+                self.procs[name, enc, workers, detokenizers, target] = SglangDetokenizerUnderTest(
+                    zoo.build(name), encoding=enc, http_workers=workers, detokenizers=detokenizers, target=fn
                 ).start()
         # Ready once each answers a fence: they import SGLang side by side meanwhile.
         for proc in self.procs.values():
             proc.exchange([], timeout=900)
 
-    def __call__(self, name: str, enc: str, workers: int = 1, target: str = "sglang") -> Run:
+    def __call__(self, name: str, enc: str, workers: int = 1, target: str = "sglang", detokenizers: int = 1) -> Run:
         if not self.procs:
             self._start_all()
-        key = (name, enc, workers, target)
+        key = (name, enc, workers, detokenizers, target)
         if key not in self.done:
             try:
                 self.done[key] = Run(name, self.procs[key])
@@ -197,10 +204,11 @@ class Runs:
             raise run
         return run
 
-    def close(self) -> None:
-        for p in self.procs.values():
-            p.close()
-        self.procs.clear()
+    def close(self, detokenizers: int | None = None) -> None:
+        """Reap the processes (only those with `detokenizers` detokenizers, if given: the
+        modules after the differential test need the memory); their runs stay readable."""
+        for key in [k for k in self.procs if detokenizers in (None, k[3])]:
+            self.procs.pop(key).close()
 
 
 RUNS = Runs()

@@ -2,9 +2,10 @@
 
 Both processes get the scenario of runs.py, built by SGLang's own scheduler code
 (output_streamer's accumulator over real Reqs), in both IPC encodings, three tokenizer
-families and two HTTP workers; both outputs are decoded with SGLang's own decoder and
-compared field by field. Where the two differ, the test says which is right and why
-(docs/sglang.md, "Where detokd differs").
+families, two HTTP workers, and two detokenizers behind SGLang's router (SGLang's own
+two, then detokd's); both outputs are decoded with SGLang's own decoder and compared
+field by field, in the order each process sent them. Where the two differ, the test
+says which is right and why (docs/sglang.md, "Where detokd differs").
 """
 
 from __future__ import annotations
@@ -17,34 +18,60 @@ from conftest import vocab
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer
 from detokbench.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, accumulate, plain
-from runs import CASES, MULTI, RUNS, expected_text, ids_of
+from runs import CASES, MULTI, ROUTED, RUNS, expected_text, ids_of
 
-ALL = [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]]
+ALL = [pytest.param(*c, 1, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]] + [
+    pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}w-{c[3]}d") for c in ROUTED
+]
 # The first test starts every process of runs.py and waits until each answers: minutes.
 pytestmark = pytest.mark.timeout(1800)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def routed_processes_end_with_this_module():
+    """No other module uses them: their ~12 processes (~6 GB) would stay beside the next
+    module's SGLang servers."""
+    yield
+    for detokenizers in {c[3] for c in ROUTED}:
+        RUNS.close(detokenizers)
+
+
 @pytest.fixture(scope="module")
 def pair():
-    def get(name, enc, workers):
-        return RUNS(name, enc, workers, "sglang"), RUNS(name, enc, workers, "detokd")
+    def get(name, enc, workers, detokenizers):
+        return RUNS(name, enc, workers, "sglang", detokenizers), RUNS(name, enc, workers, "detokd", detokenizers)
 
     return get
 
 
-@pytest.mark.parametrize("name,enc,workers", ALL)
-def test_every_receiver_gets_the_same_messages_with_the_same_rids_in_the_same_order(pair, name, enc, workers):
-    theirs, ours = pair(name, enc, workers)
+@pytest.mark.parametrize("name,enc,workers,detokenizers", ALL)
+def test_each_process_sends_each_receiver_the_same_messages_with_the_same_rids_in_the_same_order(
+    pair, name, enc, workers, detokenizers
+):
+    theirs, ours = pair(name, enc, workers, detokenizers)
     assert len(ours.received) == len(theirs.received) == workers
-    for t, o in zip(theirs.received, ours.received):
+    assert len(ours.streams) == len(theirs.streams)
+    for t, o in zip(theirs.streams, ours.streams):
         assert [(type(m).__name__, list(m.rids)) for m in o] == [(type(m).__name__, list(m.rids)) for m in t]
 
 
-@pytest.mark.parametrize("name,enc,workers", ALL)
-def test_every_field_but_the_text_chunks_equals_sglangs(pair, name, enc, workers):
+@pytest.mark.parametrize("name,enc,workers,detokenizers", [p for p in ALL if p.values[3] > 1])
+def test_behind_sglangs_router_every_detokenizer_answers_some_requests_and_every_request_is_answered(
+    pair, name, enc, workers, detokenizers
+):
+    """--detokenizer-worker-num 2: the router pins each rid to one detokenizer, so the
+    scenario's requests are spread over both processes, and none is lost between them."""
+    for run in pair(name, enc, workers, detokenizers):
+        answered = [{rid for m in s if type(m).__name__ == "BatchStrOutput" for rid in m.rids} for s in run.streams]
+        assert all(answered[:detokenizers]), [len(a) for a in answered]
+        assert set().union(*answered) == {s.rid for s in run.requests}
+
+
+@pytest.mark.parametrize("name,enc,workers,detokenizers", ALL)
+def test_every_field_but_the_text_chunks_equals_sglangs(pair, name, enc, workers, detokenizers):
     """Logprobs, token counts, hidden states, time stats, routed experts in base64,
     finish reasons, embeddings: all of it, message by message."""
-    theirs, ours = pair(name, enc, workers)
+    theirs, ours = pair(name, enc, workers, detokenizers)
 
     def value(run, msg, field):
         v = plain(getattr(msg, field))
@@ -53,7 +80,7 @@ def test_every_field_but_the_text_chunks_equals_sglangs(pair, name, enc, workers
         return v
 
     compared = 0
-    for t, o in zip(theirs.received, ours.received):
+    for t, o in zip(theirs.streams, ours.streams):
         for mt, mo in zip(t, o):
             for field in mt.__struct_fields__:
                 if field == "output_strs":
@@ -63,11 +90,11 @@ def test_every_field_but_the_text_chunks_equals_sglangs(pair, name, enc, workers
     assert compared > 500
 
 
-@pytest.mark.parametrize("name,enc,workers", ALL)
-def test_each_request_accumulates_sglangs_text_which_is_the_oracles(pair, name, enc, workers):
-    theirs, ours = pair(name, enc, workers)
+@pytest.mark.parametrize("name,enc,workers,detokenizers", ALL)
+def test_each_request_accumulates_sglangs_text_which_is_the_oracles(pair, name, enc, workers, detokenizers):
+    theirs, ours = pair(name, enc, workers, detokenizers)
     ctx = ours.contexts()
-    for t, o in zip(theirs.received, ours.received):
+    for t, o in zip(theirs.streams, ours.streams):
         acc_t, acc_o = accumulate(t), accumulate(o)
         assert acc_o.keys() == acc_t.keys()
         for rid, lives in acc_o.items():
@@ -79,17 +106,19 @@ def test_each_request_accumulates_sglangs_text_which_is_the_oracles(pair, name, 
             assert [a.finished_reason for a in lives] == [a.finished_reason for a in acc_t[rid]], rid
 
 
-@pytest.mark.parametrize("name,enc,workers", ALL)
-def test_a_stop_string_whose_start_the_scheduler_let_out_leaks_no_further_than_through_sglang(pair, name, enc, workers):
+@pytest.mark.parametrize("name,enc,workers,detokenizers", ALL)
+def test_a_stop_string_whose_start_the_scheduler_let_out_leaks_no_further_than_through_sglang(
+    pair, name, enc, workers, detokenizers
+):
     """SGLang's scheduler checks its stop-string hold-back in token space: beside a split
     character it lets a row go whose text begins the stop string. Then the client has
     the oracle's text plus (at most) those first characters, and nothing of the rest:
     detokd's client gets exactly what SGLang's gets. Some requests of the scenario do
     straddle so on the byte-level families (counted)."""
-    theirs, ours = pair(name, enc, workers)
+    theirs, ours = pair(name, enc, workers, detokenizers)
     ctx = ours.contexts()
     straddled = 0
-    for t, o in zip(theirs.received, ours.received):
+    for t, o in zip(theirs.streams, ours.streams):
         acc_t, acc_o = accumulate(t), accumulate(o)
         for rid in (r for r in acc_o if r.startswith("straddle-")):
             (scripted,), (c,) = ours.lifetimes()[rid], ctx[rid]
@@ -104,15 +133,15 @@ def test_a_stop_string_whose_start_the_scheduler_let_out_leaks_no_further_than_t
         assert straddled > 0
 
 
-@pytest.mark.parametrize("name,enc,workers", ALL)
-def test_detokd_streams_no_later_than_sglang_except_inside_a_byte_fallback_run(pair, name, enc, workers):
+@pytest.mark.parametrize("name,enc,workers,detokenizers", ALL)
+def test_detokd_streams_no_later_than_sglang_except_inside_a_byte_fallback_run(pair, name, enc, workers, detokenizers):
     """Chunks may split differently (detokd sends a U+FFFD once no id can complete it;
     SGLang waits for the next clean text), but detokd never keeps back text SGLang sent,
     except characters of a byte-fallback run (<0x..> pieces) that is still open: Hugging
     Face turns a whole invalid run into U+FFFD, so a later byte can still rewrite them."""
-    theirs, ours = pair(name, enc, workers)
+    theirs, ours = pair(name, enc, workers, detokenizers)
     fallback = "ByteFallback" in vocab(name).decoder_types()
-    for t, o in zip(theirs.received, ours.received):
+    for t, o in zip(theirs.streams, ours.streams):
         sent_t: dict[str, str] = {}
         sent_o: dict[str, str] = {}
         for mt, mo in zip(t, o):
