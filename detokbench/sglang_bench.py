@@ -20,6 +20,11 @@
   latency    - send step k only after step k-1's BatchStrOutput arrived; a step's latency
                is send of its frame to receipt of its answer (this process's clock).
   throughput - up to --window steps in flight; tokens/s = B * steps / wall time.
+* --detokenizers N (SGLang's --detokenizer-worker-num): N detokenizers of each kind
+  behind SGLang's own MultiDetokenizerRouter, which splits every step by rid, so each
+  step gets N answers; a step's latency runs to its last. CPU is summed over the N
+  processes and the router (each one's share is in the JSON), and this process decodes
+  each answer's rids to tell whose it is.
 * ABBA: each round runs sglang, detokd, detokd, sglang (the next round detokd first), each
   slot a latency pass then a throughput pass, so drift (thermal, page cache, the other
   process' memory) hits both alike.
@@ -50,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 from detokd import zoo
@@ -60,7 +66,7 @@ from . import ROOT
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
 from .sglang_replay import (
-    Scripted, SglangDetokenizerUnderTest, accumulate, build_stream, freeze_gc_req, ipc_encoding,
+    Scripted, SglangDetokenizerUnderTest, accumulate, build_stream, freeze_gc_req, ipc_encoding, route,
 )
 
 TARGETS = {"sglang": None, "detokd": detokd_target}
@@ -118,6 +124,17 @@ class Stream:
         self.oracle = {s.rid: vocab.reference(s.prompt_ids, s.output_ids) for s in self.reqs}
         self.megabytes = sum(map(len, self.frames)) / 1e6
 
+    def answers_due(self, detokenizers: int) -> list[dict[int, list[str]]]:
+        """Per step, the answers it gets: the rids of each detokenizer SGLang's router
+        gives some of its rows."""
+        out = []
+        for rids in self.step_rids:
+            by: dict[int, list[str]] = {}
+            for r in rids:
+                by.setdefault(route(None, r, detokenizers), []).append(r)
+            out.append(by)
+        return out
+
 
 # --- one process ------------------------------------------------------------------------
 
@@ -129,44 +146,60 @@ class Hung(RuntimeError):
 def run_pass(proc: SglangDetokenizerUnderTest, stream: Stream, window: int) -> dict:
     """Send the whole stream with at most `window` steps unanswered; time every step."""
     push, pull = proc._push, proc._pulls[0]
-    pid = proc.process.pid
-    n = len(stream.frames)
+    pids = {p.name: p.pid for p in proc.processes}
+    n, detokenizers = len(stream.frames), proc.detokenizers
+    due = stream.answers_due(detokenizers)
+    owed: list[deque] = [deque() for _ in range(detokenizers)]  # per detokenizer, the steps it has yet to answer
+    left = [len(d) for d in due]  # answers each step waits for
     sent_at = [0] * n
     latency_ns = [0] * n
     got: list[bytes] = []
+    keys: list[tuple[int, int]] = []  # (step, detokenizer) of each answer
+    expected = sum(left)
     gc.collect()
     gc.disable()
     load = loadavg()
-    cpu0 = tick_cpu_s(pid)
+    cpu0 = {name: tick_cpu_s(pid) for name, pid in pids.items()}
     t0 = time.perf_counter_ns()
-    sent = 0
+    sent = completed = 0
     try:
-        while len(got) < n:
-            while sent < n and sent - len(got) < window:
+        while len(got) < expected:
+            while sent < n and sent - completed < window:
                 sent_at[sent] = time.perf_counter_ns()
                 push.send(stream.frames[sent], copy=False)
+                for d in due[sent]:
+                    owed[d].append(sent)
                 sent += 1
             if not pull.poll(ANSWER_TIMEOUT * 1000):
                 proc._check_alive()
-                raise Hung(f"no answer to step {len(got)} of {n} within {ANSWER_TIMEOUT}s ({sent} sent)")
-            frame = pull.recv(copy=True)
-            latency_ns[len(got)] = time.perf_counter_ns() - sent_at[len(got)]
-            got.append(frame)
-            while pull.poll(0) and len(got) < n:  # drain what is already there
-                got.append(pull.recv(copy=True))
-                latency_ns[len(got) - 1] = time.perf_counter_ns() - sent_at[len(got) - 1]
+                raise Hung(f"no answer to step {completed} of {n} within {ANSWER_TIMEOUT}s ({sent} sent)")
+            while len(got) < expected and pull.poll(0):  # what is there, then wait again
+                frame = pull.recv(copy=True)
+                at = time.perf_counter_ns()
+                d = 0 if detokenizers == 1 else route(None, decode([frame], stream.encoding)[0].rids[0], detokenizers)
+                k = owed[d].popleft()
+                got.append(frame)
+                keys.append((k, d))
+                left[k] -= 1
+                if not left[k]:
+                    latency_ns[k] = at - sent_at[k]
+                    completed += 1
     finally:
         wall = (time.perf_counter_ns() - t0) / 1e9
-        cpu = tick_cpu_s(pid) - cpu0
+        cpu_by = {name: tick_cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
         gc.enable()
     if pull.poll(200):
-        raise AssertionError(f"more answers than steps ({n}): the step accounting would be wrong")
+        raise AssertionError(f"more answers than due ({expected}): the step accounting would be wrong")
     rows = stream.batch * stream.steps
     tokens = rows * stream.per_step
+    cpu = sum(cpu_by.values())
+    answers = decode(got, stream.encoding)
+    # Each answer against the rows it should hold: the rids of its step routed to its detokenizer.
+    want = [due[k][d] for k, d in keys]
     return dict(
-        wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, cpu_s=cpu, cpu_us_per_token=cpu / tokens * 1e6,
-        cpu_us_per_row=cpu / rows * 1e6,
-        loadavg_1m=load, latency_ms=[x / 1e6 for x in latency_ns], answers=decode(got, stream.encoding), answer_frames=got,
+        wall_s=wall, rows=rows, tokens=tokens, tokens_per_s=tokens / wall, cpu_s=cpu, cpu_us_per_token=cpu / tokens * 1e6,
+        cpu_us_per_row=cpu / rows * 1e6, cpu_s_by_process=cpu_by,
+        loadavg_1m=load, latency_ms=[x / 1e6 for x in latency_ns], answers=answers, answers_due=want, answer_frames=got,
     )
 
 
@@ -216,11 +249,10 @@ def msgspec_decoder(cls):
     return msgspec.msgpack.Decoder(cls).decode
 
 
-def check(stream: Stream, answers: list) -> tuple[dict[str, str], dict]:
-    """Per rid text, and the problems: answers not one per step, texts off the oracle."""
-    shape = [list(a.rids) for a in answers] == stream.step_rids and all(
-        type(a).__name__ == "BatchStrOutput" for a in answers
-    )
+def check(stream: Stream, answers: list, due: list[list[str]]) -> tuple[dict[str, str], dict]:
+    """Per rid text, and the problems: answers without the rows due (one answer per step
+    and detokenizer), texts off the oracle."""
+    shape = [list(a.rids) for a in answers] == due and all(type(a).__name__ == "BatchStrOutput" for a in answers)
     acc = accumulate(answers)
     texts = {rid: lives[-1].text for rid, lives in acc.items()}
     unfinished = sum(1 for lives in acc.values() if lives[-1].finished_reason is None)
@@ -230,6 +262,11 @@ def check(stream: Stream, answers: list) -> tuple[dict[str, str], dict]:
 
 
 # --- the run ----------------------------------------------------------------------------
+
+
+def by_process(p: dict) -> str:
+    """A pass's CPU per row, process by process."""
+    return " ".join(f"{who} {cpu / p['rows'] * 1e6:.2f}" for who, cpu in p["cpu_s_by_process"].items())
 
 
 def pct(values: list[float], q: float) -> float:
@@ -257,7 +294,7 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
             for slot, name in enumerate(order):
                 for mode, window in (("latency", 1), ("throughput", args.window)):
                     p = run_pass(procs[name], stream, window)
-                    texts, problems = check(stream, p.pop("answers"))
+                    texts, problems = check(stream, p.pop("answers"), p.pop("answers_due"))
                     answer_frames = p.pop("answer_frames")
                     if floors is None and name == "sglang":
                         floors = floor(stream, answer_frames)
@@ -268,12 +305,12 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                     passes.append(dict(target=name, mode=mode, round=r, slot=slot, lat=lat, **p, **problems))
                     log(f"[{encoding} B={batch}] r{r} {name:6} {mode:10} {p['tokens_per_s']:>9.0f} tok/s "
                         f"p50 {pct(lat, 50):6.2f} ms p99 {pct(lat, 99):6.2f} ms cpu {p['cpu_us_per_token']:5.2f} us/tok {p['cpu_us_per_row']:5.2f} us/row "
-                        f"off-oracle {problems['off_oracle']} load {p['loadavg_1m']:.1f}")
+                        f"off-oracle {problems['off_oracle']} load {p['loadavg_1m']:.1f}"
+                        + (f" by process {by_process(p)}" if args.detokenizers > 1 else ""))
         agree = first_text["sglang"] == first_text["detokd"]
         differing = sum(1 for rid in first_text["sglang"] if first_text["sglang"][rid] != first_text["detokd"].get(rid))
         for name, proc in procs.items():
-            pid = proc.process.pid
-            mem = memory(pid)
+            mem = [memory(p.pid) for p in proc.processes]
             for mode in ("latency", "throughput"):
                 mine = [p for p in passes if p["target"] == name and p["mode"] == mode]
                 lat = [x for p in mine for x in p["lat"]]
@@ -287,8 +324,13 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                     latency_ms_p50=pct(lat, 50), latency_ms_p99=pct(lat, 99), latency_ms_max=max(lat),
                     cpu_us_per_token=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * 1e6,
                     cpu_us_per_row=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * args.ids_per_step * 1e6,
+                    cpu_us_per_row_by_process={
+                        who: sum(p["cpu_s_by_process"][who] for p in mine) / (len(mine) * batch * args.steps) * 1e6
+                        for who in mine[0]["cpu_s_by_process"]
+                    },
+                    detokenizers=args.detokenizers,
                     **floors,
-                    vm_hwm_mb=mem.hwm_kb / 1024, vm_rss_mb=mem.rss_kb / 1024,
+                    vm_hwm_mb=sum(m.hwm_kb for m in mem) / 1024, vm_rss_mb=sum(m.rss_kb for m in mem) / 1024,
                     text_equal_across_targets=agree, rids_differing_across_targets=differing,
                     off_oracle=sum(p["off_oracle"] for p in mine),
                     off_oracle_examples=[x for p in mine for x in p["off_oracle_examples"]][:3],
@@ -320,7 +362,8 @@ def table(results: list[dict]) -> str:
     for r in results:
         ok = r["text_equal_across_targets"] and not r["off_oracle"] and r["one_answer_per_step"] and r["same_text_every_pass"]
         floor_row = f"{r['floor_us_per_row']:.2f}" + (f" (raw {r['floor_raw_us_per_row']:.2f})" if "floor_raw_us_per_row" in r else "")
-        rows.append(f"| {r['encoding']} | {r['ids_per_step']} | {r['batch']} | {r['target']} | {r['mode']}"
+        target = r["target"] + (f" ×{r['detokenizers']} + router" if r.get("detokenizers", 1) > 1 else "")
+        rows.append(f"| {r['encoding']} | {r['ids_per_step']} | {r['batch']} | {target} | {r['mode']}"
                     f"{'' if r['mode'] == 'latency' else ' (w=' + str(r['window']) + ')'} | {r['tokens_per_s_median']:,.0f} | "
                     f"{r['latency_ms_p50']:.2f} | {r['latency_ms_p99']:.2f} | {r['latency_ms_max']:.2f} | "
                     f"{r['cpu_us_per_token']:.2f} | {r['cpu_us_per_row']:.2f} | {floor_row} | {r['vm_hwm_mb']:.0f} | {'yes' if ok else 'NO'} |")
@@ -364,6 +407,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
     ap.add_argument("--ids-per-step", type=int, default=1, help="new ids per request per step (default 1; speculative "
                     "decoding sends 2-8): the CPU per row is per request per step")
+    ap.add_argument("--detokenizers", type=int, default=1, help="SGLang's --detokenizer-worker-num: N detokenizers "
+                    "of each kind behind SGLang's own router (default 1)")
     ap.add_argument("--window", type=int, default=8, help="steps in flight in the throughput mode (default 8)")
     ap.add_argument("--encodings", nargs="+", choices=["pickle", "msgpack"], default=["pickle", "msgpack"],
                     help="SGLang IPC encodings (SGLANG_USE_PICKLE_IPC), each with its own pair of processes")
@@ -383,7 +428,7 @@ def main(argv: list[str]) -> int:
     vocab = load(TOKENIZER)
     ids = vocab.hf.encode(corpus(), add_special_tokens=False)
     folder = zoo.build(TOKENIZER)
-    procs = {enc: {name: SglangDetokenizerUnderTest(folder, encoding=enc, target=fn).start()
+    procs = {enc: {name: SglangDetokenizerUnderTest(folder, encoding=enc, detokenizers=args.detokenizers, target=fn).start()
                    for name, fn in TARGETS.items()}
              for enc in args.encodings}
     results, raw, failure = [], [], None
