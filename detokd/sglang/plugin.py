@@ -143,5 +143,8 @@ def _announce(processes: int) -> None:
     import detokd
     from detokd.sglang import schema
 
-    how = "" if processes == 1 else f" ({processes} processes behind SGLang's router)"
+    # SGLang's router decodes, splits and re-encodes every batch in Python: more CPU per row
+    # than one detokd process spends in all, so an operator should hear that N = 1 may do.
+    how = "" if processes == 1 else (f" ({processes} processes behind SGLang's router, which costs more per row than "
+                                     "detokd: one process may serve more; docs/sglang.md, Several detokenizers)")
     logger.info("detokd %s replaced SGLang's detokenizer%s; it speaks schema %s", detokd.__version__, how, schema.SCHEMA)
