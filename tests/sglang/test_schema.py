@@ -147,6 +147,36 @@ def test_the_typed_fields_read_what_sglang_sent(tok):
     assert not schema.has_beam_search(mine)
 
 
+@pytest.mark.parametrize("rows,k", [(1, 1), (15, 1), (16, 4), (1024, 1), (70000, 1), (3, 31), (3, 32), (2, 4000)])
+def test_a_decode_step_reads_its_ids_in_one_view_as_the_generic_parse_does(tok, rows, k):
+    """Every row as many ids (fixarray, array 16 and 32; ext 8 and 16): the one-buffer read
+    gives what SGLang sent; rows of unequal lengths take the generic parse, as right."""
+    sent = token_batch(tok, ["x"] * 2, [None] * 2, step=1)
+    for ids in ([array("q", range(i * k, i * k + k)) for i in range(rows)],
+                [array("q", range(i + 1)) for i in range(min(rows, 40) + 1)]):
+        sent.decode_ids = ids
+        frame = sglang_wire(sent)
+        mine = schema.MsgpackCodec().decode(frame)
+        uniform = len({len(a) for a in ids}) == 1
+        assert (type(mine.decode_ids) is schema.IdRows) == uniform
+        assert schema.MsgpackCodec.ids(mine) == [list(a) for a in ids]
+
+
+def test_decode_ids_that_are_no_arrays_fail_as_the_whole_schema_says(tok):
+    """decode_ids are read apart from the rest; a frame where they do not read fails with
+    the error of the whole schema (the abort's cause names the same place)."""
+    sent = token_batch(tok, ["one", "two"], [None, None], step=1)
+    typed = msgspec.msgpack.Decoder(schema.Inbound)
+    for bad in ([[1], [2]], [array("q", [1]), 7]):
+        sent.decode_ids = bad
+        frame = sglang_wire(sent)
+        with pytest.raises(msgspec.ValidationError) as whole:
+            typed.decode(frame)
+        with pytest.raises(msgspec.ValidationError) as mine:
+            schema.MsgpackCodec().decode(frame)
+        assert str(mine.value) == str(whole.value)
+
+
 def test_a_msgpack_frame_travels_a_real_zmq_socket_unchanged(tok):
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
