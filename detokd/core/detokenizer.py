@@ -197,8 +197,7 @@ class Detokenizer:
         max_ids = self.limits.row_ids
         n_tok = 0
         end = len(rids)
-        i = at
-        while i < end:
+        for i in range(at, end):
             if finishes[i] is not None:
                 break
             rid = rids[i]
@@ -220,19 +219,20 @@ class Detokenizer:
                 break
             request.n_ids += n
             n_tok += n
-            i += 1
             if text is None:
                 try:
                     text = request.step(ids)
                 except RunTooLong:
-                    self._too_large(Row(rid, ids, request.n_ids - n, None, None, metas[i - 1]), request, "open byte run")
+                    self._too_large(Row(rid, ids, request.n_ids - n, None, None, metas[i]), request, "open byte run")
                     continue
                 except Exception:
-                    self._internal(Row(rid, ids, request.n_ids - n, None, None, metas[i - 1]), request)
+                    self._internal(Row(rid, ids, request.n_ids - n, None, None, metas[i]), request)
                     continue
-            texts[i - 1] = text
+            texts[i] = text
             if text:  # kept for an engine stop string that begins in it (Request.sent)
                 request.sent = (request.sent + text)[-SENT_TAIL:]
+        else:
+            i = end
         stats = self.stats
         stats.rows += i - at
         stats.tokens += n_tok
