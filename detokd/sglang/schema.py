@@ -447,6 +447,7 @@ class PickleCodec:
         from . import pickled
 
         self._out = io_struct.BatchStrOutput
+        self._id_rows = pickled.id_rows
         self.decode = pickled.loads
         self.encode = pickled.dumps
         self._compact = pickled.compact
@@ -456,9 +457,8 @@ class PickleCodec:
         """A pickle that does not load has no rids to read."""
         return None
 
-    @staticmethod
-    def ids(tok: Any) -> list[list[int]]:
-        return [a.tolist() for a in tok.decode_ids]
+    def ids(self, tok: Any) -> list[list[int]]:
+        return self._id_rows(tok.decode_ids)
 
     def str_output(self, tok: Any, output_strs: list[str]) -> Any:
         fields = {name: getattr(tok, name) for name in COPIED}

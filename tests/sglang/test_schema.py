@@ -368,10 +368,31 @@ def test_compact_lists_unpickle_to_what_they_hold(output_ids):
 
     sent = [scheduler_time_stats(False), scheduler_time_stats(False)]
     stats = pickled.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
-    for name, value, want in (("time_stats", stats, sent), ("output_ids", output_ids, output_ids)):
+    ids = pickled.loads(pickle.dumps(output_ids, protocol=pickle.HIGHEST_PROTOCOL))  # as received: Array
+    for name, value, want in (("time_stats", stats, sent), ("output_ids", ids, output_ids)):
         got = pickle.loads(pickled.dumps(pickled.compact(name, value)))
         assert type(got) is type(want) and (got is None or [type(x) for x in got] == [type(x) for x in want])
         if name == "time_stats":
             assert [vars(x) for x in got] == [{} for _ in want]
         else:
             assert got == want and (got is None or [x.typecode for x in got] == [x.typecode for x in want])
+
+
+@pytest.mark.parametrize("rows", [
+    [array("q", [1]), array("q", [-2]), array("q", [3])],
+    [array("q", [1, 2]), array("q", [3, 4])],
+    [array("q", [1, 2]), array("q", []), array("q", [-3])],
+    [array("q"), array("q")],
+    [array("i", [1]), array("q", [2])],
+    [],
+])
+def test_received_arrays_read_and_pickle_back_as_the_arrays_they_stand_for(rows):
+    """Arrays unpickle as pickled.Array (no array built); decode_ids read from them are the
+    arrays' items, and each pickles back to the bytes the array itself pickles to."""
+    from detokd.sglang import pickled
+
+    got = pickled.loads(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
+    assert all(type(a) is pickled.Array for a in got)
+    assert pickled.id_rows(got) == [a.tolist() for a in rows]
+    for a, b in zip(rows, got):
+        assert pickled.dumps(b) == pickled.dumps(a) and b.array() == a and type(b.array()) is array
