@@ -524,3 +524,64 @@ def test_a_live_request_costs_well_under_4_kib(name) -> None:
     grown = sum(d.size_diff for d in after.compare_to(before, "filename"))
     assert len(s.det.table) == 2000
     assert grown / 2000 < 1024
+
+
+def _positions(n: int) -> list[msgspec.Raw]:
+    return [msgspec.Raw(msgspec.msgpack.encode(i)) for i in range(n)]
+
+
+@pytest.mark.parametrize("per_row", [1, 3])
+def test_quick_gives_each_live_row_the_text_tokens_gives_it(per_row) -> None:
+    """Detokenizer.quick, a dialect's fast path that places rows by position: each live
+    plain streaming row gets the text `tokens` gives it (a settled lookup or a step of
+    the decoder), and the requests go on from the same state."""
+    texts = ["Hello 世界 🙂 and more", "Ünïcödé ✓ 日本語 text", "plain ascii words here"]
+    ref, fast = CoreRig(), CoreRig()
+    ids = [ref.encode(t) for t in texts]
+    ids = [x[: min(map(len, ids))] for x in ids]
+    reqs = [Req() for _ in texts]
+    for rig in (ref, fast):
+        rig.step(*(Row(q.rid, [], 0, q.start) for q in reqs))
+    rids, metas = [q.rid for q in reqs], _positions(len(reqs))
+    for at in range(0, len(ids[0]), per_row):
+        rows = [x[at : at + per_row] for x in ids]
+        want = [row.text for row in ref.step(*(Row(q.rid, r, at, None) for q, r in zip(reqs, rows)))[0]]
+        got = [""] * len(reqs)
+        assert fast.det.quick(rids, rows, [None] * len(reqs), metas, got) == len(reqs)
+        assert got == want and fast.step() == ([], [])
+    ends = [fast.step(Row(q.rid, [], len(x), None, Finish("length")))[0][0].text for q, x in zip(reqs, ids)]
+    assert ends == [row.text for q, x in zip(reqs, ids) for row in ref.step(Row(q.rid, [], len(x), None, Finish("length")))[0]]
+    assert fast.stats.rows == ref.stats.rows and fast.stats.tokens == ref.stats.tokens
+
+
+def test_quick_stops_at_the_first_row_tokens_must_take(rig) -> None:
+    live = Req()
+    rig.step(live.row())
+    ok = rig.encode("ok")[:1]
+    for rids, rows, finishes, stop in (
+        ([live.rid, "unknown"], [ok, ok], [None, None], 1),
+        ([live.rid, live.rid], [ok, ok], [None, Finish("length")], 1),
+        ([live.rid, live.rid], [ok, [rig.vocab.size]], [None, None], 1),
+        ([live.rid, live.rid], [ok, []], [None, None], 1),
+        ([live.rid], [ok], [None], 1),
+    ):
+        texts = [""] * len(rids)
+        assert rig.det.quick(rids, rows, finishes, _positions(len(rids)), texts) == stop
+        assert rig.det.quick(rids, rows, finishes, _positions(len(rids)), texts, at=stop) == stop
+    assert rig.step() == ([], [])
+
+
+def test_a_decoder_error_on_the_quick_path_is_answered_as_tokens_answers_it(mistral) -> None:
+    """An open byte run past its bound (RunTooLong) fails the request with too_large, on
+    an error row that carries the row's position."""
+    rig = mistral
+    q = Req()
+    rig.step(q.row())
+    piece = {t: i for i, t in enumerate(rig.vocab.tokens) if t}
+    han = [piece[f"<0x{b:02X}>"] for b in "中".encode()]
+    texts = ["", ""]
+    metas = _positions(2)
+    assert rig.det.quick([q.rid], [han * 21845], [None], metas, texts) == 1 and texts == ["", ""]
+    assert rig.det.quick(["x", q.rid], [[], han], [Finish("length"), None], metas, texts, at=1) == 2
+    (row,), _ = rig.step()
+    assert row.error == "too_large" and row.meta == metas[1] and not rig.live(q.rid)

@@ -219,7 +219,8 @@ class WordByteDecoder(WordRelease, ByteDecoder):
 
 
 # CJK ideograph blocks, as SGLang's detokenizer tells them (unified, extensions A-E,
-# compatibility ideographs and their supplement).
+# compatibility ideographs and their supplement); none begins below _CJK_FROM.
+_CJK_FROM = 0x3400
 _CJK = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
         (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
 
@@ -228,7 +229,7 @@ def _printable(text: str) -> int:
     """How much of `text`, followed by a split character, SGLang's detokenizer sends."""
     if text:
         c = ord(text[-1])
-        if any(lo <= c <= hi for lo, hi in _CJK):
+        if c >= _CJK_FROM and any(lo <= c <= hi for lo, hi in _CJK):
             return len(text)
     return text.rfind(" ") + 1
 

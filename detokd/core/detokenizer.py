@@ -180,39 +180,63 @@ class Detokenizer:
 
     def takes_whole(self, rows: int, ids: int) -> bool:
         """Whether a frame of this many rows and ids is within the frame caps, and the
-        core decodes (not stopping): then `settled_text` may answer its rows."""
+        core decodes (not stopping): then `quick` may answer its rows."""
         return not self.closing and rows <= self.limits.rows and ids <= self.limits.frame_ids
 
-    def settled_text(self, rid: str, ids: list[int]) -> str | None:
-        """The fast path of `tokens` for a dialect that answers rows itself: the text of a
-        live plain streaming request's next ids (not finishing) when its decoder renders
-        each of them without a change of state (the decoder's `settled_text` table), its
-        state advanced as that row's would be; None when the row must go through `tokens`
-        (in order with the others)."""
-        request = self.table.states.get(rid)
-        if request is None or request.needs_feed:
-            return None
-        settled = request.decoder.settled_text
-        if settled is None or not ids:
-            return None
+    def quick(self, rids: list[str], id_rows: list[list[int]], finishes: list, metas: list[Raw], texts: list[str],
+              at: int = 0) -> int:
+        """The fast path of `tokens` for a dialect that places rows by position: from row
+        `at` on, each row that is a live plain streaming request's next ids, not
+        finishing (`finishes[i] is None`), all in the vocabulary, has its text put in
+        `texts[i]` (the decoder's settled table, or its step) with no Row or OutRow; an
+        error on the way is answered as `tokens` would, with `metas[i]`. Stops at the
+        first row `tokens` must take (a start, a finish, an unknown rid, an id to
+        clamp) and returns its index, len(rids) when none."""
+        get = self.table.states.get
         vocab_size = self.vocab_size
-        if len(ids) == 1:
-            i = ids[0]
-            text = settled[i] if 0 <= i < vocab_size else None
-        elif len(ids) <= self.limits.row_ids and min(ids) >= 0 and max(ids) < vocab_size:
-            parts = [settled[i] for i in ids]
-            text = None if None in parts else "".join(parts)
+        max_ids = self.limits.row_ids
+        n_tok = 0
+        end = len(rids)
+        for i in range(at, end):
+            if finishes[i] is not None:
+                break
+            rid = rids[i]
+            request = get(rid)
+            if request is None or request.needs_feed:
+                break
+            ids = id_rows[i]
+            n = len(ids)
+            settled = request.decoder.settled_text
+            if n == 1:
+                t = ids[0]
+                if not 0 <= t < vocab_size:
+                    break
+                text = settled[t] if settled is not None else None
+            elif n and n <= max_ids and min(ids) >= 0 and max(ids) < vocab_size:
+                parts = None if settled is None else [settled[t] for t in ids]
+                text = None if parts is None or None in parts else "".join(parts)
+            else:
+                break
+            request.n_ids += n
+            n_tok += n
+            if text is None:
+                try:
+                    text = request.step(ids)
+                except RunTooLong:
+                    self._too_large(Row(rid, ids, request.n_ids - n, None, None, metas[i]), request, "open byte run")
+                    continue
+                except Exception:
+                    self._internal(Row(rid, ids, request.n_ids - n, None, None, metas[i]), request)
+                    continue
+            texts[i] = text
+            if text:  # kept for an engine stop string that begins in it (Request.sent)
+                request.sent = (request.sent + text)[-SENT_TAIL:]
         else:
-            return None
-        if text is None:
-            return None
-        request.n_ids += len(ids)
-        if text:  # kept for an engine stop string that begins in it (Request.sent)
-            request.sent = (request.sent + text)[-SENT_TAIL:]
+            i = end
         stats = self.stats
-        stats.rows += 1
-        stats.tokens += len(ids)
-        return text
+        stats.rows += i - at
+        stats.tokens += n_tok
+        return i
 
     def _guarded(self, row: Row) -> None:
         try:

@@ -209,15 +209,14 @@ class SglangDialect:
 
     # --- the quick path ---------------------------------------------------------------
     #
-    # Most rows of a step are a live streaming request's next ids, which the core can
-    # answer at once (Detokenizer.settled_text, its own fast path). Those rows skip the
-    # core's Row and OutRow and the batch position's round trip: their text goes straight
-    # into the batch's output_strs. Every other row (a start, a finish, an id outside the
-    # vocabulary or without a settled text) goes to the core as before, in order, once the
-    # batch is read; only a start can change another row's request (it may evict one),
-    # so the rows gathered up to a start go to the core before the next quick row. (A
-    # batch naming a rid twice: a later quick row cannot overtake an earlier row of its
-    # rid unnoticed, the core sees its seq gap.)
+    # Most rows of a step are a live streaming request's next ids, which the core answers
+    # by position (Detokenizer.quick, its own fast path): their text goes straight into
+    # the batch's output_strs, with no Row or OutRow and no round trip of the position.
+    # Every other row (a start, a finish, an id outside the vocabulary) goes to the core
+    # as before, in order, once the batch is read; only a start can change another row's
+    # request (it may evict one), so the rows gathered up to a start go to the core
+    # before the next quick row. (A batch naming a rid twice: a later quick row cannot
+    # overtake an earlier row of its rid unnoticed, the core sees its seq gap.)
 
     def _quick_fits(self, batch: Any, ids: list[list[int]]) -> bool:
         """Whether the quick path may take this batch: one TokenizerManager (several get
@@ -227,26 +226,27 @@ class SglangDialect:
 
     def _quick(self, batch: Any, id_rows: list[list[int]]) -> None:
         core = self.core
-        settled_text = core.settled_text
+        quick = core.quick
         rids = batch.rids
         reasons = batch.finished_reasons
-        position_meta(len(rids))
-        texts = [""] * len(rids)
+        n = len(rids)
+        position_meta(n)
+        texts = [""] * n
         pending: list[Row] = []
         start = False  # whether pending holds a start
-        for i, ids in enumerate(id_rows):
-            rid = rids[i]
+        i = 0
+        while i < n:
             if reasons[i] is None:
                 if start:  # a start may evict a request of a later row: the core goes first
                     core.tokens(pending, ids_at_most=0)
                     pending, start = [], False
-                text = settled_text(rid, ids)
-                if text is not None:
-                    texts[i] = text
-                    continue
-            row = self._row(batch, i, rid, ids, 0)
+                i = quick(rids, id_rows, reasons, _positions, texts, i)
+                if i == n:
+                    break
+            row = self._row(batch, i, rids[i], id_rows[i], 0)
             pending.append(row)
             start = start or row.start is not None
+            i += 1
         if pending:
             core.tokens(pending, ids_at_most=0)  # 0: takes_whole checked the frame's id budget
         self.texts, self.quick_batch = texts, batch

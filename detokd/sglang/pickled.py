@@ -1,4 +1,4 @@
-"""SGLang's pickle IPC without its per-row time stats round trip.
+"""SGLang's pickle IPC without its per-row time stats round trip, or arrays built per row.
 
 In pickle mode every BatchTokenIDOutput carries one SchedulerReqTimeStats per row
 (time_stats), which the detokenizer only copies into BatchStrOutput. SGLang's own
@@ -14,14 +14,19 @@ sends unless metrics or timing are on), else computed by that very round trip. T
 TokenizerManager unpickles the same objects either way (object.__new__ of SGLang's
 class, then its __setstate__ with that state).
 
+Each row's arrays (decode_ids, output_ids: array('q') each) unpickle as `Array`, the
+arguments of their pickled reconstruction (one C call, no array built): decode_ids are
+read from their bytes in one buffer (`id_rows`), and an Array pickles back as the very
+array it stands for, wherever it goes.
+
 Two per-row lists of BatchStrOutput then pickle in a compact form that unpickles to
 equal lists (`compact`): pickle writes and reads one object per row with a reduce
 call each, which made them half of what is left of pickling a batch.
 - time_stats, when every row's is the empty state: `list(map(object.__new__,
   repeat(SchedulerReqTimeStats, n)))`, objects whose __dict__ is as empty as after
   SGLang's __setstate__({}) (checked once against the installed class).
-- output_ids (one array('q') per row): `list(map(array, repeat("q"), [bytes, ...]))`;
-  the TokenizerManager shares the host, so the native item bytes are its own.
+- output_ids (one array('q') per row, received as Array): `list(map(array, repeat("q"),
+  [bytes, ...]))`; the TokenizerManager shares the host, so the native item bytes are its own.
 Each is a list subclass, so everything else reads them as the lists they are (the
 split of a batch per HTTP worker builds plain lists from them). Both forms call only
 builtins and itertools.repeat, which SGLang's recv_pyobj (an unrestricted pickle.loads)
@@ -32,14 +37,17 @@ from __future__ import annotations
 
 import io
 import pickle
-from array import array
+from array import _array_reconstructor, array
 from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
+import msgspec
+import numpy as np
 from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
 
 _GLOBAL = (SchedulerReqTimeStats.__module__, SchedulerReqTimeStats.__qualname__)
+_ARRAY = (_array_reconstructor.__module__, _array_reconstructor.__name__)
 _NEW = object.__new__
 _ARGS = (SchedulerReqTimeStats,)  # one tuple: pickle writes it once a message, then refers to it
 
@@ -71,10 +79,48 @@ class TimeStats:
         return _NEW, _ARGS, _round_trip(state)
 
 
+class Array(msgspec.Struct, gc=False):
+    """An array.array as received: the arguments pickle reconstructs it from."""
+
+    cls: type
+    typecode: str
+    mformat: int  # the items' machine format (array's own code)
+    items: bytes
+
+    def __reduce__(self) -> tuple:
+        return _array_reconstructor, (self.cls, self.typecode, self.mformat, self.items)
+
+    def array(self) -> array:
+        return _array_reconstructor(self.cls, self.typecode, self.mformat, self.items)
+
+
+_INT64 = (array, "q", array("q").__reduce_ex__(pickle.HIGHEST_PROTOCOL)[1][2])  # this host's array('q')
+_KIND = attrgetter("cls", "typecode", "mformat")
+_ITEMS = attrgetter("items")
+
+
+def _int64s(rows: Any) -> bool:
+    """Whether rows is a list of received array('q') (Array) only."""
+    return type(rows) is list and set(map(type, rows)) == {Array} and set(map(_KIND, rows)) == {_INT64}
+
+
+def id_rows(rows: list) -> list[list[int]]:
+    """decode_ids as lists of ints: a step's rows of as many ids each in one numpy view
+    of their joined bytes, others one by one."""
+    if rows and _int64s(rows):
+        items = list(map(_ITEMS, rows))
+        if len(set(map(len, items))) == 1 and items[0]:
+            return np.frombuffer(b"".join(items), "=i8").reshape(len(items), -1).tolist()
+        return [memoryview(b).cast("q").tolist() for b in items]
+    return [(a.array() if type(a) is Array else a).tolist() for a in rows]
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == _GLOBAL:
             return TimeStats
+        if (module, name) == _ARRAY:
+            return Array
         return super().find_class(module, name)
 
 
@@ -105,10 +151,7 @@ class _EmptyTimeStatsList(list):
 
 class _Int64ArrayList(list):
     def __reduce_ex__(self, protocol: int) -> tuple:
-        return list, (_Call(map, array, _Call(repeat, "q"), list(map(array.tobytes, self))),)
-
-
-_TYPECODE = attrgetter("typecode")
+        return list, (_Call(map, array, _Call(repeat, "q"), list(map(_ITEMS, self))),)
 
 
 def compact(name: str, value: Any) -> Any:
@@ -119,6 +162,6 @@ def compact(name: str, value: Any) -> Any:
         if _EMPTY_IS_NEW and set(map(type, value)) == {TimeStats} and not any(map(len, map(vars, value))):
             return _EmptyTimeStatsList(value)
     elif name == "output_ids":
-        if set(map(type, value)) == {array} and set(map(_TYPECODE, value)) == {"q"}:
+        if _int64s(value):
             return _Int64ArrayList(value)
     return value

@@ -58,7 +58,6 @@ import inspect
 import textwrap
 from array import array
 from collections.abc import Mapping
-from operator import attrgetter
 from typing import Any, Union
 
 import msgspec
@@ -230,6 +229,13 @@ class ConfigureLoggingReq(_Single, kw_only=True):
 
 Inbound = Union[BatchTokenIDOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq]
 
+# What MsgpackCodec decodes a batch as: decode_ids left raw, read by the codec itself
+# (most steps in one numpy view over those bytes, with no Ext object per row).
+RawIdsBatch = msgspec.defstruct(
+    "BatchTokenIDOutput", [("decode_ids", Raw)], bases=(BatchTokenIDOutput,), kw_only=True, module=__name__,
+)
+_RawIdsInbound = Union[RawIdsBatch, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq]
+
 # A BatchTokenIDOutput read for its rids alone, every other field its raw bytes: what is
 # left of a batch whose fields do not read as the schema says, so that each of its
 # requests can still be answered (with an abort) instead of never.
@@ -303,15 +309,14 @@ def array_of(ext: Ext) -> array:
 # The head of an ext-1 payload holding array('q'), as SGLang's scheduler sends every
 # decode_ids row: its items follow at once, so the common row skips the generic parse.
 _INT64_HEAD = b"\x00\x00\x00\x02\xa1q"
-_HEAD_BYTES = None if np is None else np.frombuffer(_INT64_HEAD, np.uint8)
-_DATA, _CODE = attrgetter("data"), attrgetter("code")
+
+
+class IdRows(list):
+    """decode_ids already read: each row's ids as a list of ints."""
 
 
 def ids_of(exts: list[Ext]) -> list[list[int]]:
     """Each row's decode_ids as a list of ints."""
-    rows = _uniform_ids(exts)
-    if rows is not None:
-        return rows
     head = _INT64_HEAD
     k = len(head)
     return [
@@ -320,23 +325,39 @@ def ids_of(exts: list[Ext]) -> list[list[int]]:
     ]
 
 
-def _uniform_ids(exts: list[Ext]) -> list[list[int]] | None:
-    """The rows of a decode step, where every row holds as many int64 ids (one, or a
-    speculative k): read as one buffer, with no Python per row but tolist's. None for
-    any other batch."""
-    if np is None or not exts:
+def uniform_ids(raw: Raw) -> IdRows | None:
+    """The decode_ids of a decode step, where every row holds as many int64 ids (one, or
+    a speculative k), read from its raw msgpack: every row is then an ext 1 of one size,
+    so the rows lie at a fixed stride and one numpy view reads them all, with no Python
+    per row but tolist's. None for any other list (the generic parse reads it)."""
+    b = memoryview(raw)
+    if np is None or len(b) < 2:
         return None
-    datas = list(map(_DATA, exts))
-    sizes = set(map(len, datas))
-    if len(sizes) != 1 or set(map(_CODE, exts)) != {_EXT_ARRAY}:
+    tag = b[0]
+    if 0x91 <= tag <= 0x9F:  # fixarray
+        n, at = tag & 0x0F, 1
+    elif tag == 0xDC:  # array 16
+        n, at = int.from_bytes(b[1:3], "big"), 3
+    elif tag == 0xDD:  # array 32
+        n, at = int.from_bytes(b[1:5], "big"), 5
+    else:
         return None
-    k, odd = divmod(sizes.pop() - len(_INT64_HEAD), 8)
-    if odd or k < 1:
+    if len(b) < at + 4:
         return None
-    rows = np.frombuffer(b"".join(datas), np.dtype([("head", "u1", len(_INT64_HEAD)), ("ids", "=i8", k)]))
-    if not (rows["head"] == _HEAD_BYTES).all():
+    if b[at] == 0xC7:  # ext 8: size, type
+        size, hdr = b[at + 1], 3
+    elif b[at] == 0xC8:  # ext 16
+        size, hdr = int.from_bytes(b[at + 1 : at + 3], "big"), 4
+    else:
         return None
-    return rows["ids"].tolist()
+    k, odd = divmod(size - len(_INT64_HEAD), 8)
+    if odd or k < 1 or b[at + hdr - 1] != _EXT_ARRAY or len(b) != at + n * (hdr + size):
+        return None
+    head = np.frombuffer(bytes(b[at : at + hdr]) + _INT64_HEAD, np.uint8)
+    rows = np.frombuffer(b, np.dtype([("head", "u1", len(head)), ("ids", "=i8", (k,))]), count=n, offset=at)
+    if not (rows["head"] == head).all():
+        return None
+    return IdRows(rows["ids"].tolist())
 
 
 def tensor_b64(ext: Ext) -> str:
@@ -364,12 +385,21 @@ class MsgpackCodec:
     name = "msgpack"
 
     def __init__(self) -> None:
-        self._decoder = msgspec.msgpack.Decoder(Inbound)
+        self._decoder = msgspec.msgpack.Decoder(_RawIdsInbound)
+        self._typed = msgspec.msgpack.Decoder(Inbound)
+        self._exts = msgspec.msgpack.Decoder(list[Ext])
         self._unread = msgspec.msgpack.Decoder(UnreadBatch)
         self._encoder = msgspec.msgpack.Encoder()
 
     def decode(self, frame: bytes) -> Inbound:
-        return self._decoder.decode(frame)
+        """The message; a batch's decode_ids read (IdRows, or the Ext of each row)."""
+        try:
+            msg = self._decoder.decode(frame)
+            if type(msg) is RawIdsBatch:
+                msg.decode_ids = uniform_ids(msg.decode_ids) or self._exts.decode(msg.decode_ids)
+            return msg
+        except msgspec.DecodeError:
+            return self._typed.decode(frame)  # raises what the schema finds first, as if read in one go
 
     def unread_batch(self, frame: bytes) -> Any:
         """The rids of a BatchTokenIDOutput frame that fails `decode` (UnreadBatch), or
@@ -381,7 +411,8 @@ class MsgpackCodec:
 
     @staticmethod
     def ids(tok: BatchTokenIDOutput) -> list[list[int]]:
-        return ids_of(tok.decode_ids)
+        rows = tok.decode_ids
+        return rows if type(rows) is IdRows else ids_of(rows)
 
     def str_output(self, tok: BatchTokenIDOutput, output_strs: list[str]) -> BatchStrOutput:
         if type(tok) is UnreadBatch:  # its requests are all aborted: no finish reason or tensor to carry
@@ -416,6 +447,7 @@ class PickleCodec:
         from . import pickled
 
         self._out = io_struct.BatchStrOutput
+        self._id_rows = pickled.id_rows
         self.decode = pickled.loads
         self.encode = pickled.dumps
         self._compact = pickled.compact
@@ -425,9 +457,8 @@ class PickleCodec:
         """A pickle that does not load has no rids to read."""
         return None
 
-    @staticmethod
-    def ids(tok: Any) -> list[list[int]]:
-        return [a.tolist() for a in tok.decode_ids]
+    def ids(self, tok: Any) -> list[list[int]]:
+        return self._id_rows(tok.decode_ids)
 
     def str_output(self, tok: Any, output_strs: list[str]) -> Any:
         fields = {name: getattr(tok, name) for name in COPIED}

@@ -3,7 +3,7 @@
 A dialect turns an inbound frame into calls on the core (rows, aborts, flushes) and
 delivery (registers, passthrough frames), and the core's output rows back into frames.
 It holds no request state: what it needs to know of a request it asks the core
-(`Detokenizer.seq_of`, `ended`, `settled_text`). Both dialects (detokd.wire.native,
+(`Detokenizer.seq_of`, `ended`, `quick`). Both dialects (detokd.wire.native,
 detokd.sglang.dialect) implement it, and the loop knows no other.
 """
 

@@ -147,6 +147,36 @@ def test_the_typed_fields_read_what_sglang_sent(tok):
     assert not schema.has_beam_search(mine)
 
 
+@pytest.mark.parametrize("rows,k", [(1, 1), (15, 1), (16, 4), (1024, 1), (70000, 1), (3, 31), (3, 32), (2, 4000)])
+def test_a_decode_step_reads_its_ids_in_one_view_as_the_generic_parse_does(tok, rows, k):
+    """Every row as many ids (fixarray, array 16 and 32; ext 8 and 16): the one-buffer read
+    gives what SGLang sent; rows of unequal lengths take the generic parse, as right."""
+    sent = token_batch(tok, ["x"] * 2, [None] * 2, step=1)
+    for ids in ([array("q", range(i * k, i * k + k)) for i in range(rows)],
+                [array("q", range(i + 1)) for i in range(min(rows, 40) + 1)]):
+        sent.decode_ids = ids
+        frame = sglang_wire(sent)
+        mine = schema.MsgpackCodec().decode(frame)
+        uniform = len({len(a) for a in ids}) == 1
+        assert (type(mine.decode_ids) is schema.IdRows) == uniform
+        assert schema.MsgpackCodec.ids(mine) == [list(a) for a in ids]
+
+
+def test_decode_ids_that_are_no_arrays_fail_as_the_whole_schema_says(tok):
+    """decode_ids are read apart from the rest; a frame where they do not read fails with
+    the error of the whole schema (the abort's cause names the same place)."""
+    sent = token_batch(tok, ["one", "two"], [None, None], step=1)
+    typed = msgspec.msgpack.Decoder(schema.Inbound)
+    for bad in ([[1], [2]], [array("q", [1]), 7]):
+        sent.decode_ids = bad
+        frame = sglang_wire(sent)
+        with pytest.raises(msgspec.ValidationError) as whole:
+            typed.decode(frame)
+        with pytest.raises(msgspec.ValidationError) as mine:
+            schema.MsgpackCodec().decode(frame)
+        assert str(mine.value) == str(whole.value)
+
+
 def test_a_msgpack_frame_travels_a_real_zmq_socket_unchanged(tok):
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -338,10 +368,31 @@ def test_compact_lists_unpickle_to_what_they_hold(output_ids):
 
     sent = [scheduler_time_stats(False), scheduler_time_stats(False)]
     stats = pickled.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
-    for name, value, want in (("time_stats", stats, sent), ("output_ids", output_ids, output_ids)):
+    ids = pickled.loads(pickle.dumps(output_ids, protocol=pickle.HIGHEST_PROTOCOL))  # as received: Array
+    for name, value, want in (("time_stats", stats, sent), ("output_ids", ids, output_ids)):
         got = pickle.loads(pickled.dumps(pickled.compact(name, value)))
         assert type(got) is type(want) and (got is None or [type(x) for x in got] == [type(x) for x in want])
         if name == "time_stats":
             assert [vars(x) for x in got] == [{} for _ in want]
         else:
             assert got == want and (got is None or [x.typecode for x in got] == [x.typecode for x in want])
+
+
+@pytest.mark.parametrize("rows", [
+    [array("q", [1]), array("q", [-2]), array("q", [3])],
+    [array("q", [1, 2]), array("q", [3, 4])],
+    [array("q", [1, 2]), array("q", []), array("q", [-3])],
+    [array("q"), array("q")],
+    [array("i", [1]), array("q", [2])],
+    [],
+])
+def test_received_arrays_read_and_pickle_back_as_the_arrays_they_stand_for(rows):
+    """Arrays unpickle as pickled.Array (no array built); decode_ids read from them are the
+    arrays' items, and each pickles back to the bytes the array itself pickles to."""
+    from detokd.sglang import pickled
+
+    got = pickled.loads(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
+    assert all(type(a) is pickled.Array for a in got)
+    assert pickled.id_rows(got) == [a.tolist() for a in rows]
+    for a, b in zip(rows, got):
+        assert pickled.dumps(b) == pickled.dumps(a) and b.array() == a and type(b.array()) is array
