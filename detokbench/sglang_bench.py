@@ -36,7 +36,8 @@
 * Correctness: answers are decoded with SGLang's own decoder after each pass; per rid the
   accumulated text must equal the other process' and the Hugging Face oracle
   (Vocab.reference(prompt, output)); every step must get exactly one answer with the
-  step's rids. Mismatches are counted and reported, never hidden.
+  step's rids (with --detokenizers N: one per detokenizer, with the rids routed to it).
+  Mismatches are counted and reported, never hidden.
 
     python -m detokbench sglang-bench --json docs/bench/sglang.json --plot docs/bench/sglang.png
 
