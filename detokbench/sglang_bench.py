@@ -113,8 +113,10 @@ def decode(frames: list[bytes], encoding: str) -> list:
 class Stream:
     """One batch size's prebuilt frames under one encoding, and what they must add up to."""
 
-    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str, per_step: int = 1):
+    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str, per_step: int = 1,
+                 detokenizers: int = 1):
         self.batch, self.steps, self.encoding, self.per_step = batch, steps, encoding, per_step
+        self.detokenizers = detokenizers
         t0 = time.perf_counter()
         self.reqs = requests(ids, batch, steps, "r", per_step)
         messages = build_stream(self.reqs, encoding=encoding)
@@ -124,17 +126,14 @@ class Stream:
         self.build_seconds = time.perf_counter() - t0
         self.oracle = {s.rid: vocab.reference(s.prompt_ids, s.output_ids) for s in self.reqs}
         self.megabytes = sum(map(len, self.frames)) / 1e6
+        self.answers_due = [self._answers(rids) for rids in self.step_rids]
 
-    def answers_due(self, detokenizers: int) -> list[dict[int, list[str]]]:
-        """Per step, the answers it gets: the rids of each detokenizer SGLang's router
-        gives some of its rows."""
-        out = []
-        for rids in self.step_rids:
-            by: dict[int, list[str]] = {}
-            for r in rids:
-                by.setdefault(route(None, r, detokenizers), []).append(r)
-            out.append(by)
-        return out
+    def _answers(self, rids: list[str]) -> dict[int, list[str]]:
+        """A step's answers: the rids of each detokenizer SGLang's router gives some of its rows."""
+        by: dict[int, list[str]] = {}
+        for r in rids:
+            by.setdefault(route(None, r, self.detokenizers), []).append(r)
+        return by
 
 
 # --- one process ------------------------------------------------------------------------
@@ -148,8 +147,8 @@ def run_pass(proc: SglangDetokenizerUnderTest, stream: Stream, window: int) -> d
     """Send the whole stream with at most `window` steps unanswered; time every step."""
     push, pull = proc._push, proc._pulls[0]
     pids = {p.name: p.pid for p in proc.processes}
-    n, detokenizers = len(stream.frames), proc.detokenizers
-    due = stream.answers_due(detokenizers)
+    n, detokenizers = len(stream.frames), stream.detokenizers
+    due = stream.answers_due
     owed: list[deque] = [deque() for _ in range(detokenizers)]  # per detokenizer, the steps it has yet to answer
     left = [len(d) for d in due]  # answers each step waits for
     sent_at = [0] * n
@@ -282,7 +281,7 @@ def log(msg: str) -> None:
 def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
     results = []
     for batch in sorted(args.batch):
-        stream = Stream(vocab, ids, batch, args.steps, encoding, args.ids_per_step)
+        stream = Stream(vocab, ids, batch, args.steps, encoding, args.ids_per_step, args.detokenizers)
         log(f"[{encoding} B={batch}] built {len(stream.frames)} steps ({stream.megabytes:.1f} MB) in {stream.build_seconds:.1f}s")
         for name, proc in procs.items():
             # --freeze-gc: what SGLang's /freeze_gc endpoint makes its detokenizer do (gc.freeze()).

@@ -330,15 +330,13 @@ def freeze_gc_req() -> Any:
     return FreezeGCReq()
 
 
-def fence_batch(
-    tag: str, *, encoding: Encoding, http_worker_ipcs: Sequence[str | None], detokenizers: int = 1
-) -> Any:
-    """Finished one-token rows, rids starting with FENCE_PREFIX: one per receiver and
-    detokenizer that sends to it (`_fence_rids`)."""
+def fence_batch(rids: Sequence[Sequence[str]], *, encoding: Encoding, http_worker_ipcs: Sequence[str | None]) -> Any:
+    """Finished one-token rows, rids starting with FENCE_PREFIX: `rids[i]` for receiver i
+    (`_fence_rids`: one per detokenizer that sends to it)."""
     rows = [
         Scripted(rid=rid, prompt_ids=[1], output_ids=[1], http_worker=i)
-        for i, ipc in enumerate(http_worker_ipcs)
-        for rid in _fence_rids(tag, i, ipc, detokenizers)
+        for i, mine in enumerate(rids)
+        for rid in mine
     ]
     (msg,) = build_stream(rows, encoding=encoding, http_worker_ipcs=http_worker_ipcs)
     return msg
@@ -590,11 +588,6 @@ class SglangDetokenizerUnderTest:
         start("detokenizer_router", run_multi_detokenizer_router_process, (own, self.server_args, self.port_args),
               {"enable_metrics": False})
 
-    @property
-    def process(self):
-        """The (first) detokenizer process."""
-        return self.processes[0] if self.processes else None
-
     def _on_sigquit(self, signum, frame) -> None:
         self.sigquit = True
 
@@ -648,10 +641,10 @@ class SglangDetokenizerUnderTest:
 
         self._fences += 1
         tag = str(self._fences)
-        ipcs, n = self.http_worker_ipcs, self.detokenizers
-        fence = fence_batch(tag, encoding=self.encoding, http_worker_ipcs=ipcs, detokenizers=n)
-        self.send([*messages, fence])
-        due = [len(_fence_rids(tag, i, ipc, n)) for i, ipc in enumerate(ipcs)]
+        ipcs = self.http_worker_ipcs
+        fence_rids = [_fence_rids(tag, i, ipc, self.detokenizers) for i, ipc in enumerate(ipcs)]
+        self.send([*messages, fence_batch(fence_rids, encoding=self.encoding, http_worker_ipcs=ipcs)])
+        due = list(map(len, fence_rids))  # fence rows each receiver waits for
         got: list[list[Any]] = [[] for _ in self._pulls]
         poller = zmq.Poller()
         for sock in self._pulls:

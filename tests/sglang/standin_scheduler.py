@@ -203,7 +203,6 @@ class Standin:
                 setattr(lp, f"output_{kind}_logprobs_{name}", [])
 
 
-
 def run_standin_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, *_, **__):
     """sglang's run_scheduler_process, with the Standin as the Scheduler."""
     import signal
