@@ -19,6 +19,7 @@ from detokd.core.stats import Stats
 from detokd.wire.native import NIL, Finish, OutRow, Row, Start, StoppedRow
 from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
+from detokd.core.request import SENT_TAIL
 
 
 class CoreRig:
@@ -195,6 +196,25 @@ def test_engine_stop_string_that_began_in_sent_text_on_the_fast_path_too(rig) ->
     (done,), _ = rig.step(a.row(rig.encode("P tail"), Finish("stop", "STOP")))
     assert done.text == ""
 
+
+
+@given(st.integers(0, 700), st.booleans())
+def test_after_any_length_of_text_the_fast_paths_keep_what_an_engine_stop_needs(before, by_position) -> None:
+    """However long the stream before it, a stop string of SENT_TAIL + 1 characters that
+    only the finishing row completes began in sent text: nothing more is sent, whether
+    the rows before went through `tokens` or by position through `quick`."""
+    rig, a = CoreRig(), Req()
+    stop = ("Стоп-слово " * 12)[: SENT_TAIL + 1]
+    ids = rig.encode(("Hello, 世界! Émoji 👩‍👩‍👧 done. " * 30)[:before] + stop)
+    rig.step(a.row(ids[:1]))
+    for i in ids[1:-1]:
+        if by_position:
+            assert rig.det.quick([a.rid], [[i]], [None], [NIL], [""]) == 1
+            a.seq += 1
+        else:
+            rig.step(a.row([i]))
+    (done,), _ = rig.step(a.row(ids[-1:], Finish("stop", stop)))
+    assert done.text == ""
 
 def test_engine_stop_string_wholly_in_text_already_sent_is_past_recall(rig) -> None:
     """An occurrence that ended in sent text is not the one the engine matched now."""

@@ -130,6 +130,20 @@ def test_an_engine_stop_string_that_began_in_sent_text_sends_nothing_more():
     assert req.feed("r", ids[k:], Finish("stop", stop)) == ("", Finish("stop", stop), None)
 
 
+
+@given(st.integers(0, 700))
+def test_after_any_length_of_text_an_engine_stop_reaches_back_sent_tail_characters(before):
+    """However much text went out first, a stop string of SENT_TAIL + 1 characters that
+    only its last row completed is found in the text sent before it (Request.sent keeps
+    at least SENT_TAIL characters), so the finishing row sends nothing."""
+    stop = ("Стоп-слово " * 12)[: SENT_TAIL + 1]
+    ids = ids_of((TEXT * 30)[:before] + stop)
+    req = request()
+    sent = "".join(req.feed("r", [i], None)[0] for i in ids[:-1])
+    whole = oracle(vocab(NAME), [], ids, True)
+    assert whole.endswith(stop) and whole.startswith(sent) and 0 < len(whole) - len(sent) < len(stop)  # it began in sent
+    assert req.feed("r", ids[-1:], Finish("stop", stop)) == ("", Finish("stop", stop), None)
+
 def _engine_stop_run(steps: list[int], ids: list[int], stop: str) -> tuple[str, str]:
     """(text sent before the finishing row, text of the finishing row)."""
     req, before, k = request(), "", 0

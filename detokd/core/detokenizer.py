@@ -18,7 +18,7 @@ from . import records as r
 from .decoder import Codec, RunTooLong
 from .outbox import Outbox
 from .records import OutRow, Row, error_row
-from .request import SENT_TAIL, Request
+from .request import SENT_KEEP, SENT_TAIL, Request
 from .stats import Stats
 from .stops import StopAutomata, StopScanner
 from .table import RequestTable, Tombstones
@@ -156,8 +156,9 @@ class Detokenizer:
                     self._internal(row, request)
                     continue
             request.outbox.append(OutRow(rid, text, None, seq, row.meta, None))
-            if text:  # kept for an engine stop string that begins in it (Request.sent)
-                request.sent = (request.sent + text)[-SENT_TAIL:]
+            if text:  # for an engine stop string that begins in it: request.kept, inline
+                sent = request.sent + text
+                request.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
         stats = self.stats
         stats.rows += len(rows)
         stats.tokens += n_tok
@@ -229,8 +230,9 @@ class Detokenizer:
                     self._internal(Row(rid, ids, request.n_ids - n, None, None, metas[i]), request)
                     continue
             texts[i] = text
-            if text:  # kept for an engine stop string that begins in it (Request.sent)
-                request.sent = (request.sent + text)[-SENT_TAIL:]
+            if text:  # for an engine stop string that begins in it: request.kept, inline
+                sent = request.sent + text
+                request.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
         else:
             i = end
         stats = self.stats

@@ -18,6 +18,15 @@ from .stops import StopScanner, trim_engine_stop
 # Characters of sent text a request keeps: an engine's stop string of up to SENT_TAIL + 1
 # characters is trimmed exactly wherever it began (stops.trim_engine_stop).
 SENT_TAIL = 128
+# `sent` grows to this many characters before it is cut back to SENT_TAIL: a row then
+# costs one string copy (the append), not two (the append, then the cut).
+SENT_KEEP = 2 * SENT_TAIL
+
+
+def kept(sent: str, text: str) -> str:
+    """`sent` once `text` went out too: its last SENT_TAIL characters or more."""
+    sent += text
+    return sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
 
 
 class Request:
@@ -36,7 +45,7 @@ class Request:
         self.parts: list[str] | None = None if start.stream else []
         self.held = 0  # bytes parts holds (each str and its list slot): a running sum, for the cap
         self.stopped = False  # detokd matched a stop string and finished the request
-        self.sent = ""  # the last SENT_TAIL characters sent
+        self.sent = ""  # at least the last SENT_TAIL characters sent (kept)
         # True with stop strings to scan or stream=false text to hold: every row then goes
         # through feed. A plain streaming request's rows take the dispatcher's fast path.
         self.needs_feed = stops is not None or not start.stream
@@ -66,9 +75,9 @@ class Request:
             else:
                 text = "".join(self.parts) + text
         if found is None and finish is not None:
-            text = trim_engine_stop(self.sent, text, finish.matched, self.keep_stop)
+            text = trim_engine_stop(self.sent[-SENT_TAIL:], text, finish.matched, self.keep_stop)
         elif text:
-            self.sent = (self.sent + text)[-SENT_TAIL:]
+            self.sent = kept(self.sent, text)
         return text, finish, stopped
 
     def _decode(self, ids: list[int], final: bool) -> tuple[str, str | None, int]:
