@@ -3,11 +3,16 @@
 Registered as the `detokd` entry point of group `sglang.srt.plugins`; SGLang's
 load_plugins() calls `register()` in every process that loads plugins. Disabled (the
 default) it does nothing at all. Enabled, it checks the schema and, if SGLang speaks
-detokd's, wraps `Engine._launch_detokenizer_subprocesses` (AROUND) and runs SGLang's own
-launch with `detokd.sglang.process.run_sglang_detokenizer` as the process function: one
-multiprocessing.Process of SGLang's own context (spawn), or with
---detokenizer-worker-num N, N of them behind SGLang's own MultiDetokenizerRouter; SGLang
-records their pids in all_child_pids, watches them with SubprocessWatchdog and kills them
+detokd's, wraps `Engine._launch_detokenizer_subprocesses` (AROUND) and launches
+`detokd.sglang.process.run_sglang_detokenizer` as SGLang's detokenizer: one
+multiprocessing.Process of SGLang's own context (spawn) on SGLang's address, as SGLang's
+launch starts one, also under --detokenizer-worker-num N > 1. There SGLang's launch would
+put its MultiDetokenizerRouter in front of N processes, and that router (Python that
+decodes, splits and re-encodes every batch) costs more CPU per row than one detokd
+process spends in all: one detokd serves more than N behind it, for any N
+(docs/sglang.md, "Several detokenizers"). DETOKD_SGLANG_ROUTER=1 keeps SGLang's layout
+instead: SGLang's own launch, with N detokd processes behind its router. SGLang
+records the pids in all_child_pids, watches them with SubprocessWatchdog and kills them
 with the process tree. Replacing the launch method rather than SGLang's
 run_detokenizer_process keeps the spawn target picklable (a partial of a module
 function). Any SGLang feature detokd does not serve keeps SGLang's own detokenizer,
@@ -23,6 +28,7 @@ import os
 from typing import Any, Callable
 
 ENV = "DETOKD_SGLANG"
+ROUTER_ENV = "DETOKD_SGLANG_ROUTER"  # true: --detokenizer-worker-num N > 1 as SGLang lays it out
 # How long the launch waits for detokd's process to load SGLang's tokenizer (the import of
 # SGLang in a spawned process takes most of it; a hub download could take longer).
 VERDICT_TIMEOUT_S = 600
@@ -34,8 +40,18 @@ _announced = False
 _registered = False
 
 
+def _true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes")
+    return _true(ENV)
+
+
+def behind_router() -> bool:
+    """Whether --detokenizer-worker-num N > 1 starts N detokd processes behind SGLang's
+    router (DETOKD_SGLANG_ROUTER) rather than the one that outruns them."""
+    return _true(ROUTER_ENV)
 
 
 def register() -> None:
@@ -90,11 +106,15 @@ def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_arg
     import functools
     import multiprocessing as mp  # SGLang's module, so its start method (spawn) applies
 
-    # SGLang's own launch, with detokd as the process it starts: one, or with
-    # --detokenizer-worker-num N, N of them behind SGLang's MultiDetokenizerRouter.
+    from sglang.srt.runtime_context import get_serving
+
+    requested = get_serving().detokenizer_worker_num
     reader, writer = mp.Pipe(duplex=False)
-    procs, names = original(cls, server_args=server_args, port_args=port_args,
-                            run_detokenizer_process_func=functools.partial(run_sglang_detokenizer, verdict=writer))
+    target = functools.partial(run_sglang_detokenizer, verdict=writer)
+    if requested > 1 and not behind_router():
+        procs, names = launch_one(target, server_args, port_args)
+    else:  # SGLang's own launch, with detokd as the process(es) it starts
+        procs, names = original(cls, server_args=server_args, port_args=port_args, run_detokenizer_process_func=target)
     writer.close()  # only the children's copies are left
     workers = [p for p, name in zip(procs, names) if name != "detokenizer_router"]
     refusal = await_refusal(reader, workers)
@@ -105,8 +125,18 @@ def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_arg
         logger.warning("detokd: keeping SGLang's own detokenizer: %s", refusal)
         return original(cls, server_args=server_args, port_args=port_args,
                         run_detokenizer_process_func=run_detokenizer_process_func)
-    _announce(len(workers))
+    _announce(len(workers), requested)
     return procs, names
+
+
+def launch_one(target: Callable, server_args: Any, port_args: Any) -> tuple[list, list[str]]:
+    """What SGLang's launch starts for one detokenizer: a process of its multiprocessing
+    context on port_args.detokenizer_ipc_name, named "detokenizer" for its watchdog."""
+    import multiprocessing as mp
+
+    proc = mp.Process(target=target, args=(server_args, port_args))
+    proc.start()
+    return [proc], ["detokenizer"]
 
 
 def await_refusal(reader, workers: list, timeout: float = VERDICT_TIMEOUT_S) -> str | None:
@@ -135,7 +165,7 @@ def await_refusal(reader, workers: list, timeout: float = VERDICT_TIMEOUT_S) -> 
     return None
 
 
-def _announce(processes: int) -> None:
+def _announce(processes: int, requested: int) -> None:
     global _announced
     if _announced:
         return
@@ -143,8 +173,14 @@ def _announce(processes: int) -> None:
     import detokd
     from detokd.sglang import schema
 
-    # SGLang's router decodes, splits and re-encodes every batch in Python: more CPU per row
-    # than one detokd process spends in all, so an operator should hear that N = 1 may do.
-    how = "" if processes == 1 else (f" ({processes} processes behind SGLang's router, which costs more per row than "
-                                     "detokd: one process may serve more; docs/sglang.md, Several detokenizers)")
+    # An operator who asked for N processes hears why there is one, or what N costs.
+    if processes > 1:
+        how = (f" ({processes} processes behind SGLang's router, as {ROUTER_ENV} asks: the router costs more per row "
+               "than detokd, one process serves more; docs/sglang.md, Several detokenizers)")
+    elif requested > 1:
+        how = (f" with one process for --detokenizer-worker-num {requested}: SGLang's router in front of "
+               f"{requested} would cost more per row than detokd spends in all ({ROUTER_ENV}=1 keeps that layout; "
+               "docs/sglang.md, Several detokenizers)")
+    else:
+        how = ""
     logger.info("detokd %s replaced SGLang's detokenizer%s; it speaks schema %s", detokd.__version__, how, schema.SCHEMA)

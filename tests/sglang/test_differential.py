@@ -18,7 +18,7 @@ from conftest import vocab
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer
 from detokbench.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, accumulate, plain
-from runs import CASES, MULTI, ROUTED, RUNS, expected_text, ids_of
+from runs import CASES, MULTI, ROUTED, RUNS, expected_text, ids_of, matches_oracle
 
 ALL = [pytest.param(*c, 1, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]] + [
     pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}w-{c[3]}d") for c in ROUTED
@@ -104,6 +104,36 @@ def test_each_request_accumulates_sglangs_text_which_is_the_oracles(pair, name, 
             assert [a.text for a in lives] == [expected_text(name, s, c) for s, c in zip(scripted, ctx[rid])], rid
             assert [a.text for a in lives] == [a.text for a in acc_t[rid]], rid
             assert [a.finished_reason for a in lives] == [a.finished_reason for a in acc_t[rid]], rid
+
+
+@pytest.mark.parametrize("name,enc,workers,detokenizers", [p for p in ALL if p.values[3] > 1])
+def test_one_detokd_process_gives_each_request_what_sglangs_routed_processes_give(
+    pair, name, enc, workers, detokenizers
+):
+    """--detokenizer-worker-num 2 as the plugin serves it by default: one detokd process
+    on SGLang's address, answering a step in one message where SGLang's router and its two
+    detokenizers answer in two. Each request's lifetimes, text, finish reasons and
+    output ids, as a TokenizerManager assembles them, are the same."""
+    theirs, _ = pair(name, enc, workers, detokenizers)
+    ours = RUNS(name, enc, workers, "detokd", 1)
+    assert ours.proc.detokenizers == 1 and len(ours.received) == len(theirs.received) == workers
+    ctx = ours.contexts()
+    compared = 0
+    for t, o in zip(theirs.received, ours.received):
+        acc_t, acc_o = accumulate(t), accumulate(o)
+        assert acc_o.keys() == acc_t.keys()
+        for rid, lives in acc_o.items():
+            if rid.startswith("emb-"):
+                continue
+            ends = lambda acc: [(a.finished_reason, a.output_ids) for a in acc]  # noqa: E731
+            assert ends(lives) == ends(acc_t[rid]), rid
+            scripted = ours.lifetimes()[rid]
+            for a, s, c in zip(lives, scripted, ctx[rid], strict=True):
+                assert matches_oracle(a.text, expected_text(name, s, c), s), rid
+            if not rid.startswith("straddle-"):  # a straddle's text may differ from SGLang's (the next test)
+                assert [a.text for a in lives] == [a.text for a in acc_t[rid]], rid
+            compared += 1
+    assert compared == len({s.rid for s in ours.requests})
 
 
 @pytest.mark.parametrize("name,enc,workers,detokenizers", ALL)

@@ -2,8 +2,9 @@
 
 SGLang's launch_server path on CPU with a plain `--model-path` (SGLang resolves the
 tokenizer itself), the stand-in scheduler (standin_scheduler.py: SGLang's Req and output
-streamer, no model) and the detokenizer the plugin starts: detokd with one process or
-two behind SGLang's router, or SGLang's own for comparison. ~30 concurrent mixed
+streamer, no model) and the detokenizer the plugin starts: detokd, also for
+--detokenizer-worker-num 2 (one process, or two behind SGLang's router with
+DETOKD_SGLANG_ROUTER), or SGLang's own for comparison. ~30 concurrent mixed
 requests per server through the `openai` client (/v1/completions, /v1/chat/completions)
 and SGLang's /generate, streaming and not, one client hanging up mid-stream. Each
 client's text must equal the oracle (the tokenizer's decode of the ids the stand-in
@@ -28,8 +29,13 @@ from standin_scheduler import REPLIES
 
 # (tokenizer, encoding): not DeepSeek, detokd's packaged default, so a wrong tokenizer shows.
 CASES = [("qwen2", "pickle"), ("mistral_v3", "msgpack")]
-# Per case: SGLang's own detokenizer, detokd, and detokd as two processes behind SGLang's router.
-RUNS = [("sglang", 1), ("detokd", 1), ("detokd", 2)]
+# Per case: SGLang's own detokenizer, detokd, and detokd under --detokenizer-worker-num 2:
+# (detokenizer, worker num, DETOKD_SGLANG_ROUTER). Under SGLang's default encoding, detokd's
+# default layout (one process); under the other, two detokd processes behind SGLang's router.
+RUNS = {
+    ("qwen2", "pickle"): [("sglang", 1, False), ("detokd", 1, False), ("detokd", 2, False)],
+    ("mistral_v3", "msgpack"): [("sglang", 1, False), ("detokd", 1, False), ("detokd", 2, True)],
+}
 # The first test runs every case's servers (11 processes that import SGLang and torch,
 # ~10 s of CPU each, per case): minutes on two cores, past pytest's per-test timeout.
 pytestmark = pytest.mark.timeout(1800)
@@ -143,14 +149,14 @@ class Served:
 
 
 def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, Served]:
-    """The case's servers (SGLang's own detokenizer, detokd, detokd as two processes),
+    """The case's servers (SGLang's own detokenizer, detokd, detokd under worker num 2),
     started together (SGLang's imports dominate start-up), the whole mix sent to each at
     once, what the tests check recorded, then every server closed. One case at a time:
-    the three servers are 11 processes of SGLang and torch, ~9 GB."""
+    the three servers are 9-11 processes of SGLang and torch, ~9 GB."""
     model = model_folder(root, name)
-    fes = {(name, enc, det, workers): Frontend(model, detokenizer=det, encoding=enc, workers=workers,
-                                                plugin_path=plugin_path, log_dir=root)
-           for det, workers in RUNS}
+    fes = {(name, enc, det, workers, router): Frontend(model, detokenizer=det, encoding=enc, workers=workers,
+                                                        router=router, plugin_path=plugin_path, log_dir=root)
+           for det, workers, router in RUNS[name, enc]}
     try:
         for fe in fes.values():
             fe.wait_ready()
@@ -182,7 +188,7 @@ def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, 
 
 @pytest.fixture(scope="module")
 def served(plugin_path, tmp_path_factory):  # noqa: F811
-    """{(name, enc, detokenizer, workers): Served} of every case."""
+    """{(name, enc, detokenizer, worker num, DETOKD_SGLANG_ROUTER): Served} of every case."""
     root = tmp_path_factory.mktemp("frontend")
     out = {}
     for name, enc in CASES:
@@ -191,26 +197,32 @@ def served(plugin_path, tmp_path_factory):  # noqa: F811
 
 
 def keys(det: str):
-    return [(n, e, d, w) for n, e in CASES for d, w in RUNS if d == det]
+    return [(n, e, d, w, r) for n, e in CASES for d, w, r in RUNS[n, e] if d == det]
 
 
-@pytest.mark.parametrize("key", keys("detokd"), ids=lambda k: f"{k[0]}-{k[1]}-{k[3]}proc")
+def key_id(key) -> str:
+    name, enc, _, workers, router = key
+    return f"{name}-{enc}-{workers}w" + ("-router" if router else "")
+
+
+@pytest.mark.parametrize("key", keys("detokd"), ids=key_id)
 def test_every_clients_text_is_the_oracles(served, key):
     run = served[key]
-    assert len(run.titles) == key[3] and all("(detokd)" in t for t in run.titles), run.titles
+    processes = key[3] if key[4] else 1  # behind SGLang's router: as many as asked
+    assert len(run.titles) == processes and all("(detokd)" in t for t in run.titles), run.titles
     wrong = {r["rid"]: (run.answers[r["rid"]]["text"], oracle(key[0], run.records[r["rid"]]))
              for r in run.mix
              if r["api"] != "hangup" and run.answers[r["rid"]]["text"] != oracle(key[0], run.records[r["rid"]])}
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("key", keys("detokd"), ids=lambda k: f"{k[0]}-{k[1]}-{k[3]}proc")
+@pytest.mark.parametrize("key", keys("detokd"), ids=key_id)
 def test_finish_reasons_usage_and_logprobs_are_sglangs_own(served, key):
     """Against the same mix through SGLang's own detokenizer; its text may differ only
     where SGLang's own is not the oracle's (docs/sglang.md: a stop string that began in
     sent text)."""
     name, enc = key[:2]
-    mine, theirs = served[key], served[name, enc, "sglang", 1]
+    mine, theirs = served[key], served[name, enc, "sglang", 1, False]
     for r in mine.mix:
         if r["api"] == "hangup":
             continue
@@ -221,7 +233,7 @@ def test_finish_reasons_usage_and_logprobs_are_sglangs_own(served, key):
     assert all(mine.answers[r["rid"]]["logprobs"] for r in mine.mix if "logprobs" in r["params"])
 
 
-@pytest.mark.parametrize("key", keys("detokd"), ids=lambda k: f"{k[0]}-{k[1]}-{k[3]}proc")
+@pytest.mark.parametrize("key", keys("detokd"), ids=key_id)
 def test_a_client_hanging_up_aborts_its_request_and_the_server_stays_healthy(served, key):
     run = served[key]
     rec = run.records.get("hangup")
@@ -229,6 +241,6 @@ def test_a_client_hanging_up_aborts_its_request_and_the_server_stays_healthy(ser
     assert (run.health, run.health_generate) == (200, 200)
 
 
-@pytest.mark.parametrize("key", keys("detokd"), ids=lambda k: f"{k[0]}-{k[1]}-{k[3]}proc")
+@pytest.mark.parametrize("key", keys("detokd"), ids=key_id)
 def test_killing_detokd_makes_sglangs_server_exit(served, key):
     assert served[key].exit_after_kill is not None

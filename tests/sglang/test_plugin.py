@@ -28,12 +28,14 @@ CHILD_TIMEOUT = 480
 pytestmark = pytest.mark.timeout(1800)
 
 
-def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("DETOKD_SGLANG", "SGLANG_PLUGINS")}
+def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None, router: bool = False) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("DETOKD_SGLANG", "DETOKD_SGLANG_ROUTER", "SGLANG_PLUGINS")}
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_path), str(ROOT)])
     env["HF_HUB_OFFLINE"] = "1"
     if detokd_sglang is not None:
         env["DETOKD_SGLANG"] = detokd_sglang
+    if router:
+        env["DETOKD_SGLANG_ROUTER"] = "1"
     p = subprocess.run([sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True,
                        timeout=CHILD_TIMEOUT)
     lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
@@ -79,6 +81,7 @@ def children(plugin_path, tmp_path_factory) -> dict[str, Future]:
         "tokenizer path": (["launch", mistral, "--model-path", bare, "--tokenizer-path", mistral], "1"),
         "tiktoken": (["launch", tiktoken, "--model-path", bare, "--tokenizer-path", tiktoken], "1"),
         "two processes": (["launch", qwen2, "--model-path", qwen2, "--detokenizer-worker-num", "2"], "1"),
+        "two processes, router": (["launch", qwen2, "--model-path", qwen2, "--detokenizer-worker-num", "2"], "1"),
         "orphan": (["orphan", qwen2, "--model-path", qwen2], "1"),
     }
     pool = ThreadPoolExecutor(2)
@@ -86,7 +89,8 @@ def children(plugin_path, tmp_path_factory) -> dict[str, Future]:
     for case, (args, detokd_sglang) in cases.items():
         if args[0] != "loader":
             args = [*args, "--device", "cpu"]
-        futures[case] = pool.submit(run_child, plugin_path, *args, detokd_sglang=detokd_sglang)
+        futures[case] = pool.submit(run_child, plugin_path, *args, detokd_sglang=detokd_sglang,
+                                    router=case.endswith("router"))
     yield futures
     pool.shutdown(cancel_futures=True)
 
@@ -178,11 +182,24 @@ def test_a_tokenizer_detokd_cannot_decode_as_sglang_does_keeps_sglangs_own_with_
     assert_answers_and_dies_seen(result)
 
 
-def test_several_detokenizer_processes_are_detokds_behind_sglangs_own_router(children):
-    """--detokenizer-worker-num 2: SGLang's launch starts two detokd processes on private
+def test_several_detokenizer_processes_asked_for_are_one_detokd_on_sglangs_address(children):
+    """--detokenizer-worker-num 2: one detokd process serves SGLang's address, as SGLang
+    starts one detokenizer (SGLang's router in front of two would cost more per row than
+    detokd spends in all); the log says so, it answers, and SGLang's watchdog sees it die."""
+    result = children["two processes"].result()
+    assert result["names"] == ["detokenizer"] and "(detokd)" in result["titles"][0]
+    infos = [msg for level, msg in result["logs"] if "replaced SGLang's detokenizer" in msg]
+    assert len(infos) == 1 and "one process for --detokenizer-worker-num 2" in infos[0]
+    assert "DETOKD_SGLANG_ROUTER=1" in infos[0]
+    assert result["rids"] == ["r0"] and result["output_strs"] == result["expected"]
+    assert result["death_seen"] is True and result["exitcode"] == -9
+
+
+def test_with_detokd_sglang_router_they_are_detokds_behind_sglangs_own_router(children):
+    """DETOKD_SGLANG_ROUTER=1: SGLang's launch starts two detokd processes on private
     addresses and its own MultiDetokenizerRouter in front of them; the router's answer
     comes from detokd, and SGLang's watchdog sees a worker die."""
-    result = children["two processes"].result()
+    result = children["two processes, router"].result()
     assert result["names"] == ["detokenizer_0", "detokenizer_1", "detokenizer_router"]
     assert ["(detokd)" in t for t in result["titles"]] == [True, True, False]
     infos = [msg for level, msg in result["logs"] if "replaced SGLang's detokenizer" in msg]
