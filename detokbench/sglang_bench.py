@@ -20,11 +20,12 @@
   latency    - send step k only after step k-1's BatchStrOutput arrived; a step's latency
                is send of its frame to receipt of its answer (this process's clock).
   throughput - up to --window steps in flight; tokens/s = B * steps / wall time.
-* --detokenizers N (SGLang's --detokenizer-worker-num): N detokenizers of each kind
-  behind SGLang's own MultiDetokenizerRouter, which splits every step by rid, so each
-  step gets N answers; a step's latency runs to its last. CPU is summed over the N
-  processes and the router (each one's share is in the JSON), and this process decodes
-  each answer's rids to tell whose it is.
+* --detokenizers N (SGLang's --detokenizer-worker-num): N SGLang detokenizers behind
+  SGLang's own MultiDetokenizerRouter, which splits every step by rid, so each step gets N
+  answers; a step's latency runs to its last. detokd as the plugin serves that mode: one
+  process (--detokd-router: N behind SGLang's router too, as DETOKD_SGLANG_ROUTER=1 lays it
+  out). CPU is summed over a target's processes and router (each one's share is in the
+  JSON), and this process decodes each answer's rids to tell whose it is.
 * ABBA: each round runs sglang, detokd, detokd, sglang (the next round detokd first), each
   slot a latency pass then a throughput pass, so drift (thermal, page cache, the other
   process' memory) hits both alike.
@@ -36,7 +37,7 @@
 * Correctness: answers are decoded with SGLang's own decoder after each pass; per rid the
   accumulated text must equal the other process' and the Hugging Face oracle
   (Vocab.reference(prompt, output)); every step must get exactly one answer with the
-  step's rids (with --detokenizers N: one per detokenizer, with the rids routed to it).
+  step's rids (behind the router: one per detokenizer, with the rids routed to it).
   Mismatches are counted and reported, never hidden.
 
     python -m detokbench sglang-bench --json docs/bench/sglang.json --plot docs/bench/sglang.png
@@ -113,10 +114,8 @@ def decode(frames: list[bytes], encoding: str) -> list:
 class Stream:
     """One batch size's prebuilt frames under one encoding, and what they must add up to."""
 
-    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str, per_step: int = 1,
-                 detokenizers: int = 1):
+    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str, per_step: int = 1):
         self.batch, self.steps, self.encoding, self.per_step = batch, steps, encoding, per_step
-        self.detokenizers = detokenizers
         t0 = time.perf_counter()
         self.reqs = requests(ids, batch, steps, "r", per_step)
         messages = build_stream(self.reqs, encoding=encoding)
@@ -126,14 +125,20 @@ class Stream:
         self.build_seconds = time.perf_counter() - t0
         self.oracle = {s.rid: vocab.reference(s.prompt_ids, s.output_ids) for s in self.reqs}
         self.megabytes = sum(map(len, self.frames)) / 1e6
-        self.answers_due = [self._answers(rids) for rids in self.step_rids]
+        self._answers_due: dict[int, list[dict[int, list[str]]]] = {}
 
-    def _answers(self, rids: list[str]) -> dict[int, list[str]]:
-        """A step's answers: the rids of each detokenizer SGLang's router gives some of its rows."""
-        by: dict[int, list[str]] = {}
-        for r in rids:
-            by.setdefault(route(None, r, self.detokenizers), []).append(r)
-        return by
+    def answers_due(self, detokenizers: int) -> list[dict[int, list[str]]]:
+        """Each step's answers through `detokenizers` processes: the rids of each one
+        SGLang's router gives some of the step's rows (computed once per count)."""
+        if detokenizers not in self._answers_due:
+            steps = []
+            for rids in self.step_rids:
+                by: dict[int, list[str]] = {}
+                for r in rids:
+                    by.setdefault(route(None, r, detokenizers), []).append(r)
+                steps.append(by)
+            self._answers_due[detokenizers] = steps
+        return self._answers_due[detokenizers]
 
 
 # --- one process ------------------------------------------------------------------------
@@ -147,8 +152,8 @@ def run_pass(proc: SglangDetokenizerUnderTest, stream: Stream, window: int) -> d
     """Send the whole stream with at most `window` steps unanswered; time every step."""
     push, pull = proc._push, proc._pulls[0]
     pids = {p.name: p.pid for p in proc.processes}
-    n, detokenizers = len(stream.frames), stream.detokenizers
-    due = stream.answers_due
+    n, detokenizers = len(stream.frames), proc.detokenizers
+    due = stream.answers_due(detokenizers)
     owed: list[deque] = [deque() for _ in range(detokenizers)]  # per detokenizer, the steps it has yet to answer
     left = [len(d) for d in due]  # answers each step waits for
     sent_at = [0] * n
@@ -281,7 +286,7 @@ def log(msg: str) -> None:
 def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
     results = []
     for batch in sorted(args.batch):
-        stream = Stream(vocab, ids, batch, args.steps, encoding, args.ids_per_step, args.detokenizers)
+        stream = Stream(vocab, ids, batch, args.steps, encoding, args.ids_per_step)
         log(f"[{encoding} B={batch}] built {len(stream.frames)} steps ({stream.megabytes:.1f} MB) in {stream.build_seconds:.1f}s")
         for name, proc in procs.items():
             # --freeze-gc: what SGLang's /freeze_gc endpoint makes its detokenizer do (gc.freeze()).
@@ -306,7 +311,7 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                     log(f"[{encoding} B={batch}] r{r} {name:6} {mode:10} {p['tokens_per_s']:>9.0f} tok/s "
                         f"p50 {pct(lat, 50):6.2f} ms p99 {pct(lat, 99):6.2f} ms cpu {p['cpu_us_per_token']:5.2f} us/tok {p['cpu_us_per_row']:5.2f} us/row "
                         f"off-oracle {problems['off_oracle']} load {p['loadavg_1m']:.1f}"
-                        + (f" by process {by_process(p)}" if args.detokenizers > 1 else ""))
+                        + (f" by process {by_process(p)}" if len(p["cpu_s_by_process"]) > 1 else ""))
         agree = first_text["sglang"] == first_text["detokd"]
         differing = sum(1 for rid in first_text["sglang"] if first_text["sglang"][rid] != first_text["detokd"].get(rid))
         for name, proc in procs.items():
@@ -328,7 +333,7 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                         who: sum(p["cpu_s_by_process"][who] for p in mine) / (len(mine) * batch * args.steps) * 1e6
                         for who in mine[0]["cpu_s_by_process"]
                     },
-                    detokenizers=args.detokenizers,
+                    detokenizers=proc.detokenizers, detokenizers_asked=args.detokenizers,
                     **floors,
                     vm_hwm_mb=sum(m.hwm_kb for m in mem) / 1024, vm_rss_mb=sum(m.rss_kb for m in mem) / 1024,
                     text_equal_across_targets=agree, rids_differing_across_targets=differing,
@@ -363,6 +368,8 @@ def table(results: list[dict]) -> str:
         ok = r["text_equal_across_targets"] and not r["off_oracle"] and r["one_answer_per_step"] and r["same_text_every_pass"]
         floor_row = f"{r['floor_us_per_row']:.2f}" + (f" (raw {r['floor_raw_us_per_row']:.2f})" if "floor_raw_us_per_row" in r else "")
         target = r["target"] + (f" ×{r['detokenizers']} + router" if r.get("detokenizers", 1) > 1 else "")
+        if r.get("detokenizers_asked", 1) > 1 and r.get("detokenizers", 1) == 1:
+            target += f" (one process for {r['detokenizers_asked']})"
         rows.append(f"| {r['encoding']} | {r['ids_per_step']} | {r['batch']} | {target} | {r['mode']}"
                     f"{'' if r['mode'] == 'latency' else ' (w=' + str(r['window']) + ')'} | {r['tokens_per_s_median']:,.0f} | "
                     f"{r['latency_ms_p50']:.2f} | {r['latency_ms_p99']:.2f} | {r['latency_ms_max']:.2f} | "
@@ -407,8 +414,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
     ap.add_argument("--ids-per-step", type=int, default=1, help="new ids per request per step (default 1; speculative "
                     "decoding sends 2-8): the CPU per row is per request per step")
-    ap.add_argument("--detokenizers", type=int, default=1, help="SGLang's --detokenizer-worker-num: N detokenizers "
-                    "of each kind behind SGLang's own router (default 1)")
+    ap.add_argument("--detokd-router", action="store_true", help="with --detokenizers N > 1, N detokd processes "
+                    "behind SGLang's router too (DETOKD_SGLANG_ROUTER=1), not the plugin's one process")
+    ap.add_argument("--detokenizers", type=int, default=1, help="SGLang's --detokenizer-worker-num (default 1): N of "
+                    "SGLang's detokenizers behind its own router, against detokd as the plugin serves it (one process)")
     ap.add_argument("--window", type=int, default=8, help="steps in flight in the throughput mode (default 8)")
     ap.add_argument("--encodings", nargs="+", choices=["pickle", "msgpack"], default=["pickle", "msgpack"],
                     help="SGLang IPC encodings (SGLANG_USE_PICKLE_IPC), each with its own pair of processes")
@@ -428,7 +437,9 @@ def main(argv: list[str]) -> int:
     vocab = load(TOKENIZER)
     ids = vocab.hf.encode(corpus(), add_special_tokens=False)
     folder = zoo.build(TOKENIZER)
-    procs = {enc: {name: SglangDetokenizerUnderTest(folder, encoding=enc, detokenizers=args.detokenizers, target=fn).start()
+    # detokd serves --detokenizer-worker-num N as the plugin does: one process, unless asked otherwise.
+    count = {"sglang": args.detokenizers, "detokd": args.detokenizers if args.detokd_router else 1}
+    procs = {enc: {name: SglangDetokenizerUnderTest(folder, encoding=enc, detokenizers=count[name], target=fn).start()
                    for name, fn in TARGETS.items()}
              for enc in args.encodings}
     results, raw, failure = [], [], None
