@@ -360,6 +360,15 @@ def environment() -> dict:
                 sglang=sglang.__version__, detokd=__version__, commit=commit, tokenizer=TOKENIZER)
 
 
+def label(r: dict) -> str:
+    """A result's target with its layout: N processes behind SGLang's router, or detokd's
+    one process for N asked."""
+    target = r["target"] + (f" ×{r['detokenizers']} + router" if r.get("detokenizers", 1) > 1 else "")
+    if r.get("detokenizers_asked", 1) > 1 and r.get("detokenizers", 1) == 1:
+        target += f" (one process for {r['detokenizers_asked']})"
+    return target
+
+
 def table(results: list[dict]) -> str:
     rows = ["| encoding | ids/step | B | target | mode | tokens/s | p50 ms | p99 ms | max ms | CPU us/token | CPU us/row "
             "| floor us/row | VmHWM MB | text ok |",
@@ -367,9 +376,7 @@ def table(results: list[dict]) -> str:
     for r in results:
         ok = r["text_equal_across_targets"] and not r["off_oracle"] and r["one_answer_per_step"] and r["same_text_every_pass"]
         floor_row = f"{r['floor_us_per_row']:.2f}" + (f" (raw {r['floor_raw_us_per_row']:.2f})" if "floor_raw_us_per_row" in r else "")
-        target = r["target"] + (f" ×{r['detokenizers']} + router" if r.get("detokenizers", 1) > 1 else "")
-        if r.get("detokenizers_asked", 1) > 1 and r.get("detokenizers", 1) == 1:
-            target += f" (one process for {r['detokenizers_asked']})"
+        target = label(r)
         rows.append(f"| {r['encoding']} | {r['ids_per_step']} | {r['batch']} | {target} | {r['mode']}"
                     f"{'' if r['mode'] == 'latency' else ' (w=' + str(r['window']) + ')'} | {r['tokens_per_s_median']:,.0f} | "
                     f"{r['latency_ms_p50']:.2f} | {r['latency_ms_p99']:.2f} | {r['latency_ms_max']:.2f} | "
@@ -394,7 +401,7 @@ def plot(results: list[dict], path: str) -> None:
         for k, target in enumerate(TARGETS):
             val = {(r["encoding"], r["batch"]): r[key] for r in results if r["target"] == target and r["mode"] == mode}
             xs = [i + (k - 0.5) * width for i in range(len(cases))]
-            bars = ax.bar(xs, [val[c] for c in cases], width, label=target)
+            bars = ax.bar(xs, [val[c] for c in cases], width, label=label(next(r for r in results if r["target"] == target)))
             ax.bar_label(bars, fmt="%.3g", fontsize=7)
         ax.set_xticks(range(len(cases)), labels)
         ax.set_title(title, fontsize=10)
