@@ -118,6 +118,10 @@ def test_one_detokd_process_gives_each_request_what_sglangs_routed_processes_giv
     ours = RUNS(name, enc, workers, "detokd", 1)
     assert ours.proc.detokenizers == 1 and len(ours.received) == len(theirs.received) == workers
     ctx = ours.contexts()
+
+    def ends(lives):
+        return [(a.finished_reason, a.output_ids) for a in lives]
+
     compared = 0
     for t, o in zip(theirs.received, ours.received):
         acc_t, acc_o = accumulate(t), accumulate(o)
@@ -125,7 +129,6 @@ def test_one_detokd_process_gives_each_request_what_sglangs_routed_processes_giv
         for rid, lives in acc_o.items():
             if rid.startswith("emb-"):
                 continue
-            ends = lambda acc: [(a.finished_reason, a.output_ids) for a in acc]  # noqa: E731
             assert ends(lives) == ends(acc_t[rid]), rid
             scripted = ours.lifetimes()[rid]
             for a, s, c in zip(lives, scripted, ctx[rid], strict=True):
