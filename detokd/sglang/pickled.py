@@ -95,13 +95,19 @@ class Array(msgspec.Struct, gc=False):
 
 
 _INT64 = (array, "q", array("q").__reduce_ex__(pickle.HIGHEST_PROTOCOL)[1][2])  # this host's array('q')
-_KIND = attrgetter("cls", "typecode", "mformat")
+_KIND = (attrgetter("cls"), attrgetter("typecode"), attrgetter("mformat"))
 _ITEMS = attrgetter("items")
 
 
 def _int64s(rows: Any) -> bool:
-    """Whether rows is a list of received array('q') (Array) only."""
-    return type(rows) is list and set(map(type, rows)) == {Array} and set(map(_KIND, rows)) == {_INT64}
+    """Whether rows is a list of received array('q') (Array) only. Counted field by field:
+    a set of (cls, typecode, mformat) would build and hash a tuple per row, twice a batch."""
+    if type(rows) is not list or not rows:
+        return False
+    n = len(rows)
+    return list(map(type, rows)).count(Array) == n and all(
+        list(map(field, rows)).count(want) == n for field, want in zip(_KIND, _INT64)
+    )
 
 
 def id_rows(rows: list) -> list[list[int]]:
