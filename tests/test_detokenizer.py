@@ -197,7 +197,6 @@ def test_engine_stop_string_that_began_in_sent_text_on_the_fast_path_too(rig) ->
     assert done.text == ""
 
 
-
 @given(st.integers(0, 700), st.booleans())
 def test_after_any_length_of_text_the_fast_paths_keep_what_an_engine_stop_needs(before, by_position) -> None:
     """However long the stream before it, a stop string of SENT_TAIL + 1 characters that
@@ -215,6 +214,7 @@ def test_after_any_length_of_text_the_fast_paths_keep_what_an_engine_stop_needs(
             rig.step(a.row([i]))
     (done,), _ = rig.step(a.row(ids[-1:], Finish("stop", stop)))
     assert done.text == ""
+
 
 def test_engine_stop_string_wholly_in_text_already_sent_is_past_recall(rig) -> None:
     """An occurrence that ended in sent text is not the one the engine matched now."""

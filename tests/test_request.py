@@ -130,7 +130,6 @@ def test_an_engine_stop_string_that_began_in_sent_text_sends_nothing_more():
     assert req.feed("r", ids[k:], Finish("stop", stop)) == ("", Finish("stop", stop), None)
 
 
-
 @given(st.integers(0, 700))
 def test_after_any_length_of_text_an_engine_stop_reaches_back_sent_tail_characters(before):
     """However much text went out first, a stop string of SENT_TAIL + 1 characters that
@@ -143,6 +142,7 @@ def test_after_any_length_of_text_an_engine_stop_reaches_back_sent_tail_characte
     whole = oracle(vocab(NAME), [], ids, True)
     assert whole.endswith(stop) and whole.startswith(sent) and 0 < len(whole) - len(sent) < len(stop)  # it began in sent
     assert req.feed("r", ids[-1:], Finish("stop", stop)) == ("", Finish("stop", stop), None)
+
 
 def _engine_stop_run(steps: list[int], ids: list[int], stop: str) -> tuple[str, str]:
     """(text sent before the finishing row, text of the finishing row)."""
