@@ -54,6 +54,7 @@ from __future__ import annotations
 import ast
 import base64
 import dataclasses
+import functools
 import inspect
 import textwrap
 from array import array
@@ -325,23 +326,29 @@ def ids_of(exts: list[Ext]) -> list[list[int]]:
     ]
 
 
-def uniform_ids(raw: Raw) -> IdRows | None:
-    """The decode_ids of a decode step, where every row holds as many int64 ids (one, or
-    a speculative k), read from its raw msgpack: every row is then an ext 1 of one size,
-    so the rows lie at a fixed stride and one numpy view reads them all, with no Python
-    per row but tolist's. None for any other list (the generic parse reads it)."""
-    b = memoryview(raw)
-    if np is None or len(b) < 2:
-        return None
+# Runs (rows of one length) a step may break into before the generic parse is cheaper:
+# a run of one is read in Python, at about three times the generic parse's cost per
+# row, and rows of many lengths (speculative decoding's) would each be a run.
+MAX_RUNS = 16
+# Rows of a run's first view: a run is read in views of growing size, so a short run
+# costs a short view and a long one a few.
+FIRST_VIEW = 256
+
+
+def _array_head(b: memoryview) -> tuple[int, int] | None:
+    """A msgpack array's length and where its items begin, or None."""
     tag = b[0]
-    if 0x91 <= tag <= 0x9F:  # fixarray
-        n, at = tag & 0x0F, 1
-    elif tag == 0xDC:  # array 16
-        n, at = int.from_bytes(b[1:3], "big"), 3
-    elif tag == 0xDD:  # array 32
-        n, at = int.from_bytes(b[1:5], "big"), 5
-    else:
-        return None
+    if 0x90 <= tag <= 0x9F:  # fixarray
+        return tag & 0x0F, 1
+    if tag == 0xDC and len(b) >= 3:  # array 16
+        return int.from_bytes(b[1:3], "big"), 3
+    if tag == 0xDD and len(b) >= 5:  # array 32
+        return int.from_bytes(b[1:5], "big"), 5
+    return None
+
+
+def _int64_ext(b: memoryview, at: int) -> tuple[int, int] | None:
+    """The header length and ids of the ext 1 holding array('q') at `at`, or None."""
     if len(b) < at + 4:
         return None
     if b[at] == 0xC7:  # ext 8: size, type
@@ -351,13 +358,75 @@ def uniform_ids(raw: Raw) -> IdRows | None:
     else:
         return None
     k, odd = divmod(size - len(_INT64_HEAD), 8)
-    if odd or k < 1 or b[at + hdr - 1] != _EXT_ARRAY or len(b) != at + n * (hdr + size):
+    if odd or k < 0 or b[at + hdr - 1] != _EXT_ARRAY or b[at + hdr : at + hdr + len(_INT64_HEAD)] != _INT64_HEAD:
         return None
-    head = np.frombuffer(bytes(b[at : at + hdr]) + _INT64_HEAD, np.uint8)
-    rows = np.frombuffer(b, np.dtype([("head", "u1", len(head)), ("ids", "=i8", (k,))]), count=n, offset=at)
-    if not (rows["head"] == head).all():
+    return hdr, k
+
+
+@functools.lru_cache(maxsize=64)
+def _row_dtype(head: int, k: int) -> Any:
+    """A row of k ids as numpy sees it: its header bytes as one value, then the ids."""
+    return np.dtype([("head", f"V{head}"), ("ids", "=i8", (k,))])
+
+
+def int64_rows(raw: Raw) -> IdRows | None:
+    """decode_ids read from their raw msgpack, when every row is an ext 1 holding
+    array('q'), as SGLang's scheduler sends them. Rows of one length lie at a fixed
+    stride, so a run of them is read by numpy views, with no Python per row but tolist's:
+    a decode step is one run, and each start among its rows (its ids begin with the
+    prompt context) breaks it. None for any other list, or one of more than MAX_RUNS
+    runs (the generic parse reads it)."""
+    b = memoryview(raw)
+    if np is None or not b:
         return None
-    return IdRows(rows["ids"].tolist())
+    head = _array_head(b)
+    if head is None:
+        return None
+    n, at = head
+    out = IdRows()
+    for _ in range(MAX_RUNS):
+        if len(out) == n:
+            break
+        ext = _int64_ext(b, at)
+        if ext is None:
+            return None
+        hdr, k = ext
+        stride = hdr + len(_INT64_HEAD) + 8 * k
+        if at + stride > len(b):
+            return None
+        key = at + hdr + len(_INT64_HEAD)
+        if len(out) + 1 == n or b[at:key] != b[at + stride : key + stride]:  # a run of one: no view
+            out.append(b[key : at + stride].cast("q").tolist())
+            at += stride
+        else:
+            at = _run(b, at, key - at, k, n - len(out), out)
+    return out if len(out) == n and at == len(b) else None
+
+
+def _run(b: memoryview, at: int, head: int, k: int, most: int, out: list[list[int]]) -> int:
+    """Append to `out` the ids of the run of rows like the one at `at` (its `head` bytes
+    checked, k ids), at most `most` rows; return where the run ends."""
+    stride = head + 8 * k
+    dtype = _row_dtype(head, k)
+    first = None
+    view = FIRST_VIEW
+    while most:
+        count = min(most, view, (len(b) - at) // stride)
+        if not count:  # what is left is shorter than a row of the run
+            break
+        rows = np.frombuffer(b, dtype, count=count, offset=at)
+        if first is None:
+            first = rows["head"][0]
+        same = rows["head"] == first
+        other = int(same.argmin())
+        run = count if same[other] else other
+        out += rows["ids"][:run].tolist()
+        at += run * stride
+        most -= run
+        if run < count or count < view:
+            break
+        view *= 4
+    return at
 
 
 def tensor_b64(ext: Ext) -> str:
@@ -396,7 +465,8 @@ class MsgpackCodec:
         try:
             msg = self._decoder.decode(frame)
             if type(msg) is RawIdsBatch:
-                msg.decode_ids = uniform_ids(msg.decode_ids) or self._exts.decode(msg.decode_ids)
+                rows = int64_rows(msg.decode_ids)
+                msg.decode_ids = self._exts.decode(msg.decode_ids) if rows is None else rows
             return msg
         except msgspec.DecodeError:
             return self._typed.decode(frame)  # raises what the schema finds first, as if read in one go

@@ -12,6 +12,8 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 import zmq
 
 with warnings.catch_warnings():
@@ -137,29 +139,62 @@ def test_a_forwarded_msgpack_batch_decodes_in_sglang_to_what_its_own_detokenizer
 
 def test_the_typed_fields_read_what_sglang_sent(tok):
     sent = token_batch(tok, ["one two", "three"], [None, {"type": "stop", "matched": 5}], step=2)
-    mine = schema.MsgpackCodec().decode(sglang_wire(sent))
+    frame = sglang_wire(sent)
+    mine = schema.MsgpackCodec().decode(frame)
     assert mine.rids == sent.rids and mine.http_worker_ipcs == sent.http_worker_ipcs
     assert schema.MsgpackCodec.ids(mine) == [list(a) for a in sent.decode_ids]
-    assert [schema.array_of(e) for e in mine.decode_ids] == sent.decode_ids  # the generic parse agrees
+    typed = msgspec.msgpack.Decoder(schema.Inbound).decode(frame)  # the generic parse agrees
+    assert [schema.array_of(e) for e in typed.decode_ids] == sent.decode_ids
     assert mine.finished_reasons == sent.finished_reasons
     for name in ("decoded_texts", "read_offsets", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
         assert getattr(mine, name) == getattr(sent, name), name
     assert not schema.has_beam_search(mine)
 
 
-@pytest.mark.parametrize("rows,k", [(1, 1), (15, 1), (16, 4), (1024, 1), (70000, 1), (3, 31), (3, 32), (2, 4000)])
-def test_a_decode_step_reads_its_ids_in_one_view_as_the_generic_parse_does(tok, rows, k):
-    """Every row as many ids (fixarray, array 16 and 32; ext 8 and 16): the one-buffer read
-    gives what SGLang sent; rows of unequal lengths take the generic parse, as right."""
+def decoded_ids(tok, rows: list[array]) -> tuple[list[list[int]], bool]:
+    """What MsgpackCodec reads of a batch whose decode_ids are `rows`, and whether the
+    raw reader (int64_rows) read them, not the generic parse."""
     sent = token_batch(tok, ["x"] * 2, [None] * 2, step=1)
-    for ids in ([array("q", range(i * k, i * k + k)) for i in range(rows)],
-                [array("q", range(i + 1)) for i in range(min(rows, 40) + 1)]):
-        sent.decode_ids = ids
-        frame = sglang_wire(sent)
-        mine = schema.MsgpackCodec().decode(frame)
-        uniform = len({len(a) for a in ids}) == 1
-        assert (type(mine.decode_ids) is schema.IdRows) == uniform
-        assert schema.MsgpackCodec.ids(mine) == [list(a) for a in ids]
+    sent.decode_ids = rows
+    mine = schema.MsgpackCodec().decode(sglang_wire(sent))
+    return schema.MsgpackCodec.ids(mine), type(mine.decode_ids) is schema.IdRows
+
+
+@pytest.mark.parametrize("rows,k", [(1, 1), (15, 1), (16, 4), (1024, 1), (70000, 1), (3, 31), (3, 32), (2, 4000)])
+def test_a_decode_step_reads_its_ids_in_one_view(tok, rows, k):
+    """Every row as many ids (fixarray, array 16 and 32; ext 8 and 16)."""
+    ids = [array("q", range(i * k, i * k + k)) for i in range(rows)]
+    assert decoded_ids(tok, ids) == ([list(a) for a in ids], True)
+
+
+def test_a_step_with_starts_among_its_rows_is_read_in_runs(tok):
+    """A start's row holds its prompt context too: it breaks the run for itself alone."""
+    ids = [array("q", [i]) for i in range(1024)]
+    for at in (0, 5, 6, 511, 1023):
+        ids[at] = array("q", range(at, at + 6))
+    assert decoded_ids(tok, ids) == ([list(a) for a in ids], True)
+
+
+@settings(deadline=None, max_examples=150)
+@given(runs=st.lists(st.tuples(st.sampled_from([0, 1, 2, 3, 8, 31, 32, 600]),
+                               st.one_of(st.integers(1, 40), st.sampled_from([255, 256, 257, 1100])),
+                               st.sampled_from(["q", "q", "q", "l", "i"])), max_size=30),
+       value=st.integers(-(2**63), 2**63 - 1))
+@example(runs=[(1, schema.FIRST_VIEW, "q"), (0, 1, "q")], value=7)  # a full first view, then a shorter row
+def test_any_decode_ids_read_as_sglang_sent_them(tok, runs, value):
+    """Runs of rows of any lengths (speculative decoding's differ row by row), empty rows,
+    any int64, arrays of other typecodes: the raw reader or, past what it takes, the
+    generic parse gives every row's ids."""
+    ids = []
+    for length, repeat, typecode in runs:
+        item = value if typecode != "i" else value % 2**31
+        ids += [array(typecode, [item] * length) for _ in range(repeat)]
+    assert decoded_ids(tok, ids)[0] == [list(a) for a in ids]
+
+
+def test_rows_of_many_lengths_take_the_generic_parse(tok):
+    ids = [array("q", range(1 + (i // 2) % 2)) for i in range(4 * schema.MAX_RUNS + 4)]  # runs of two
+    assert decoded_ids(tok, ids) == ([list(a) for a in ids], False)
 
 
 def test_decode_ids_that_are_no_arrays_fail_as_the_whole_schema_says(tok):
