@@ -5,7 +5,10 @@
 * The stream: B requests of real multilingual text (the corpus of `detokbench bench`,
   tokenized by the DeepSeek tokenizer), each starting at its own offset with the 5 ids
   before it as its prompt, one new id per request per step (--ids-per-step: several, as
-  speculative decoding sends them), all finishing (length) at the last step. The
+  speculative decoding sends them), all finishing (length) at the last step; or, with
+  --lifetime L, B slots of requests L steps long, ~B/L starting and ~B/L finishing at
+  every step, as under continuous batching (the percentiles then take the steps with all
+  B live, not the ramps at either end). The
   BatchTokenIDOutput of every step is built by SGLang's own scheduler code
   (detokbench.sglang_replay.build_stream: Req + _GenerationStreamAccumulator), once per
   encoding and batch size, then encoded as SGLang's sock_send does (pickle
@@ -80,16 +83,28 @@ ANSWER_TIMEOUT = 60.0  # seconds without an answer before the pass counts as hun
 # --- the stream ------------------------------------------------------------------------
 
 
-def requests(ids: list[int], batch: int, steps: int, tag: str, per_step: int = 1) -> list[Scripted]:
+def requests(ids: list[int], batch: int, steps: int, tag: str, per_step: int = 1,
+             lifetime: int | None = None) -> list[Scripted]:
     """B requests over the corpus ids (a ring), each from its own offset, `per_step` new
-    ids each step (speculative decoding: SGLang's scheduler appends them all at once)."""
-    n = steps * per_step
-    ring = ids * (2 + (n + PROMPT) // len(ids))
-    chunks = None if per_step == 1 else [per_step] * steps
+    ids each step (speculative decoding: SGLang's scheduler appends them all at once).
+
+    lifetime None: all B live the whole stream (they start at step 0 and finish at its
+    last). lifetime L: B slots, each running requests of L steps back to back, slot s's
+    first starting at step s*L//B, so ~B/L requests start and ~B/L finish every step, as
+    under continuous batching; no slot starts a request that would outlast the stream,
+    so B are live from step L-1 to the last full lifetime's end and fewer at either end
+    (`steady_steps`)."""
+    ring_for = lambda n: ids * (2 + (n + PROMPT) // len(ids))  # noqa: E731
+    spans = [(0, steps)] * batch if lifetime is None else [
+        (first, lifetime) for s in range(batch) for first in range(s * lifetime // batch, steps - lifetime + 1, lifetime)
+    ]
+    ring = ring_for(max(n for _, n in spans) * per_step)
     out = []
-    for i in range(batch):
+    for i, (first, n_steps) in enumerate(spans):
+        n = n_steps * per_step
         at = PROMPT + (i * 97) % len(ids)  # 97 is prime to the corpus length: distinct offsets
-        out.append(Scripted(rid=f"{tag}{i}", prompt_ids=ring[at - PROMPT : at], output_ids=ring[at : at + n], chunks=chunks))
+        out.append(Scripted(rid=f"{tag}{i}", prompt_ids=ring[at - PROMPT : at], output_ids=ring[at : at + n],
+                            chunks=None if per_step == 1 else [per_step] * n_steps, first_step=first))
     return out
 
 
@@ -114,12 +129,18 @@ def decode(frames: list[bytes], encoding: str) -> list:
 class Stream:
     """One batch size's prebuilt frames under one encoding, and what they must add up to."""
 
-    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str, per_step: int = 1):
+    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str, per_step: int = 1,
+                 lifetime: int | None = None):
         self.batch, self.steps, self.encoding, self.per_step = batch, steps, encoding, per_step
         t0 = time.perf_counter()
-        self.reqs = requests(ids, batch, steps, "r", per_step)
+        self.reqs = requests(ids, batch, steps, "r", per_step, lifetime)
         messages = build_stream(self.reqs, encoding=encoding)
         self.step_rids = [list(m.rids) for m in messages]
+        self.rows = sum(map(len, self.step_rids))
+        # The steps whose latency the percentiles take: every step of the streams that
+        # start and finish together; the steps with all B live of a staggered one (the
+        # ramps up and down carry fewer rows, so they would flatter its tail).
+        self.steady_steps = [k for k, rids in enumerate(self.step_rids) if lifetime is None or len(rids) == batch]
         self.frames = encode(messages, encoding)
         self.warmup = build_stream(requests(ids, batch, 8, "warm", per_step), encoding=encoding)
         self.build_seconds = time.perf_counter() - t0
@@ -195,7 +216,7 @@ def run_pass(proc: SglangDetokenizerUnderTest, stream: Stream, window: int) -> d
         gc.enable()
     if pull.poll(200):
         raise AssertionError(f"more answers than due ({expected}): the step accounting would be wrong")
-    rows = stream.batch * stream.steps
+    rows = stream.rows
     tokens = rows * stream.per_step
     cpu = sum(cpu_by.values())
     answers = decode(got, stream.encoding)
@@ -218,7 +239,7 @@ def floor(stream: Stream, answer_frames: list[bytes], reps: int = 3) -> dict:
 
     from detokd.sglang import schema
 
-    rows = stream.batch * stream.steps
+    rows = stream.rows
     with ipc_encoding(stream.encoding):
         if stream.encoding == "pickle":
             ways = {"floor": (pickle.loads, lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL), pickle.loads)}
@@ -286,8 +307,9 @@ def log(msg: str) -> None:
 def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
     results = []
     for batch in sorted(args.batch):
-        stream = Stream(vocab, ids, batch, args.steps, encoding, args.ids_per_step)
-        log(f"[{encoding} B={batch}] built {len(stream.frames)} steps ({stream.megabytes:.1f} MB) in {stream.build_seconds:.1f}s")
+        stream = Stream(vocab, ids, batch, args.steps, encoding, args.ids_per_step, args.lifetime)
+        log(f"[{encoding} B={batch}] built {len(stream.frames)} steps ({stream.megabytes:.1f} MB, {len(stream.reqs)} requests, "
+            f"{len(stream.steady_steps)} steps timed) in {stream.build_seconds:.1f}s")
         for name, proc in procs.items():
             # --freeze-gc: what SGLang's /freeze_gc endpoint makes its detokenizer do (gc.freeze()).
             proc.exchange([*stream.warmup, *([freeze_gc_req()] if args.freeze_gc else [])])
@@ -306,8 +328,9 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                         log(f"[{encoding} B={batch}] floor " + " ".join(f"{k} {v:.2f}" for k, v in floors.items()))
                     first_text.setdefault(name, texts)
                     problems["same_as_first_pass"] = texts == first_text[name]
-                    lat = p.pop("latency_ms")
-                    passes.append(dict(target=name, mode=mode, round=r, slot=slot, lat=lat, **p, **problems))
+                    every = p.pop("latency_ms")
+                    lat = [every[k] for k in stream.steady_steps]
+                    passes.append(dict(target=name, mode=mode, round=r, slot=slot, lat=lat, every=every, **p, **problems))
                     log(f"[{encoding} B={batch}] r{r} {name:6} {mode:10} {p['tokens_per_s']:>9.0f} tok/s "
                         f"p50 {pct(lat, 50):6.2f} ms p99 {pct(lat, 99):6.2f} ms cpu {p['cpu_us_per_token']:5.2f} us/tok {p['cpu_us_per_row']:5.2f} us/row "
                         f"off-oracle {problems['off_oracle']} load {p['loadavg_1m']:.1f}"
@@ -319,18 +342,21 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
             for mode in ("latency", "throughput"):
                 mine = [p for p in passes if p["target"] == name and p["mode"] == mode]
                 lat = [x for p in mine for x in p["lat"]]
+                every = [x for p in mine for x in p["every"]]
                 results.append(dict(
-                    encoding=encoding, batch=batch, steps=args.steps, ids_per_step=args.ids_per_step, target=name,
+                    encoding=encoding, batch=batch, steps=args.steps, ids_per_step=args.ids_per_step, lifetime=args.lifetime,
+                    requests=len(stream.reqs), rows=stream.rows, target=name,
                     mode=mode, freeze_gc=args.freeze_gc,
                     window=1 if mode == "latency" else args.window, passes=len(mine),
                     tokens_per_s_median=statistics.median(p["tokens_per_s"] for p in mine),
                     tokens_per_s_all=[p["tokens_per_s"] for p in mine],
                     loadavg_1m_per_pass=[p["loadavg_1m"] for p in mine],
                     latency_ms_p50=pct(lat, 50), latency_ms_p99=pct(lat, 99), latency_ms_max=max(lat),
+                    latency_steps=len(stream.steady_steps), latency_ms_p99_every_step=pct(every, 99),
                     cpu_us_per_token=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * 1e6,
                     cpu_us_per_row=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * args.ids_per_step * 1e6,
                     cpu_us_per_row_by_process={
-                        who: sum(p["cpu_s_by_process"][who] for p in mine) / (len(mine) * batch * args.steps) * 1e6
+                        who: sum(p["cpu_s_by_process"][who] for p in mine) / (len(mine) * stream.rows) * 1e6
                         for who in mine[0]["cpu_s_by_process"]
                     },
                     detokenizers=proc.detokenizers, detokenizers_asked=args.detokenizers,
@@ -344,8 +370,8 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                     same_text_every_pass=all(p["same_as_first_pass"] for p in mine),
                     build_seconds=stream.build_seconds, stream_mb=stream.megabytes,
                 ))
-        raw += [dict(encoding=encoding, batch=batch, **{k: v for k, v in p.items() if k != "lat"},
-                     latency_ms=[round(x, 3) for x in p["lat"]]) for p in passes]
+        raw += [dict(encoding=encoding, batch=batch, **{k: v for k, v in p.items() if k not in ("lat", "every")},
+                     latency_ms=[round(x, 3) for x in p["every"]]) for p in passes]
         log(f"[{encoding} B={batch}] texts equal across targets: {agree} ({differing} rids differ)")
     return results
 
@@ -408,6 +434,7 @@ def plot(results: list[dict], path: str) -> None:
         ax.legend(fontsize=8)
     per_step = results[0].get("ids_per_step", 1)
     fig.suptitle(f"detokd vs SGLang's detokenizer process, SGLang's own stream (DeepSeek tokenizer, {per_step} id/request/step)"
+                 + (f", requests {results[0]['lifetime']} steps long, staggered" if results[0].get("lifetime") else "")
                  + (", GC frozen" if any(r.get("freeze_gc") for r in results) else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -417,7 +444,12 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m detokbench sglang-bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 1024], help="concurrent requests (default 256 1024)")
-    ap.add_argument("--steps", type=int, default=300, help="decode steps per pass = new ids per request (default 300)")
+    ap.add_argument("--steps", type=int, default=300, help="decode steps per pass (default 300): the new ids of each request, "
+                    "or, with --lifetime, the length of the stream")
+    ap.add_argument("--lifetime", type=int, metavar="L", help="steps each request lives: requests start and finish "
+                    "staggered, ~B/L of each per step, as under continuous batching, and the latency percentiles take "
+                    "the steps with all B live (default: all B requests start at the first step and finish at the last, "
+                    "two steps no engine sends, which the percentiles then include)")
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
     ap.add_argument("--ids-per-step", type=int, default=1, help="new ids per request per step (default 1; speculative "
                     "decoding sends 2-8): the CPU per row is per request per step")
@@ -436,6 +468,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib; or --plot-only later)")
     ap.add_argument("--plot-only", metavar="JSON", help="only draw --plot from an earlier --json file (any python with matplotlib)")
     args = ap.parse_args(argv)
+    if args.lifetime is not None and not 1 <= args.lifetime <= args.steps:
+        ap.error(f"--lifetime must be 1 to --steps ({args.steps})")
 
     if args.plot_only:
         plot(json.loads(Path(args.plot_only).read_text())["results"], args.plot)
