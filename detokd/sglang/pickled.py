@@ -110,15 +110,37 @@ def _int64s(rows: Any) -> bool:
     )
 
 
+# Rows of a step that may differ in length from its middle row with its rows still read
+# in runs: each start among a step's rows (its ids begin with the prompt context) differs,
+# and rows of many lengths (speculative decoding's) are cheaper one by one.
+MAX_OTHERS = 8
+
+
 def id_rows(rows: list) -> list[list[int]]:
-    """decode_ids as lists of ints: a step's rows of as many ids each in one numpy view
-    of their joined bytes, others one by one."""
-    if rows and _int64s(rows):
-        items = list(map(_ITEMS, rows))
-        if len(set(map(len, items))) == 1 and items[0]:
-            return np.frombuffer(b"".join(items), "=i8").reshape(len(items), -1).tolist()
+    """decode_ids as lists of ints: each run of rows of as many ids in one numpy view of
+    their joined bytes (a decode step is one run, a few starts break it), rows of many
+    lengths one by one."""
+    if not (rows and _int64s(rows)):
+        return [(a.array() if type(a) is Array else a).tolist() for a in rows]
+    items = list(map(_ITEMS, rows))
+    sizes = list(map(len, items))
+    n = len(sizes)
+    common = sizes[n // 2]
+    alike = sizes.count(common)
+    if alike == n and common:
+        return np.frombuffer(b"".join(items), "=i8").reshape(n, -1).tolist()
+    if alike < n - MAX_OTHERS:
         return [memoryview(b).cast("q").tolist() for b in items]
-    return [(a.array() if type(a) is Array else a).tolist() for a in rows]
+    ids = np.frombuffer(b"".join(items), "=i8")
+    k = np.array(sizes) >> 3  # ids per row
+    ends = np.cumsum(k).tolist()
+    firsts = [0, *(np.flatnonzero(k[1:] != k[:-1]) + 1).tolist()]
+    out: list[list[int]] = []
+    for first, end in zip(firsts, [*firsts[1:], n]):
+        width, count = sizes[first] >> 3, end - first
+        at = ends[first] - width
+        out += ids[at : at + count * width].reshape(count, width).tolist() if width else [[] for _ in range(count)]
+    return out
 
 
 class _Unpickler(pickle.Unpickler):

@@ -175,20 +175,28 @@ def test_a_step_with_starts_among_its_rows_is_read_in_runs(tok):
     assert decoded_ids(tok, ids) == ([list(a) for a in ids], True)
 
 
-@settings(deadline=None, max_examples=150)
-@given(runs=st.lists(st.tuples(st.sampled_from([0, 1, 2, 3, 8, 31, 32, 600]),
-                               st.one_of(st.integers(1, 40), st.sampled_from([255, 256, 257, 1100])),
-                               st.sampled_from(["q", "q", "q", "l", "i"])), max_size=30),
-       value=st.integers(-(2**63), 2**63 - 1))
-@example(runs=[(1, schema.FIRST_VIEW, "q"), (0, 1, "q")], value=7)  # a full first view, then a shorter row
-def test_any_decode_ids_read_as_sglang_sent_them(tok, runs, value):
-    """Runs of rows of any lengths (speculative decoding's differ row by row), empty rows,
-    any int64, arrays of other typecodes: the raw reader or, past what it takes, the
-    generic parse gives every row's ids."""
+# Runs of rows: (ids per row, rows, typecode); a decode step is one long run of one id,
+# a start breaks it for a row, speculative decoding's rows differ row by row.
+ROW_RUNS = st.lists(st.tuples(st.sampled_from([0, 1, 2, 3, 8, 31, 32, 600]),
+                              st.one_of(st.integers(1, 40), st.sampled_from([255, 256, 257, 1100])),
+                              st.sampled_from(["q", "q", "q", "l", "i"])), max_size=30)
+
+
+def arrays_of(runs: list[tuple[int, int, str]], value: int) -> list[array]:
     ids = []
     for length, repeat, typecode in runs:
         item = value if typecode != "i" else value % 2**31
         ids += [array(typecode, [item] * length) for _ in range(repeat)]
+    return ids
+
+
+@settings(deadline=None, max_examples=150)
+@given(runs=ROW_RUNS, value=st.integers(-(2**63), 2**63 - 1))
+@example(runs=[(1, schema.FIRST_VIEW, "q"), (0, 1, "q")], value=7)  # a full first view, then a shorter row
+def test_any_decode_ids_read_as_sglang_sent_them(tok, runs, value):
+    """Any runs of rows, empty rows, any int64, arrays of other typecodes: the raw reader
+    or, past what it takes, the generic parse gives every row's ids."""
+    ids = arrays_of(runs, value)
     assert decoded_ids(tok, ids)[0] == [list(a) for a in ids]
 
 
@@ -411,6 +419,17 @@ def test_compact_lists_unpickle_to_what_they_hold(output_ids):
             assert [vars(x) for x in got] == [{} for _ in want]
         else:
             assert got == want and (got is None or [x.typecode for x in got] == [x.typecode for x in want])
+
+
+@settings(deadline=None, max_examples=150)
+@given(runs=ROW_RUNS, value=st.integers(-(2**63), 2**63 - 1))
+@example(runs=[(1, 500, "q"), (6, 1, "q"), (1, 200, "q"), (0, 1, "q"), (6, 2, "q"), (1, 9, "q")], value=3)
+def test_pickled_decode_ids_read_as_sglang_sent_them(runs, value):
+    """In runs of rows of one length (a few starts among a step's rows), or row by row."""
+    from detokd.sglang import pickled
+
+    rows = arrays_of(runs, value)
+    assert pickled.id_rows(pickled.loads(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))) == [a.tolist() for a in rows]
 
 
 @pytest.mark.parametrize("rows", [
