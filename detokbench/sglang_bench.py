@@ -468,8 +468,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib; or --plot-only later)")
     ap.add_argument("--plot-only", metavar="JSON", help="only draw --plot from an earlier --json file (any python with matplotlib)")
     args = ap.parse_args(argv)
-    if args.lifetime is not None and not 1 <= args.lifetime <= args.steps:
-        ap.error(f"--lifetime must be 1 to --steps ({args.steps})")
+    if args.lifetime is not None and not 1 <= args.lifetime <= args.steps // 2:
+        ap.error(f"--lifetime must be 1 to half of --steps ({args.steps}): the batch is full only after one lifetime "
+                 "and until the last request that fits has started")
 
     if args.plot_only:
         plot(json.loads(Path(args.plot_only).read_text())["results"], args.plot)

@@ -1,0 +1,52 @@
+"""The request streams of `detokbench sglang-bench` (detokbench/sglang_bench.py): what
+each request of them is, before SGLang's scheduler code turns them into steps."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from detokbench.sglang_bench import PROMPT, requests
+
+IDS = list(range(1000, 1700))  # stands for the corpus' ids: only offsets into it matter here
+
+
+def live_per_step(reqs, per_step: int = 1) -> Counter:
+    live: Counter = Counter()
+    for r in reqs:
+        for step in range(r.first_step, r.first_step + len(r.output_ids) // per_step):
+            live[step] += 1
+    return live
+
+
+def test_by_default_all_requests_start_together_and_finish_together():
+    reqs = requests(IDS, batch=16, steps=40, tag="r")
+    assert len(reqs) == 16 and {r.first_step for r in reqs} == {0}
+    assert {len(r.output_ids) for r in reqs} == {40} and {len(r.prompt_ids) for r in reqs} == {PROMPT}
+
+
+@pytest.mark.parametrize("batch,steps,lifetime", [(16, 40, 8), (1024, 800, 256), (10, 30, 15), (7, 50, 3), (5, 20, 1)])
+def test_with_a_lifetime_requests_start_and_finish_staggered_with_the_batch_full_between_the_ramps(batch, steps, lifetime):
+    reqs = requests(IDS, batch, steps, "r", lifetime=lifetime)
+    assert len({r.rid for r in reqs}) == len(reqs)
+    assert {len(r.output_ids) for r in reqs} == {lifetime}
+    assert all(r.first_step + lifetime <= steps for r in reqs)  # none outlasts the stream
+    live = live_per_step(reqs)
+    assert max(live.values()) == batch
+    full = [s for s in range(steps) if live[s] == batch]
+    assert full == list(range(full[0], full[-1] + 1)) and full[0] <= lifetime - 1  # full from the first lifetime on
+    starts = Counter(r.first_step for r in reqs)
+    ends = Counter(r.first_step + lifetime - 1 for r in reqs)
+    most = -(-batch // lifetime)  # ceil(B / L)
+    assert max(starts.values()) <= most and max(ends.values()) <= most
+
+
+def test_each_request_continues_its_own_prompt_and_several_ids_per_step_stay_whole():
+    reqs = requests(IDS, batch=6, steps=20, tag="x", per_step=3, lifetime=5)
+    ring = IDS * 4
+    for r in reqs:
+        at = ring.index(r.output_ids[0], PROMPT)
+        assert r.prompt_ids + r.output_ids == ring[at - PROMPT : at + 15]
+        assert r.chunks == [3] * 5
+    assert max(live_per_step(reqs, per_step=3).values()) == 6
