@@ -94,11 +94,10 @@ def requests(ids: list[int], batch: int, steps: int, tag: str, per_step: int = 1
     under continuous batching; no slot starts a request that would outlast the stream,
     so B are live from step L-1 to the last full lifetime's end and fewer at either end
     (`steady_steps`)."""
-    ring_for = lambda n: ids * (2 + (n + PROMPT) // len(ids))  # noqa: E731
-    spans = [(0, steps)] * batch if lifetime is None else [
+    spans = [(0, steps)] * batch if lifetime is None else [  # (first step, steps) of each request
         (first, lifetime) for s in range(batch) for first in range(s * lifetime // batch, steps - lifetime + 1, lifetime)
     ]
-    ring = ring_for(max(n for _, n in spans) * per_step)
+    ring = ids * (2 + ((lifetime or steps) * per_step + PROMPT) // len(ids))
     out = []
     for i, (first, n_steps) in enumerate(spans):
         n = n_steps * per_step

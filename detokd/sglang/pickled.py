@@ -110,9 +110,9 @@ def _int64s(rows: Any) -> bool:
     )
 
 
-# Rows of a step that may differ in length from its middle row with its rows still read
-# in runs: each start among a step's rows (its ids begin with the prompt context) differs,
-# and rows of many lengths (speculative decoding's) are cheaper one by one.
+# How many rows of a step may differ in length from its middle row for its rows to be
+# read in runs: each start among them differs (its ids begin with the prompt context);
+# rows of many lengths (speculative decoding's) are cheaper one by one.
 MAX_OTHERS = 8
 
 

@@ -231,7 +231,7 @@ class ConfigureLoggingReq(_Single, kw_only=True):
 Inbound = Union[BatchTokenIDOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq]
 
 # What MsgpackCodec decodes a batch as: decode_ids left raw, read by the codec itself
-# (most steps in one numpy view over those bytes, with no Ext object per row).
+# (each run of rows of one length in numpy views over those bytes, with no Ext object per row).
 RawIdsBatch = msgspec.defstruct(
     "BatchTokenIDOutput", [("decode_ids", Raw)], bases=(BatchTokenIDOutput,), kw_only=True, module=__name__,
 )

@@ -12,9 +12,9 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+import zmq
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-import zmq
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
