@@ -56,6 +56,7 @@ import json
 import os
 import pickle
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -84,9 +85,11 @@ ANSWER_TIMEOUT = 60.0  # seconds without an answer before the pass counts as hun
 
 
 def requests(ids: list[int], batch: int, steps: int, tag: str, per_step: int = 1,
-             lifetime: int | None = None) -> list[Scripted]:
+             lifetime: int | None = None, varied: bool = False) -> list[Scripted]:
     """B requests over the corpus ids (a ring), each from its own offset, `per_step` new
-    ids each step (speculative decoding: SGLang's scheduler appends them all at once).
+    ids each step (speculative decoding: SGLang's scheduler appends them all at once), or
+    with `varied` 1 to `per_step` of them, drawn per request and step (seeded): the draft
+    tokens speculative decoding accepts vary.
 
     lifetime None: all B live the whole stream (they start at step 0 and finish at its
     last). lifetime L: B slots, each running requests of L steps back to back, slot s's
@@ -100,10 +103,11 @@ def requests(ids: list[int], batch: int, steps: int, tag: str, per_step: int = 1
     ring = ids * (2 + ((lifetime or steps) * per_step + PROMPT) // len(ids))
     out = []
     for i, (first, n_steps) in enumerate(spans):
-        n = n_steps * per_step
+        draw = random.Random(i).randint
+        chunks = [draw(1, per_step) if varied else per_step for _ in range(n_steps)]
         at = PROMPT + (i * 97) % len(ids)  # 97 is prime to the corpus length: distinct offsets
-        out.append(Scripted(rid=f"{tag}{i}", prompt_ids=ring[at - PROMPT : at], output_ids=ring[at : at + n],
-                            chunks=None if per_step == 1 else [per_step] * n_steps, first_step=first))
+        out.append(Scripted(rid=f"{tag}{i}", prompt_ids=ring[at - PROMPT : at], output_ids=ring[at : at + sum(chunks)],
+                            chunks=None if per_step == 1 else chunks, first_step=first))
     return out
 
 
@@ -129,10 +133,11 @@ class Stream:
     """One batch size's prebuilt frames under one encoding, and what they must add up to."""
 
     def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str, per_step: int = 1,
-                 lifetime: int | None = None):
+                 lifetime: int | None = None, varied: bool = False):
         self.batch, self.steps, self.encoding, self.per_step = batch, steps, encoding, per_step
         t0 = time.perf_counter()
-        self.reqs = requests(ids, batch, steps, "r", per_step, lifetime)
+        self.reqs = requests(ids, batch, steps, "r", per_step, lifetime, varied)
+        self.tokens = sum(len(s.output_ids) for s in self.reqs)
         messages = build_stream(self.reqs, encoding=encoding)
         self.step_rids = [list(m.rids) for m in messages]
         self.rows = sum(map(len, self.step_rids))
@@ -141,7 +146,7 @@ class Stream:
         # ramps up and down carry fewer rows, so they would flatter its tail).
         self.steady_steps = [k for k, rids in enumerate(self.step_rids) if lifetime is None or len(rids) == batch]
         self.frames = encode(messages, encoding)
-        self.warmup = build_stream(requests(ids, batch, 8, "warm", per_step), encoding=encoding)
+        self.warmup = build_stream(requests(ids, batch, 8, "warm", per_step, varied=varied), encoding=encoding)
         self.build_seconds = time.perf_counter() - t0
         self.oracle = {s.rid: vocab.reference(s.prompt_ids, s.output_ids) for s in self.reqs}
         self.megabytes = sum(map(len, self.frames)) / 1e6
@@ -216,7 +221,7 @@ def run_pass(proc: SglangDetokenizerUnderTest, stream: Stream, window: int) -> d
     if pull.poll(200):
         raise AssertionError(f"more answers than due ({expected}): the step accounting would be wrong")
     rows = stream.rows
-    tokens = rows * stream.per_step
+    tokens = stream.tokens
     cpu = sum(cpu_by.values())
     answers = decode(got, stream.encoding)
     # Each answer against the rows it should hold: the rids of its step routed to its detokenizer.
@@ -306,7 +311,7 @@ def log(msg: str) -> None:
 def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
     results = []
     for batch in sorted(args.batch):
-        stream = Stream(vocab, ids, batch, args.steps, encoding, args.ids_per_step, args.lifetime)
+        stream = Stream(vocab, ids, batch, args.steps, encoding, args.ids_per_step, args.lifetime, args.varied_ids)
         log(f"[{encoding} B={batch}] built {len(stream.frames)} steps ({stream.megabytes:.1f} MB, {len(stream.reqs)} requests, "
             f"{len(stream.steady_steps)} steps timed) in {stream.build_seconds:.1f}s")
         for name, proc in procs.items():
@@ -343,7 +348,7 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                 lat = [x for p in mine for x in p["lat"]]
                 every = [x for p in mine for x in p["every"]]
                 results.append(dict(
-                    encoding=encoding, batch=batch, steps=args.steps, ids_per_step=args.ids_per_step, lifetime=args.lifetime,
+                    encoding=encoding, batch=batch, steps=args.steps, ids_per_step=args.ids_per_step, varied_ids=args.varied_ids, lifetime=args.lifetime,
                     requests=len(stream.reqs), rows=stream.rows, target=name,
                     mode=mode, freeze_gc=args.freeze_gc,
                     window=1 if mode == "latency" else args.window, passes=len(mine),
@@ -353,7 +358,7 @@ def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]
                     latency_ms_p50=pct(lat, 50), latency_ms_p99=pct(lat, 99), latency_ms_max=max(lat),
                     latency_steps=len(stream.steady_steps), latency_ms_p99_every_step=pct(every, 99),
                     cpu_us_per_token=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * 1e6,
-                    cpu_us_per_row=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * args.ids_per_step * 1e6,
+                    cpu_us_per_row=sum(p["cpu_s"] for p in mine) / sum(p["rows"] for p in mine) * 1e6,
                     cpu_us_per_row_by_process={
                         who: sum(p["cpu_s_by_process"][who] for p in mine) / (len(mine) * stream.rows) * 1e6
                         for who in mine[0]["cpu_s_by_process"]
@@ -402,7 +407,7 @@ def table(results: list[dict]) -> str:
         ok = r["text_equal_across_targets"] and not r["off_oracle"] and r["one_answer_per_step"] and r["same_text_every_pass"]
         floor_row = f"{r['floor_us_per_row']:.2f}" + (f" (raw {r['floor_raw_us_per_row']:.2f})" if "floor_raw_us_per_row" in r else "")
         target = label(r)
-        rows.append(f"| {r['encoding']} | {r['ids_per_step']} | {r['batch']} | {target} | {r['mode']}"
+        rows.append(f"| {r['encoding']} | {'1-' if r.get('varied_ids') else ''}{r['ids_per_step']} | {r['batch']} | {target} | {r['mode']}"
                     f"{'' if r['mode'] == 'latency' else ' (w=' + str(r['window']) + ')'} | {r['tokens_per_s_median']:,.0f} | "
                     f"{r['latency_ms_p50']:.2f} | {r['latency_ms_p99']:.2f} | {r['latency_ms_max']:.2f} | "
                     f"{r['cpu_us_per_token']:.2f} | {r['cpu_us_per_row']:.2f} | {floor_row} | {r['vm_hwm_mb']:.0f} | {'yes' if ok else 'NO'} |")
@@ -432,7 +437,8 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
     per_step = results[0].get("ids_per_step", 1)
-    fig.suptitle(f"detokd vs SGLang's detokenizer process, SGLang's own stream (DeepSeek tokenizer, {per_step} id/request/step)"
+    per_step = f"1-{per_step} ids" if results[0].get("varied_ids") else f"{per_step} id"
+    fig.suptitle(f"detokd vs SGLang's detokenizer process, SGLang's own stream (DeepSeek tokenizer, {per_step}/request/step)"
                  + (f", requests {results[0]['lifetime']} steps long, staggered" if results[0].get("lifetime") else "")
                  + (", GC frozen" if any(r.get("freeze_gc") for r in results) else ""), fontsize=11)
     fig.tight_layout()
@@ -452,6 +458,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
     ap.add_argument("--ids-per-step", type=int, default=1, help="new ids per request per step (default 1; speculative "
                     "decoding sends 2-8): the CPU per row is per request per step")
+    ap.add_argument("--varied-ids", action="store_true", help="with --ids-per-step K: each request's new ids in a "
+                    "step drawn from 1 to K (seeded), as speculative decoding accepts a varying number of draft tokens, "
+                    "so the rows of a step differ in length")
     ap.add_argument("--detokd-router", action="store_true", help="with --detokenizers N > 1, N detokd processes "
                     "behind SGLang's router too (DETOKD_SGLANG_ROUTER=1), not the plugin's one process")
     ap.add_argument("--detokenizers", type=int, default=1, help="SGLang's --detokenizer-worker-num (default 1): N of "

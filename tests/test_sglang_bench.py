@@ -50,3 +50,11 @@ def test_each_request_continues_its_own_prompt_and_several_ids_per_step_stay_who
         assert r.prompt_ids + r.output_ids == ring[at - PROMPT : at + 15]
         assert r.chunks == [3] * 5
     assert max(live_per_step(reqs, per_step=3).values()) == 6
+
+
+def test_varied_ids_per_step_are_drawn_from_one_to_k_the_same_every_run():
+    reqs = requests(IDS, batch=8, steps=30, tag="s", per_step=4, varied=True)
+    chunks = [c for r in reqs for c in r.chunks]
+    assert set(chunks) == {1, 2, 3, 4}
+    assert all(len(r.chunks) == 30 and len(r.output_ids) == sum(r.chunks) for r in reqs)
+    assert requests(IDS, batch=8, steps=30, tag="s", per_step=4, varied=True) == reqs
