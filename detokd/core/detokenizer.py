@@ -185,14 +185,15 @@ class Detokenizer:
         return not self.closing and rows <= self.limits.rows and ids <= self.limits.frame_ids
 
     def quick(self, rids: list[str], id_rows: list[list[int]], finishes: list, metas: list[Raw], texts: list[str],
-              at: int = 0) -> int:
+              at: int = 0, in_vocab: bool = False) -> int:
         """The fast path of `tokens` for a dialect that places rows by position: from row
         `at` on, each row that is a live plain streaming request's next ids, not
         finishing (`finishes[i] is None`), all in the vocabulary, has its text put in
         `texts[i]` (the decoder's settled table, or its step) with no Row or OutRow; an
         error on the way is answered as `tokens` would, with `metas[i]`. Stops at the
         first row `tokens` must take (a start, a finish, an unknown rid, an id to
-        clamp) and returns its index, len(rids) when none."""
+        clamp) and returns its index, len(rids) when none. `in_vocab`: the caller knows
+        every id of id_rows is in the vocabulary, so rows of several ids skip min and max."""
         get = self.table.states.get
         vocab_size = self.vocab_size
         max_ids = self.limits.row_ids
@@ -213,8 +214,8 @@ class Detokenizer:
                 if not 0 <= t < vocab_size:
                     break
                 text = settled[t] if settled is not None else None
-            elif n and n <= max_ids and min(ids) >= 0 and max(ids) < vocab_size:
-                parts = None if settled is None else [settled[t] for t in ids]
+            elif n and n <= max_ids and (in_vocab or (min(ids) >= 0 and max(ids) < vocab_size)):
+                parts = None if settled is None else list(map(settled.__getitem__, ids))
                 text = None if parts is None or None in parts else "".join(parts)
             else:
                 break

@@ -232,6 +232,7 @@ class SglangDialect:
         n = len(rids)
         position_meta(n)
         texts = [""] * n
+        in_vocab = schema.in_vocabulary(id_rows, self.vocab_size)
         pending: list[Row] = []
         start = False  # whether pending holds a start
         i = 0
@@ -240,7 +241,7 @@ class SglangDialect:
                 if start:  # a start may evict a request of a later row: the core goes first
                     core.tokens(pending, ids_at_most=0)
                     pending, start = [], False
-                i = quick(rids, id_rows, reasons, _positions, texts, i)
+                i = quick(rids, id_rows, reasons, _positions, texts, i, in_vocab)
                 if i == n:
                     break
             row = self._row(batch, i, rids[i], id_rows[i], 0)

@@ -46,6 +46,8 @@ import msgspec
 import numpy as np
 from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
 
+from .schema import IdRows, id_rows_of
+
 _GLOBAL = (SchedulerReqTimeStats.__module__, SchedulerReqTimeStats.__qualname__)
 _ARRAY = (_array_reconstructor.__module__, _array_reconstructor.__name__)
 _NEW = object.__new__
@@ -117,25 +119,28 @@ MAX_OTHERS = 8
 
 
 def id_rows(rows: list) -> list[list[int]]:
-    """decode_ids as lists of ints: each run of rows of as many ids in one numpy view of
-    their joined bytes (a decode step is one run, a few starts break it), rows of many
-    lengths one by one."""
+    """decode_ids as lists of ints, from their joined bytes as one numpy array (which
+    also gives the bounds of IdRows): each run of rows of as many ids in one view (a
+    decode step is one run, a few starts break it), rows of many lengths sliced apart."""
     if not (rows and _int64s(rows)):
         return [(a.array() if type(a) is Array else a).tolist() for a in rows]
     items = list(map(_ITEMS, rows))
     sizes = list(map(len, items))
     n = len(sizes)
-    common = sizes[n // 2]
-    alike = sizes.count(common)
-    if alike == n and common:
-        return np.frombuffer(b"".join(items), "=i8").reshape(n, -1).tolist()
-    if alike < n - MAX_OTHERS:
-        return [memoryview(b).cast("q").tolist() for b in items]
     ids = np.frombuffer(b"".join(items), "=i8")
+    common = sizes[n // 2] >> 3
+    alike = sizes.count(common << 3)
+    if alike < n - MAX_OTHERS:
+        return id_rows_of(ids, [size >> 3 for size in sizes])
+    out = IdRows()
+    if ids.size:
+        out.widen(int(ids.min()), int(ids.max()))
+    if alike == n:
+        out += ids.reshape(n, common).tolist() if common else [[] for _ in range(n)]
+        return out
     k = np.array(sizes) >> 3  # ids per row
     ends = np.cumsum(k).tolist()
     firsts = [0, *(np.flatnonzero(k[1:] != k[:-1]) + 1).tolist()]
-    out: list[list[int]] = []
     for first, end in zip(firsts, [*firsts[1:], n]):
         width, count = sizes[first] >> 3, end - first
         at = ends[first] - width

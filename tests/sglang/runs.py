@@ -91,6 +91,9 @@ def scenario(name: str, workers: int = 1) -> list[Scripted]:
         Scripted(rid="empty-tokens", prompt_ids=prompt, output_ids=out[:3] + empties + out[3:9], http_worker=w(0)),
         Scripted(rid="out-of-vocabulary", prompt_ids=prompt, output_ids=out[:4] + [outside] + out[4:8],
                  http_worker=w(1)),
+        # The same within rows of several ids, where a step's known bounds skip each row's check.
+        Scripted(rid="out-of-vocabulary-ragged", prompt_ids=prompt, output_ids=out[:4] + [outside] + out[4:8],
+                 chunks=[3, 3, 3], http_worker=w(0)),
         Scripted(rid="stop-token", prompt_ids=prompt, output_ids=out[:mid] + [eos], finish="matched_token",
                  chunks=ragged(mid + 1), http_worker=w(0)),
         Scripted(rid="stop-token-kept", prompt_ids=prompt, output_ids=out[:mid] + [eos], finish="matched_token",

@@ -157,7 +157,16 @@ def decoded_ids(tok, rows: list[array]) -> tuple[list[list[int]], bool]:
     sent = token_batch(tok, ["x"] * 2, [None] * 2, step=1)
     sent.decode_ids = rows
     mine = schema.MsgpackCodec().decode(sglang_wire(sent))
-    return schema.MsgpackCodec.ids(mine), type(mine.decode_ids) is schema.IdRows
+    ids = schema.MsgpackCodec.ids(mine)
+    assert_bounds(ids)
+    return ids, type(mine.decode_ids) is schema.IdRows
+
+
+def assert_bounds(ids: list[list[int]]) -> None:
+    """Rows read as IdRows carry the least and greatest of their ids (lo > hi: none)."""
+    if type(ids) is schema.IdRows:
+        every = [i for row in ids for i in row]
+        assert (ids.lo, ids.hi) == ((min(every), max(every)) if every else (0, -1))
 
 
 @pytest.mark.parametrize("rows,k", [(1, 1), (15, 1), (16, 4), (1024, 1), (70000, 1), (3, 31), (3, 32), (2, 4000)])
@@ -183,10 +192,11 @@ ROW_RUNS = st.lists(st.tuples(st.sampled_from([0, 1, 2, 3, 8, 31, 32, 600]),
 
 
 def arrays_of(runs: list[tuple[int, int, str]], value: int) -> list[array]:
+    """The rows of `runs`, their ids spread around `value` (within int64)."""
     ids = []
-    for length, repeat, typecode in runs:
-        item = value if typecode != "i" else value % 2**31
-        ids += [array(typecode, [item] * length) for _ in range(repeat)]
+    for r, (length, repeat, typecode) in enumerate(runs):
+        item = min(2**63 - 1, max(-(2**63) + 600, value + r * 7919 - 40000)) if typecode != "i" else value % 2**31
+        ids += [array(typecode, [item - j for j in range(length)]) for _ in range(repeat)]
     return ids
 
 
@@ -429,7 +439,10 @@ def test_pickled_decode_ids_read_as_sglang_sent_them(runs, value):
     from detokd.sglang import pickled
 
     rows = arrays_of(runs, value)
-    assert pickled.id_rows(pickled.loads(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))) == [a.tolist() for a in rows]
+    ids = pickled.id_rows(pickled.loads(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)))
+    assert ids == [a.tolist() for a in rows]
+    assert_bounds(ids)
+    assert (type(ids) is schema.IdRows) == (bool(rows) and all(a.typecode == "q" for a in rows))
 
 
 @pytest.mark.parametrize("rows", [
