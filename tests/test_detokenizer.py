@@ -550,11 +550,13 @@ def _positions(n: int) -> list[msgspec.Raw]:
     return [msgspec.Raw(msgspec.msgpack.encode(i)) for i in range(n)]
 
 
+@pytest.mark.parametrize("in_vocab", [False, True])
 @pytest.mark.parametrize("per_row", [1, 3])
-def test_quick_gives_each_live_row_the_text_tokens_gives_it(per_row) -> None:
+def test_quick_gives_each_live_row_the_text_tokens_gives_it(per_row, in_vocab) -> None:
     """Detokenizer.quick, a dialect's fast path that places rows by position: each live
     plain streaming row gets the text `tokens` gives it (a settled lookup or a step of
-    the decoder), and the requests go on from the same state."""
+    the decoder), and the requests go on from the same state; whether it checks each
+    row's ids against the vocabulary or the dialect vouches for them (in_vocab)."""
     texts = ["Hello 世界 🙂 and more", "Ünïcödé ✓ 日本語 text", "plain ascii words here"]
     ref, fast = CoreRig(), CoreRig()
     ids = [ref.encode(t) for t in texts]
@@ -567,7 +569,7 @@ def test_quick_gives_each_live_row_the_text_tokens_gives_it(per_row) -> None:
         rows = [x[at : at + per_row] for x in ids]
         want = [row.text for row in ref.step(*(Row(q.rid, r, at, None) for q, r in zip(reqs, rows)))[0]]
         got = [""] * len(reqs)
-        assert fast.det.quick(rids, rows, [None] * len(reqs), metas, got) == len(reqs)
+        assert fast.det.quick(rids, rows, [None] * len(reqs), metas, got, in_vocab=in_vocab) == len(reqs)
         assert got == want and fast.step() == ([], [])
     ends = [fast.step(Row(q.rid, [], len(x), None, Finish("length")))[0][0].text for q, x in zip(reqs, ids)]
     assert ends == [row.text for q, x in zip(reqs, ids) for row in ref.step(Row(q.rid, [], len(x), None, Finish("length")))[0]]
@@ -582,6 +584,8 @@ def test_quick_stops_at_the_first_row_tokens_must_take(rig) -> None:
         ([live.rid, "unknown"], [ok, ok], [None, None], 1),
         ([live.rid, live.rid], [ok, ok], [None, Finish("length")], 1),
         ([live.rid, live.rid], [ok, [rig.vocab.size]], [None, None], 1),
+        ([live.rid, live.rid], [ok, ok + [rig.vocab.size] + ok], [None, None], 1),
+        ([live.rid, live.rid], [ok, ok + [-1]], [None, None], 1),
         ([live.rid, live.rid], [ok, []], [None, None], 1),
         ([live.rid], [ok], [None], 1),
     ):
