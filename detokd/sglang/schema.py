@@ -349,13 +349,13 @@ def id_rows_of(flat: Any, counts: list[int]) -> IdRows:
     return rows
 
 
-_DATA = attrgetter("data")
+_CODE, _DATA = attrgetter("code"), attrgetter("data")
 
 
 def ids_of(exts: list[Ext]) -> list[list[int]]:
     """Each row's decode_ids as a list of ints: rows of array('q') of any lengths
     (speculative decoding's) from their joined bytes, with numpy; others one by one."""
-    if np is not None and exts and all(e.code == _EXT_ARRAY for e in exts):
+    if np is not None and exts and list(map(_CODE, exts)).count(_EXT_ARRAY) == len(exts):
         datas = list(map(_DATA, exts))
         sizes = np.fromiter(map(len, datas), np.int64, count=len(datas))
         body = sizes - len(_INT64_HEAD)
