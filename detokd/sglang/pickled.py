@@ -125,18 +125,18 @@ def id_rows(rows: list) -> list[list[int]]:
     if not (rows and _int64s(rows)):
         return [(a.array() if type(a) is Array else a).tolist() for a in rows]
     items = list(map(_ITEMS, rows))
-    sizes = list(map(len, items))
+    sizes = list(map(len, items))  # bytes: 8 per id
     n = len(sizes)
     ids = np.frombuffer(b"".join(items), "=i8")
-    common = sizes[n // 2] >> 3
-    alike = sizes.count(common << 3)
+    common = sizes[n // 2]
+    alike = sizes.count(common)
     if alike < n - MAX_OTHERS:
         return id_rows_of(ids, [size >> 3 for size in sizes])
     out = IdRows()
     if ids.size:
         out.widen(int(ids.min()), int(ids.max()))
-    if alike == n:
-        out += ids.reshape(n, common).tolist() if common else [[] for _ in range(n)]
+    if alike == n:  # a decode step: one view
+        out += ids.reshape(n, common >> 3).tolist() if common else [[] for _ in range(n)]
         return out
     k = np.array(sizes) >> 3  # ids per row
     ends = np.cumsum(k).tolist()

@@ -375,8 +375,8 @@ def ids_of(exts: list[Ext]) -> list[list[int]]:
 
 
 # Runs (rows of one length) a step may break into before the generic parse is cheaper:
-# a run of one is read in Python, at about three times the generic parse's cost per
-# row, and rows of many lengths (speculative decoding's) would each be a run.
+# a run of one is read in Python, at several times the generic parse's cost per row,
+# and rows of many lengths (speculative decoding's) would each be a run.
 MAX_RUNS = 16
 # Rows of a run's first view: a run is read in views of growing size, so a short run
 # costs a short view and a long one a few.
@@ -396,7 +396,8 @@ def _array_head(b: memoryview) -> tuple[int, int] | None:
 
 
 def _int64_ext(b: memoryview, at: int) -> tuple[int, int] | None:
-    """The header length and ids of the ext 1 holding array('q') at `at`, or None."""
+    """The header length and the number of ids of the ext 1 holding array('q') at
+    `at`, or None."""
     if len(b) < at + 4:
         return None
     if b[at] == 0xC7:  # ext 8: size, type
