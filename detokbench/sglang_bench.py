@@ -5,7 +5,8 @@
 * The stream: B requests of real multilingual text (the corpus of `detokbench bench`,
   tokenized by the DeepSeek tokenizer), each starting at its own offset with the 5 ids
   before it as its prompt, one new id per request per step (--ids-per-step: several, as
-  speculative decoding sends them), all finishing (length) at the last step; or, with
+  speculative decoding sends them; --varied-ids: 1 to that many, drawn per request and
+  step, as it accepts them), all finishing (length) at the last step; or, with
   --lifetime L, B slots of requests L steps long, ~B/L starting and ~B/L finishing at
   every step, as under continuous batching (the percentiles then take the steps with all
   B live, not the ramps at either end). The
