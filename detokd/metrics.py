@@ -37,6 +37,8 @@ class _StatsCollector:
             ("aborts", s.aborts, "requests aborted by the engine"),
             ("evictions", s.evictions, "requests evicted to stay within max_states"),
             ("gc_collected", s.gc_collected, "unreachable objects the periodic collection freed (cycles)"),
+            ("gc_collections", s.gc_collections, "collections of the young generations, each a pause of the loop between batches"),
+            ("gc_seconds", s.gc_seconds, "seconds the loop paused in those collections"),
             ("clamped_ids", s.clamped_ids, "out-of-vocabulary ids decoded as id 0, as SGLang's detokenizer does (sglang dialect)"),
             ("overload_transitions", s.overload_transitions, "times the RSS guard turned on or off"),
             ("feedback_dropped", s.feedback_dropped, "stopped rows lost to a full feedback queue"),

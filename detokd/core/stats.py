@@ -36,6 +36,8 @@ class Stats:
         self.aborts = 0
         self.evictions = 0
         self.gc_collected = 0  # objects the periodic collection freed: cycles someone made
+        self.gc_collections = 0  # collections of the young generations (detokd.gc_policy)
+        self.gc_seconds = 0.0  # the loop's time paused in them
         self.clamped_ids = 0  # out-of-vocabulary ids a dialect mapped to 0 (SGLang's rule)
         self.errors: dict[str, int] = {}
         self.live = 0
