@@ -31,6 +31,7 @@ COMMANDS = {
         Command("soak", "detokbench.soak.cli", "millions of tokens with request churn through a real detokd: is RSS flat?"),
         Command("fuzz", "detokbench.fuzz.cli", "honest and hostile frames through a real detokd: alive, exact, counted, RSS kept"),
         Command("worst-frames", "detokbench.worst_frames.cli", "what one worst-case frame at the default caps costs a real detokd"),
+        Command("gc-pauses", "detokbench.gc_pauses", "the collector's pauses in detokd's loop under continuous batching, in-process: its policy against once a second"),
         Command("sglang-bench", "detokbench.sglang_bench", "detokd in SGLang mode against SGLang's own detokenizer (in SGLang's environment)"),
     )
 }

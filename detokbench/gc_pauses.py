@@ -1,0 +1,171 @@
+"""The collector's pauses in detokd's loop under continuous batching: detokd's policy
+(detokd.gc_policy: the young generations, every STARTS starts or a second) against
+the policy it replaced (once a second alone).
+
+In-process, as the server's loop runs it: a steady stream of B slots, each running
+requests L steps long back to back, staggered so ~B/L start and ~B/L finish in every
+step, one id per request per step of the multilingual corpus (DeepSeek, the native
+dialect: each step one encoded `tokens` frame through NativeDialect.handle and
+delivery to a worker socket in this process); the policy ticks after every frame, as
+between batches. Every collection is timed (gc.callbacks), and so is every turn (the
+frame, then the tick). Each policy runs in a process of its own, alternated over
+--rounds (ABAB...), since starting a policy freezes that process's heap.
+
+    python -m detokbench gc-pauses --json docs/bench/gc-pauses.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from .commands import command_line
+from .corpus import TAIL, corpus
+
+POLICIES = ("detokd", "clock")  # the shipped policy; the one-a-second clock alone
+
+
+def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
+    """One policy in this process: the stream's frames built first, then timed."""
+    import zmq
+
+    from detokd import gc_policy
+    from detokd.core.decoder import make_codec
+    from detokd.core.detokenizer import Detokenizer
+    from detokd.core.outbox import Outbox
+    from detokd.core.stats import Stats
+    from detokd.delivery import Delivery
+    from detokd.tokenizer import load
+    from detokd.wire import native
+
+    if policy_name == "clock":
+        gc_policy.STARTS = float("inf")
+    vocab = load("deepseek")
+    text = vocab.backend.encode(corpus(), add_special_tokens=False).ids
+    rng = random.Random(1)
+    frames = []
+    age = [-(s * lifetime // batch) for s in range(batch)]  # steps until the slot's first start
+    generation, seq, at = [0] * batch, [0] * batch, [0] * batch
+    for _ in range(steps):
+        rows = []
+        for s in range(batch):
+            a = age[s]
+            age[s] += 1
+            if a < 0:
+                continue
+            rid, pos = f"r{s}-{generation[s]}", at[s] % (len(text) - TAIL)
+            ids = [text[pos + TAIL]]
+            at[s] += 1
+            if a == 0:
+                rows.append(native.Row(rid, ids, 0, native.Start(prompt_tail=text[pos : pos + TAIL])))
+                seq[s] = 1
+            elif a == lifetime - 1:
+                rows.append(native.Row(rid, ids, seq[s], finish=native.Finish("length")))
+                age[s], at[s] = 0, rng.randrange(len(text))
+                generation[s] += 1
+            else:
+                rows.append(native.Row(rid, ids, seq[s]))
+                seq[s] += 1
+        frames.append(native.encode(native.Tokens(rows)))
+
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.PULL)
+    sink.bind("inproc://worker")
+    stats, outbox = Stats(), Outbox()
+    core = Detokenizer(make_codec(vocab, release="char"), vocab.size, outbox, max_states=4 * batch, max_prompt_tail=TAIL, stats=stats)
+    delivery = Delivery(ctx, outbox, ["inproc://worker"], feedback=None, hwm=0, queue_bytes=1 << 30, linger_ms=0, stats=stats)
+    policy = gc_policy.GcPolicy(stats)
+    dialect = native.NativeDialect(core, delivery, policy, stats)
+    delivery.attach(dialect, lost=core.stalled, live=core.table.__contains__)
+
+    pauses: list[float] = []
+    began = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - began[0])
+
+    turns = []
+    policy.start()
+    gc.callbacks.append(timed)
+    t0 = time.perf_counter()
+    for frame in frames:
+        t = time.perf_counter()
+        dialect.handle(frame)
+        policy.tick(time.monotonic())
+        turns.append(time.perf_counter() - t)
+        while sink.poll(0):
+            sink.recv()
+    seconds = time.perf_counter() - t0
+    policy.tick(float("inf"))  # a pass shorter than a second still has a collection to show
+    gc.callbacks.remove(timed)
+    policy.stop()
+    assert stats.errors == {}, stats.errors
+    steady = sorted(turns[lifetime:])  # every slot running
+    pauses.sort()
+    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3  # noqa: E731
+    return {
+        "policy": policy_name,
+        "seconds": seconds,
+        "starts": stats.started,
+        "starts_per_s": stats.started / seconds,
+        "collections": len(pauses),
+        "pause_ms": {"p50": q(pauses, 0.5), "p99": q(pauses, 0.99), "max": pauses[-1] * 1e3},
+        "gc_ms_per_s": sum(pauses) * 1e3 / seconds,
+        "turn_ms": {"p50": q(steady, 0.5), "p99": q(steady, 0.99), "p99.9": q(steady, 0.999), "max": steady[-1] * 1e3},
+        "pauses_ms": [p * 1e3 for p in pauses],
+    }
+
+
+def _line(p: dict) -> str:
+    return (f"{p['collections']:4d} collections, {p['starts_per_s']:5.0f} starts/s, pause ms p50 {p['pause_ms']['p50']:.3f} "
+            f"max {p['pause_ms']['max']:.3f}, {p['gc_ms_per_s']:.2f} ms/s; turn ms "
+            + " ".join(f"{k} {v:.2f}" for k, v in p["turn_ms"].items()))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m detokbench gc-pauses", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=1024, help="B: requests in every step (default 1024)")
+    ap.add_argument("--lifetime", type=int, default=256, help="L: steps a request runs (default 256)")
+    ap.add_argument("--steps", type=int, default=6000, help="steps a pass sends (default 6000: several seconds, several ticks of the clock)")
+    ap.add_argument("--rounds", type=int, default=2, help="passes of each policy, alternated (default 2)")
+    ap.add_argument("--json", metavar="PATH", help="write every figure and every pause here")
+    ap.add_argument("--one", choices=POLICIES, help=argparse.SUPPRESS)  # a pass, in the child process
+    args = ap.parse_args(argv)
+    if args.lifetime * 2 > args.steps:
+        ap.error("--steps must be at least twice --lifetime (a steady part to measure)")
+    if args.one:
+        print(json.dumps(run_one(args.one, args.batch, args.lifetime, args.steps)))
+        return 0
+    passes = []
+    for r in range(args.rounds):
+        for name in POLICIES if r % 2 == 0 else reversed(POLICIES):
+            child = [sys.executable, "-m", "detokbench", "gc-pauses", "--one", name,
+                     "--batch", str(args.batch), "--lifetime", str(args.lifetime), "--steps", str(args.steps)]
+            passes.append(json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout))
+            print(f"{name:>6}: {_line(passes[-1])}", flush=True)
+    print("\n| policy | starts/s | collections/s | pause ms p50 / p99 / max | GC ms per s | turn ms p50 / p99 / p99.9 / max |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in POLICIES:
+        mine = [p for p in passes if p["policy"] == name]
+        med = lambda f: statistics.median(f(p) for p in mine)  # noqa: E731
+        figures = [
+            f"{med(lambda p: p['starts_per_s']):,.0f}",
+            f"{med(lambda p: p['collections'] / p['seconds']):.1f}",
+            " / ".join(f"{med(lambda p, k=k: p['pause_ms'][k]):.3f}" for k in ("p50", "p99", "max")),
+            f"{med(lambda p: p['gc_ms_per_s']):.2f}",
+            " / ".join(f"{med(lambda p, k=k: p['turn_ms'][k]):.2f}" for k in ("p50", "p99", "p99.9", "max")),
+        ]
+        print(f"| {name} | " + " | ".join(figures) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command_line("gc-pauses", argv), "passes": passes}, f, indent=1)
+    return 0
