@@ -5,11 +5,12 @@ the policy it replaced (once a second alone).
 In-process, as the server's loop runs it: a steady stream of B slots, each running
 requests L steps long back to back, staggered so ~B/L start and ~B/L finish in every
 step, one id per request per step of the multilingual corpus (DeepSeek, the native
-dialect: each step one encoded `tokens` frame through NativeDialect.handle and
-delivery to a worker socket in this process); the policy ticks after every frame, as
-between batches. Every collection is timed (gc.callbacks), and so is every turn (the
-frame, then the tick). Each policy runs in a process of its own, alternated over
---rounds (ABAB...), since starting a policy freezes that process's heap.
+dialect: each step one encoded `tokens` frame through NativeDialect.handle and its
+text delivered to a worker socket in this process, as Server.process does); the
+policy ticks after every frame, as between batches. Every collection is timed
+(gc.callbacks), and so is every turn (the frame, its delivery, the tick). Each policy
+runs in a process of its own, alternated over --rounds (ABAB...), since starting a
+policy freezes that process's heap.
 
     python -m detokbench gc-pauses --json docs/bench/gc-pauses.json
 """
@@ -33,6 +34,7 @@ POLICIES = ("detokd", "clock")  # the shipped policy; the one-a-second clock alo
 
 def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
     """One policy in this process: the stream's frames built first, then timed."""
+    import msgspec
     import zmq
 
     from detokd import gc_policy
@@ -74,6 +76,7 @@ def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
                 seq[s] += 1
         frames.append(native.encode(native.Tokens(rows)))
 
+    text_of = msgspec.msgpack.Decoder(native.Text).decode
     ctx = zmq.Context()
     sink = ctx.socket(zmq.PULL)
     sink.bind("inproc://worker")
@@ -97,18 +100,21 @@ def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
     policy.start()
     gc.callbacks.append(timed)
     t0 = time.perf_counter()
+    delivered = 0
     for frame in frames:
         t = time.perf_counter()
-        dialect.handle(frame)
+        dialect.handle(frame)  # what Server.process does with a frame: handle, deliver
+        delivery.deliver()
         policy.tick(time.monotonic())
         turns.append(time.perf_counter() - t)
         while sink.poll(0):
-            sink.recv()
+            delivered += len(text_of(sink.recv()).rows)  # after the turn: not timed
     seconds = time.perf_counter() - t0
     policy.tick(float("inf"))  # a pass shorter than a second still has a collection to show
     gc.callbacks.remove(timed)
     policy.stop()
     assert stats.errors == {}, stats.errors
+    assert delivered == stats.rows, (delivered, stats.rows)  # every row's text reached the worker, none held
     steady = sorted(turns[lifetime:])  # every slot running
     pauses.sort()
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3  # noqa: E731
@@ -116,6 +122,7 @@ def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
         "policy": policy_name,
         "seconds": seconds,
         "starts": stats.started,
+        "rows_delivered": delivered,
         "starts_per_s": stats.started / seconds,
         "collections": len(pauses),
         "pause_ms": {"p50": q(pauses, 0.5), "p99": q(pauses, 0.99), "max": pauses[-1] * 1e3},

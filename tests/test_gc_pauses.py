@@ -18,6 +18,7 @@ def test_gc_pauses_measures_both_policies_over_the_same_stream(tmp_path, capsys)
     assert [p["policy"] for p in passes] == ["detokd", "clock", "clock", "detokd"]  # alternated
     for p in passes:
         assert p["starts"] == 512 + 512 * (40 - 8) // 8  # every slot's first start, then B/L per steady step
+        assert p["rows_delivered"] == sum(40 - s * 8 // 512 for s in range(512))  # every slot's rows from its first step
         assert len(p["pauses_ms"]) == p["collections"] > 0
         assert p["pause_ms"]["max"] == max(p["pauses_ms"])
     for p in passes:
