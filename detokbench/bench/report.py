@@ -359,7 +359,7 @@ def plot(res: dict, out_dir: Path) -> list[Path]:
                 ax.plot([x["long_pos"] for x in c], [x["short_us_per_tok"] for x in c], ":", color=col,
                         label=f"{r['impl']}: control (length ≤ {r.get('short_len')})")
         ax.set(yscale="log", xlabel="output length of the long streams (tokens)", ylabel="CPU µs per token (median of probes)",
-               title=f"Per-token cost along long outputs, with a short-stream control measured alongside")
+               title="Per-token cost along long outputs, with a short-stream control measured alongside")
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "2345" else ""))
         ax.grid(True, which="both", alpha=0.3)

@@ -28,6 +28,7 @@ import msgspec
 
 from ..core.records import BAD_ROW, Finish, OutRow, Row, Start, StoppedRow
 from . import schema
+from .id_rows import in_vocabulary
 
 if TYPE_CHECKING:
     from ..core.detokenizer import Detokenizer
@@ -232,7 +233,7 @@ class SglangDialect:
         n = len(rids)
         position_meta(n)
         texts = [""] * n
-        in_vocab = schema.in_vocabulary(id_rows, self.vocab_size)
+        in_vocab = in_vocabulary(id_rows, self.vocab_size)
         pending: list[Row] = []
         start = False  # whether pending holds a start
         i = 0

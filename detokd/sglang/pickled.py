@@ -46,7 +46,7 @@ import msgspec
 import numpy as np
 from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
 
-from .schema import IdRows, id_rows_of
+from .id_rows import IdRows, id_rows_of
 
 _GLOBAL = (SchedulerReqTimeStats.__module__, SchedulerReqTimeStats.__qualname__)
 _ARRAY = (_array_reconstructor.__module__, _array_reconstructor.__name__)

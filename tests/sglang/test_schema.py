@@ -23,7 +23,7 @@ with warnings.catch_warnings():
     from sglang.srt.sampling.sampling_mask import SamplingMaskChunk
     from sglang.srt.utils.weight_versions import WeightVersionSpan
 
-from detokd.sglang import schema
+from detokd.sglang import id_rows, schema
 from conftest import vocab
 
 
@@ -144,7 +144,7 @@ def test_the_typed_fields_read_what_sglang_sent(tok):
     assert mine.rids == sent.rids and mine.http_worker_ipcs == sent.http_worker_ipcs
     assert schema.MsgpackCodec.ids(mine) == [list(a) for a in sent.decode_ids]
     typed = msgspec.msgpack.Decoder(schema.Inbound).decode(frame)  # the generic parse agrees
-    assert [schema.array_of(e) for e in typed.decode_ids] == sent.decode_ids
+    assert [id_rows.array_of(e) for e in typed.decode_ids] == sent.decode_ids
     assert mine.finished_reasons == sent.finished_reasons
     for name in ("decoded_texts", "read_offsets", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
         assert getattr(mine, name) == getattr(sent, name), name
@@ -159,12 +159,12 @@ def decoded_ids(tok, rows: list[array]) -> tuple[list[list[int]], bool]:
     mine = schema.MsgpackCodec().decode(sglang_wire(sent))
     ids = schema.MsgpackCodec.ids(mine)
     assert_bounds(ids)
-    return ids, type(mine.decode_ids) is schema.IdRows
+    return ids, type(mine.decode_ids) is id_rows.IdRows
 
 
 def assert_bounds(ids: list[list[int]]) -> None:
     """Rows read as IdRows carry the least and greatest of their ids (lo > hi: none)."""
-    if type(ids) is schema.IdRows:
+    if type(ids) is id_rows.IdRows:
         every = [i for row in ids for i in row]
         assert (ids.lo, ids.hi) == ((min(every), max(every)) if every else (0, -1))
 
@@ -202,7 +202,7 @@ def arrays_of(runs: list[tuple[int, int, str]], value: int) -> list[array]:
 
 @settings(deadline=None, max_examples=150)
 @given(runs=ROW_RUNS, value=st.integers(-(2**63), 2**63 - 1))
-@example(runs=[(1, schema.FIRST_VIEW, "q"), (0, 1, "q")], value=7)  # a full first view, then a shorter row
+@example(runs=[(1, id_rows.FIRST_VIEW, "q"), (0, 1, "q")], value=7)  # a full first view, then a shorter row
 def test_any_decode_ids_read_as_sglang_sent_them(tok, runs, value):
     """Any runs of rows, empty rows, any int64, arrays of other typecodes: the raw reader
     or, past what it takes, the generic parse gives every row's ids."""
@@ -211,7 +211,7 @@ def test_any_decode_ids_read_as_sglang_sent_them(tok, runs, value):
 
 
 def test_rows_of_many_lengths_take_the_generic_parse(tok):
-    ids = [array("q", range(1 + (i // 2) % 2)) for i in range(4 * schema.MAX_RUNS + 4)]  # runs of two
+    ids = [array("q", range(1 + (i // 2) % 2)) for i in range(4 * id_rows.MAX_RUNS + 4)]  # runs of two
     assert decoded_ids(tok, ids) == ([list(a) for a in ids], False)
 
 
@@ -442,7 +442,7 @@ def test_pickled_decode_ids_read_as_sglang_sent_them(runs, value):
     ids = pickled.id_rows(pickled.loads(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)))
     assert ids == [a.tolist() for a in rows]
     assert_bounds(ids)
-    assert (type(ids) is schema.IdRows) == (bool(rows) and all(a.typecode == "q" for a in rows))
+    assert (type(ids) is id_rows.IdRows) == (bool(rows) and all(a.typecode == "q" for a in rows))
 
 
 @pytest.mark.parametrize("rows", [
