@@ -373,7 +373,7 @@ class Server:
         logs.report_suppressed()  # security events are limited in rate, never lost without a count
         if self.max_rss is not None:
             self._guard_rss(now)
-        self.gc_policy.tick(now)  # the young generations: every 128 starts, or a second
+        self.gc_policy.tick(now)  # the young generations: every gc_policy.STARTS starts, or a second
         # Connections that broke fail what was in flight on them; error rows owed to
         # workers (a full queue, a broken connection) go out once they have room.
         self.delivery.watch_connections()

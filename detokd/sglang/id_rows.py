@@ -28,14 +28,14 @@ try:  # SGLang's environment has it; elsewhere each row is read on its own
 except ImportError:  # pragma: no cover
     np = None
 
-EXT_ARRAY = 1  # SGLang's msgpack ext code of an array.array
+_EXT_ARRAY = 1  # SGLang's msgpack ext code of an array.array
 
 
 def array_of(ext: Ext) -> array:
     """An array.array from SGLang's ext 1: a big-endian u32 n, n bytes of msgpack (the
     typecode), the items' native bytes."""
-    if ext.code != EXT_ARRAY:
-        raise msgspec.ValidationError(f"expected an array (ext {EXT_ARRAY}), got ext {ext.code}")
+    if ext.code != _EXT_ARRAY:
+        raise msgspec.ValidationError(f"expected an array (ext {_EXT_ARRAY}), got ext {ext.code}")
     data = memoryview(ext.data)
     n = int.from_bytes(data[:4], "big")
     out = array(msgspec.msgpack.decode(data[4 : 4 + n]))
@@ -45,7 +45,7 @@ def array_of(ext: Ext) -> array:
 
 # The head of an ext-1 payload holding array('q'), as SGLang's scheduler sends every
 # decode_ids row: its items follow at once, so the common row skips the generic parse.
-INT64_HEAD = b"\x00\x00\x00\x02\xa1q"
+_INT64_HEAD = b"\x00\x00\x00\x02\xa1q"
 
 
 class IdRows(list):
@@ -89,21 +89,21 @@ _CODE, _DATA = attrgetter("code"), attrgetter("data")
 def ids_of(exts: list[Ext]) -> list[list[int]]:
     """Each row's decode_ids as a list of ints: rows of array('q') of any lengths
     (speculative decoding's) from their joined bytes, with numpy; others one by one."""
-    if np is not None and exts and list(map(_CODE, exts)).count(EXT_ARRAY) == len(exts):
+    if np is not None and exts and list(map(_CODE, exts)).count(_EXT_ARRAY) == len(exts):
         datas = list(map(_DATA, exts))
         sizes = np.fromiter(map(len, datas), np.int64, count=len(datas))
-        body = sizes - len(INT64_HEAD)
+        body = sizes - len(_INT64_HEAD)
         if body.min() >= 0 and not (body & 7).any():
             joined = np.frombuffer(b"".join(datas), np.uint8)
-            heads = (np.cumsum(sizes) - sizes)[:, None] + np.arange(len(INT64_HEAD))
-            if (joined[heads] == np.frombuffer(INT64_HEAD, np.uint8)).all():
+            heads = (np.cumsum(sizes) - sizes)[:, None] + np.arange(len(_INT64_HEAD))
+            if (joined[heads] == np.frombuffer(_INT64_HEAD, np.uint8)).all():
                 items = np.ones(len(joined), bool)
                 items[heads] = False
                 return id_rows_of(joined[items].view("=i8"), (body >> 3).tolist())
-    head = INT64_HEAD
+    head = _INT64_HEAD
     k = len(head)
     return [
-        memoryview(e.data)[k:].cast("q").tolist() if e.code == EXT_ARRAY and e.data[:k] == head else array_of(e).tolist()
+        memoryview(e.data)[k:].cast("q").tolist() if e.code == _EXT_ARRAY and e.data[:k] == head else array_of(e).tolist()
         for e in exts
     ]
 
@@ -140,8 +140,8 @@ def _int64_ext(b: memoryview, at: int) -> tuple[int, int] | None:
         size, hdr = int.from_bytes(b[at + 1 : at + 3], "big"), 4
     else:
         return None
-    k, odd = divmod(size - len(INT64_HEAD), 8)
-    if odd or k < 0 or b[at + hdr - 1] != EXT_ARRAY or b[at + hdr : at + hdr + len(INT64_HEAD)] != INT64_HEAD:
+    k, odd = divmod(size - len(_INT64_HEAD), 8)
+    if odd or k < 0 or b[at + hdr - 1] != _EXT_ARRAY or b[at + hdr : at + hdr + len(_INT64_HEAD)] != _INT64_HEAD:
         return None
     return hdr, k
 
@@ -174,10 +174,10 @@ def int64_rows(raw: Raw) -> IdRows | None:
         if ext is None:
             return None
         hdr, k = ext
-        stride = hdr + len(INT64_HEAD) + 8 * k
+        stride = hdr + len(_INT64_HEAD) + 8 * k
         if at + stride > len(b):
             return None
-        key = at + hdr + len(INT64_HEAD)
+        key = at + hdr + len(_INT64_HEAD)
         if len(out) + 1 == n or b[at:key] != b[at + stride : key + stride]:  # a run of one: no view
             row = b[key : at + stride].cast("q").tolist()
             out.append(row)
