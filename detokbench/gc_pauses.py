@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+from .bench.report import pct
 from .commands import command_line
 from .corpus import TAIL, corpus
 
@@ -115,9 +116,8 @@ def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
     policy.stop()
     assert stats.errors == {}, stats.errors
     assert delivered == stats.rows, (delivered, stats.rows)  # every row's text reached the worker, none held
-    steady = sorted(turns[lifetime:])  # every slot running
-    pauses.sort()
-    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3  # noqa: E731
+    steady = [t * 1e3 for t in turns[lifetime:]]  # ms, every slot running
+    pauses_ms = [p * 1e3 for p in pauses]
     return {
         "policy": policy_name,
         "seconds": seconds,
@@ -125,10 +125,10 @@ def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
         "rows_delivered": delivered,
         "starts_per_s": stats.started / seconds,
         "collections": len(pauses),
-        "pause_ms": {"p50": q(pauses, 0.5), "p99": q(pauses, 0.99), "max": pauses[-1] * 1e3},
-        "gc_ms_per_s": sum(pauses) * 1e3 / seconds,
-        "turn_ms": {"p50": q(steady, 0.5), "p99": q(steady, 0.99), "p99.9": q(steady, 0.999), "max": steady[-1] * 1e3},
-        "pauses_ms": [p * 1e3 for p in pauses],
+        "pause_ms": {"p50": pct(pauses_ms, 50), "p99": pct(pauses_ms, 99), "max": max(pauses_ms)},
+        "gc_ms_per_s": sum(pauses_ms) / seconds,
+        "turn_ms": {"p50": pct(steady, 50), "p99": pct(steady, 99), "p99.9": pct(steady, 99.9), "max": max(steady)},
+        "pauses_ms": pauses_ms,
     }
 
 

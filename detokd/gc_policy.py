@@ -8,9 +8,9 @@ generations instead, between batches, once STARTS requests have started or a sec
 has passed. What a collection traverses is what was allocated since the last one and
 is still alive, and that is almost all requests' states (a start leaves a handful of
 tracked objects, a step's own allocations are freed before its end): so a pause stays
-under 0.2 ms however fast requests start, where once a second it grew with them (0.4-0.6
-ms at 1,700 starts a second; `python -m detokbench gc-pauses`, docs/performance.md). The
-price is more collector time in all (~1.1 against ~0.4 ms a second there, 0.1% of the
+near 0.06 ms however fast requests start, where once a second it grew with them (0.25-0.6
+ms at 2,000-2,500 starts a second; `python -m detokbench gc-pauses`, docs/performance.md).
+The price is more collector time in all (~1.1 against ~0.3 ms a second there, 0.1% of the
 loop): every request is now traversed once, where the clock missed those that started
 and finished within its second. What it frees is counted (detokd_gc_collected), so a
 cycle that starts leaking shows, and so are its pauses (detokd_gc_collections,
