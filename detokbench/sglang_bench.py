@@ -45,6 +45,7 @@
   Mismatches are counted and reported, never hidden.
 
     python -m detokbench sglang-bench --json docs/bench/sglang.json --plot docs/bench/sglang.png
+    python -m detokbench sglang-bench --summary docs/bench/sglang*.json   # the recorded runs, one table
 
 The defaults take ~7-9 minutes on 2 cores (~3 of them starting four processes that import SGLang).
 """
@@ -70,6 +71,8 @@ from detokd.sglang.process import run_sglang_detokenizer as detokd_target
 from detokd.tokenizer import load
 
 from . import ROOT
+from .bench.report import pct
+from .commands import command_line
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
 from .sglang_replay import (
@@ -300,11 +303,6 @@ def by_process(p: dict) -> str:
     return " ".join(f"{who} {cpu / p['rows'] * 1e6:.2f}" for who, cpu in p["cpu_s_by_process"].items())
 
 
-def pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, round(q / 100 * len(v) + 0.5) - 1))]
-
-
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -415,6 +413,39 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def stream_of(args: dict, sglang: dict, detokd: dict) -> str:
+    """How a recorded run's stream was made and served, in a few words."""
+    k = args.get("ids_per_step", 1)
+    words = [f"{'1-' if args.get('varied_ids') else ''}{k} id{'s' if k > 1 else ''}"]
+    words.append(f"L = {args['lifetime']}" if args.get("lifetime") else "all at once")
+    if args.get("freeze_gc"):
+        words.append("GC frozen")
+    if sglang.get("detokenizers", 1) > 1:
+        words.append(f"N = {sglang['detokenizers']}" + (", detokd's behind the router too" if detokd.get("detokenizers", 1) > 1 else ""))
+    return ", ".join(words)
+
+
+def summary(paths: list[str]) -> str:
+    """One row per recorded run, IPC and batch size: the figures the docs quote, read
+    back from the JSON files that hold them (medians of the passes; p99 pooled)."""
+    rows = ["| run | commit | stream | IPC | B | SGLang tokens/s, 1 / 8 in flight | detokd tokens/s, 1 / 8 in flight "
+            "| gain | detokd p50 / p99, ms | CPU µs/row: SGLang / detokd / floor |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        got = {(r["encoding"], r["batch"], r["target"], r["mode"]): r for r in doc["results"]}
+        for encoding, batch in sorted({(e, b) for e, b, _, _ in got}, key=lambda c: (c[0] != "pickle", c[1])):
+            s, d = (tuple(got.get((encoding, batch, t, m)) for m in ("latency", "throughput")) for t in ("sglang", "detokd"))
+            if None in (*s, *d):
+                continue  # a run cut short: only whole cases are quoted
+            rate = lambda pair: " / ".join(f"{r['tokens_per_s_median']:,.0f}" for r in pair)  # noqa: E731
+            gain = " / ".join(f"{dr['tokens_per_s_median'] / sr['tokens_per_s_median']:.1f}×" for sr, dr in zip(s, d))
+            rows.append(f"| {Path(path).name} | {doc['environment'].get('commit', '?')} | {stream_of(doc['args'], s[0], d[0])} | {encoding} "
+                        f"| {batch} | {rate(s)} | {rate(d)} | {gain} | {d[0]['latency_ms_p50']:.2f} / {d[0]['latency_ms_p99']:.2f} "
+                        f"| {s[0]['cpu_us_per_row']:.1f} / {d[0]['cpu_us_per_row']:.2f} / {d[0]['floor_us_per_row']:.2f} |")
+    return "\n".join(rows)
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
 
@@ -476,11 +507,16 @@ def main(argv: list[str]) -> int:
                     "(with each step's latency) here")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib; or --plot-only later)")
     ap.add_argument("--plot-only", metavar="JSON", help="only draw --plot from an earlier --json file (any python with matplotlib)")
+    ap.add_argument("--summary", metavar="JSON", nargs="+", help="only print the table of earlier --json files, one row "
+                    "per file, IPC and B (any python)")
     args = ap.parse_args(argv)
     if args.lifetime is not None and not 1 <= args.lifetime <= args.steps // 2:
         ap.error(f"--lifetime must be 1 to half of --steps ({args.steps}): the batch is full only after one lifetime "
                  "and until the last request that fits has started")
 
+    if args.summary:
+        print(summary(args.summary))
+        return 0
     if args.plot_only:
         plot(json.loads(Path(args.plot_only).read_text())["results"], args.plot)
         return 0
@@ -504,7 +540,7 @@ def main(argv: list[str]) -> int:
         for pair in procs.values():
             for p in pair.values():
                 p.close()
-    doc = dict(environment=environment(), args={k: v for k, v in vars(args).items() if k != "plot_only"},
+    doc = dict(command=command_line("sglang-bench", argv), environment=environment(), args={k: v for k, v in vars(args).items() if k != "plot_only"},
                corpus_ids=len(ids), seconds=time.perf_counter() - t_start, failure=failure, results=results,
                passes=raw)
     if args.json:

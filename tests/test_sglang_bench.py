@@ -1,13 +1,15 @@
-"""The request streams of `detokbench sglang-bench` (detokbench/sglang_bench.py): what
-each request of them is, before SGLang's scheduler code turns them into steps."""
+"""`detokbench sglang-bench` (detokbench/sglang_bench.py): what each request of its
+streams is, before SGLang's scheduler code turns them into steps, and how its recorded
+runs are read back."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
 
-from detokbench.sglang_bench import PROMPT, requests
+from detokbench.sglang_bench import PROMPT, requests, summary
 
 IDS = list(range(1000, 1700))  # stands for the corpus' ids: only offsets into it matter here
 
@@ -58,3 +60,32 @@ def test_varied_ids_per_step_are_drawn_from_one_to_k_the_same_every_run():
     assert set(chunks) == {1, 2, 3, 4}
     assert all(len(r.chunks) == 30 and len(r.output_ids) == sum(r.chunks) for r in reqs)
     assert requests(IDS, batch=8, steps=30, tag="s", per_step=4, varied=True) == reqs
+
+
+def recorded_run(tmp_path, rates: dict, args: dict, name: str = "run.json") -> str:
+    """A run's JSON as `--json` writes it, with the fields the summary reads."""
+    results = [
+        dict(encoding="msgpack", batch=1024, target=target, mode=mode, tokens_per_s_median=rate, detokenizers=1,
+             latency_ms_p50=1.5, latency_ms_p99=2.5, cpu_us_per_row=20.0 if target == "sglang" else 1.6, floor_us_per_row=2.7)
+        for (target, mode), rate in rates.items()
+    ]
+    path = tmp_path / name
+    path.write_text(json.dumps(dict(environment=dict(commit="abc1234"), args=args, results=results)))
+    return str(path)
+
+
+def test_the_summary_reads_each_recorded_run_back_as_one_row_with_its_gains(tmp_path):
+    rates = {("sglang", "latency"): 50_000, ("sglang", "throughput"): 56_000,
+             ("detokd", "latency"): 555_000, ("detokd", "throughput"): 810_000}
+    path = recorded_run(tmp_path, rates, dict(ids_per_step=4, varied_ids=True, lifetime=256, freeze_gc=True))
+    rows = summary([path]).splitlines()[2:]
+    assert len(rows) == 1
+    row = rows[0]
+    assert "| run.json | abc1234 | 1-4 ids, L = 256, GC frozen | msgpack | 1024 |" in row
+    gains = (rates["detokd", "latency"] / rates["sglang", "latency"], rates["detokd", "throughput"] / rates["sglang", "throughput"])
+    assert f"| {gains[0]:.1f}× / {gains[1]:.1f}× |" in row
+
+
+def test_a_run_cut_short_is_not_quoted(tmp_path):
+    path = recorded_run(tmp_path, {("sglang", "latency"): 50_000, ("detokd", "latency"): 555_000}, dict(ids_per_step=1))
+    assert summary([path]).splitlines()[2:] == []
