@@ -13,7 +13,6 @@ The peers and helpers are tests/utils.py's, shared with tests/test_metrics.py.
 
 from __future__ import annotations
 
-import collections
 import random
 import signal
 import threading

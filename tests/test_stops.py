@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import cut, first_stop
+from conftest import cut
 from detokd.core.stops import CACHE_BYTES, STATE_BYTES, StopAutomata, StopAutomaton, StopScanner, trim_engine_stop
 
 AUTOMATA = StopAutomata(budget=1 << 40)  # the unit and property tests' own, never full
