@@ -31,6 +31,14 @@ Each is a list subclass, so everything else reads them as the lists they are (th
 split of a batch per HTTP worker builds plain lists from them). Both forms call only
 builtins and itertools.repeat, which SGLang's recv_pyobj (an unrestricted pickle.loads)
 resolves; a TokenizerManager behind an allow-list unpickler would need them allowed.
+
+A frame is unpickled naming only the globals SGLang's scheduler puts in a message to the
+detokenizer (`SAFE`, and the message classes themselves): SGLang's own detokenizer
+unpickles whatever reaches its socket, so a frame there can call any function. Here a
+frame naming another global is refused before anything is called (`Refused`: a bad
+frame), and a tensor's storage, which torch pickles as bytes for an unrestricted
+`torch.load`, is loaded with torch's own allow-list (`weights_only`). An operator can
+allow more (DETOKD_SGLANG_PICKLE_ALLOW, `allowances`).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from __future__ import annotations
 import io
 import pickle
 from array import _array_reconstructor, array
+from collections.abc import Callable, Iterable
 from itertools import repeat
 from operator import attrgetter
 from typing import Any
@@ -148,17 +157,69 @@ def id_rows(rows: list) -> list[list[int]]:
     return out
 
 
+MESSAGES = "sglang.srt.managers.io_struct"  # the module of the messages' classes
+
+# What a message to the detokenizer holds besides its own class, as SGLang 0.5.23's
+# scheduler pickles it (module, name).
+SAFE = frozenset({
+    ("msgspec._utils", "rebuild"),  # how a keyword-only msgspec Struct unpickles: cls(**fields)
+    ("array", "array"),  # the class an array's reconstruction names (an Array's cls)
+    (MESSAGES, "PickleWrapper"),  # opaque bytes (customized_info): passed on, never loaded here
+    ("sglang.srt.utils.weight_versions", "WeightVersionSpan"),
+    ("sglang.srt.sampling.sampling_mask", "_chunk_from_buffers"),  # three numpy arrays
+    ("numpy", "dtype"), ("numpy", "ndarray"), ("numpy._core.numeric", "_frombuffer"),
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
+    ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"),  # a tensor: routed_experts, indexer_topk
+})
+
+
+def _storage(data: bytes) -> Any:
+    """A tensor's storage from the bytes torch pickles it as: torch's _load_from_bytes
+    loads them with weights_only=False, which runs any pickle inside."""
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+_SWAPS = {_GLOBAL: TimeStats, _ARRAY: Array, ("torch.storage", "_load_from_bytes"): _storage}
+
+
+class Refused(pickle.UnpicklingError):
+    """A frame names a global that no message to the detokenizer holds."""
+
+
 class _Unpickler(pickle.Unpickler):
+    allowed: frozenset[tuple[str, str]] = SAFE
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == _GLOBAL:
-            return TimeStats
-        if (module, name) == _ARRAY:
-            return Array
+        swap = _SWAPS.get((module, name))
+        if swap is not None:
+            return swap
+        if (module, name) not in self.allowed:
+            # quoted: the names are the frame's, and the message is logged
+            raise Refused(f"the frame names {f'{module}.{name}'!r}, which SGLang's scheduler does not send to a "
+                          f"detokenizer (DETOKD_SGLANG_PICKLE_ALLOW={f'{module}:{name}'!r} would allow it)")
         return super().find_class(module, name)
 
 
-def loads(frame: bytes) -> Any:
-    return _Unpickler(io.BytesIO(frame)).load()
+def loader(messages: Iterable[str] = (), extra: Iterable[tuple[str, str]] = ()) -> Callable[[bytes], Any]:
+    """The `loads` of frames that may name the message classes `messages` of io_struct,
+    what they hold (`SAFE`), and the globals `extra` an operator allowed."""
+    allowed = SAFE | {(MESSAGES, m) for m in messages} | frozenset(extra)
+    unpickler = type("_Unpickler", (_Unpickler,), {"allowed": allowed})
+    return lambda frame: unpickler(io.BytesIO(frame)).load()
+
+
+loads = loader()  # what a message holds (arrays, time stats, tensors), no message itself
+
+
+def allowances(spec: str) -> frozenset[tuple[str, str]]:
+    """DETOKD_SGLANG_PICKLE_ALLOW's globals: `module:name`, comma-separated."""
+    pairs = [item.strip().split(":") for item in spec.split(",") if item.strip()]
+    wrong = [":".join(p) for p in pairs if len(p) != 2 or not all(p)]
+    if wrong:
+        raise ValueError(f"DETOKD_SGLANG_PICKLE_ALLOW: {wrong[0]!r} is not module:name")
+    return frozenset((module, name) for module, name in pairs)
 
 
 def dumps(obj: Any) -> bytes:

@@ -92,7 +92,9 @@ def dialect_factory(vocab, use_pickle: bool | None = None):
     from sglang.srt.parser.response_template import tool_close_token_ids
     from sglang.srt.runtime_context import get_serving
 
-    ipc = schema.codec(use_pickle)
+    from . import pickled
+
+    ipc = schema.codec(use_pickle, pickled.allowances(os.environ.get("DETOKD_SGLANG_PICKLE_ALLOW", "")))
     serving = get_serving()
     parser = serving.tool_call_parser
     keep = set(tool_close_token_ids(parser, vocab.hf)) if parser else set()

@@ -57,7 +57,7 @@ import dataclasses
 import inspect
 import textwrap
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Union, get_args
 
 import msgspec
 from msgspec import Raw
@@ -371,14 +371,15 @@ class PickleCodec:
 
     name = "pickle"
 
-    def __init__(self) -> None:
+    def __init__(self, allow: frozenset[tuple[str, str]] = frozenset()) -> None:
+        """`allow`: globals a frame may name beyond the inbound messages and what they hold."""
         from sglang.srt.managers import io_struct
 
         from . import pickled
 
         self._out = io_struct.BatchStrOutput
         self._id_rows = pickled.id_rows
-        self.decode = pickled.loads
+        self.decode = pickled.loader([kind.__name__ for kind in get_args(Inbound)], allow)
         self.encode = pickled.dumps
         self._compact = pickled.compact
 
@@ -407,13 +408,14 @@ class PickleCodec:
         return self.encode(self.str_output(tok, output_strs))
 
 
-def codec(use_pickle: bool | None = None) -> MsgpackCodec | PickleCodec:
-    """The codec of the running SGLang (its SGLANG_USE_PICKLE_IPC), or the one asked for."""
+def codec(use_pickle: bool | None = None, allow: frozenset[tuple[str, str]] = frozenset()) -> MsgpackCodec | PickleCodec:
+    """The codec of the running SGLang (its SGLANG_USE_PICKLE_IPC), or the one asked for;
+    `allow`: see PickleCodec."""
     if use_pickle is None:
         from sglang.srt.environ import envs
 
         use_pickle = bool(envs.SGLANG_USE_PICKLE_IPC.get())
-    return PickleCodec() if use_pickle else MsgpackCodec()
+    return PickleCodec(allow) if use_pickle else MsgpackCodec()
 
 
 def kind(obj: Any) -> str:

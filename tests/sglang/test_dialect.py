@@ -182,3 +182,36 @@ def test_a_batch_that_does_not_read_as_the_schema_says_aborts_its_requests_never
     assert r.stats.errors["bad_row"] >= len(r.reqs) and r.stats.bad_frames == 0
     for rid, lives in accumulate(r.got).items():
         assert all(life.finished_reason["type"] == "abort" for life in lives), rid
+
+
+class Calls:
+    """Pickles as a call of `func(*args)`."""
+
+    def __init__(self, func, *args) -> None:
+        self.reduced = (func, args)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+def test_a_pickle_that_would_call_a_function_is_a_bad_frame_and_every_request_goes_on(rig, tmp_path):
+    """Pickle IPC: a frame on the detokenizer's socket that names a global no message
+    holds (here os.mkdir, between two steps of a stream) calls nothing; it is counted
+    as a bad frame, and every request streams exactly the oracle's text."""
+    import os
+
+    marker = tmp_path / "called"
+    r = rig("Hello there, a stream with a hostile frame in it.", encoding="pickle", hwm=1000, queue_bytes=1 << 20)
+    hostile = pickle.dumps(Calls(os.mkdir, str(marker)), protocol=pickle.HIGHEST_PROTOCOL)
+    for k, frame in enumerate(r.frames):
+        r.step(frame)
+        if k == 1:
+            r.step(hostile)
+        r.read(2)
+    r.read(500)
+    assert not marker.exists() and r.stats.bad_frames == 1
+    assert len(r.got) == len(r.frames)  # every batch answered, the hostile frame not
+    acc = accumulate(r.got)
+    assert set(acc) == {q.rid for q in r.reqs}
+    for rid, lives in acc.items():
+        assert [(life.text, life.finished_reason["type"]) for life in lives] == [(r.want(), "length")], rid

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from detokd.sglang import id_rows, schema
+from detokd.sglang import id_rows, pickled, schema
 from messages import ROW_RUNS, arrays_of, assert_bounds, sglang_detokenizer, token_batch
 from messages import tok as tok  # a fixture, re-exported: no F811 where a test takes it
 
@@ -99,3 +99,84 @@ def test_received_arrays_read_and_pickle_back_as_the_arrays_they_stand_for(rows)
     assert pickled.id_rows(got) == [a.tolist() for a in rows]
     for a, b in zip(rows, got):
         assert pickled.dumps(b) == pickled.dumps(a) and b.array() == a and type(b.array()) is array
+
+
+class Calls:
+    """Pickles as a call of `func(*args)`: what a hostile frame holds."""
+
+    def __init__(self, func, *args) -> None:
+        self.reduced = (func, args)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+def hostile(marker) -> list:
+    """Calls that would leave `marker` behind, each by another way in."""
+    import os
+    import subprocess
+
+    import torch.storage
+
+    return [
+        Calls(os.mkdir, str(marker)),
+        Calls(subprocess.call, ["mkdir", str(marker)]),
+        Calls(eval, f"__import__('os').mkdir({str(marker)!r})"),
+        # a tensor's storage: torch's own loader of these bytes runs any pickle in them
+        Calls(torch.storage._load_from_bytes, pickle.dumps(Calls(os.mkdir, str(marker)))),
+    ]
+
+
+@pytest.mark.parametrize("way", range(4))
+def test_a_frame_that_names_another_global_is_refused_before_anything_is_called(tok, tmp_path, way):
+    """SGLang's own detokenizer would run each of these; detokd refuses the frame, alone
+    or inside a batch SGLang's scheduler could send."""
+    marker = tmp_path / "called"
+    evil = hostile(marker)[way]
+    batch = token_batch(tok, ["a", "b"], [None, None], step=1)
+    batch.output_hidden_states = [evil, None]
+    codec = schema.PickleCodec()
+    for frame in (pickle.dumps(evil, protocol=pickle.HIGHEST_PROTOCOL), pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)):
+        with pytest.raises(pickle.UnpicklingError):
+            codec.decode(frame)
+    assert not marker.exists()
+
+
+def test_every_global_of_the_fullest_batch_sglang_sends_is_allowed(tok):
+    """Every kind of field the scheduler fills (tensors, numpy-backed sampling masks,
+    weight versions, wrapped customized info, time stats, arrays) reads back as sent."""
+    sent = token_batch(tok, ["hello", "world"], [None, {"type": "length", "length": 2}], step=3)
+    got = schema.PickleCodec().decode(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+    assert got.rids == sent.rids and got.output_hidden_states == sent.output_hidden_states
+    assert [t.tolist() if t is not None else None for t in got.routed_experts] == [
+        t.tolist() if t is not None else None for t in sent.routed_experts
+    ]
+    assert got.output_token_sampling_mask[0].token_ids.tolist() == sent.output_token_sampling_mask[0].token_ids.tolist()
+
+
+def test_an_operator_may_allow_more_globals(tok):
+    """DETOKD_SGLANG_PICKLE_ALLOW, for a payload detokd does not know: `module:name`."""
+    from fractions import Fraction
+
+    frame = pickle.dumps([Fraction(1, 3)], protocol=pickle.HIGHEST_PROTOCOL)
+    with pytest.raises(pickled.Refused, match="DETOKD_SGLANG_PICKLE_ALLOW='fractions:Fraction'"):
+        schema.PickleCodec().decode(frame)
+    assert schema.PickleCodec(pickled.allowances(" fractions:Fraction, ")).decode(frame) == [Fraction(1, 3)]
+
+
+@pytest.mark.parametrize("spec", ["fractions.Fraction", "fractions:", ":Fraction", "a:b:c"])
+def test_an_allowance_not_of_the_form_module_name_is_a_clear_error(spec):
+    with pytest.raises(ValueError, match="is not module:name"):
+        pickled.allowances(spec)
+
+
+def test_every_allowed_global_is_one_the_installed_packages_define():
+    """The allow-list names SGLang's, numpy's and torch's internals by module and name: a
+    typo, or a package that moved one, would refuse every frame that holds it."""
+    import importlib
+
+    from typing import get_args
+
+    wanted = pickled.SAFE | {(pickled.MESSAGES, kind.__name__) for kind in get_args(schema.Inbound)}
+    for module, name in sorted(wanted):
+        assert callable(getattr(importlib.import_module(module), name)), (module, name)
