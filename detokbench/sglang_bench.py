@@ -425,6 +425,10 @@ def stream_of(args: dict, sglang: dict, detokd: dict) -> str:
     return ", ".join(words)
 
 
+def _rates(results: tuple[dict, ...]) -> str:
+    return " / ".join(f"{r['tokens_per_s_median']:,.0f}" for r in results)
+
+
 def summary(paths: list[str]) -> str:
     """One row per recorded run, IPC and batch size: the figures the docs quote, read
     back from the JSON files that hold them (medians of the passes; p99 pooled)."""
@@ -438,10 +442,9 @@ def summary(paths: list[str]) -> str:
             s, d = (tuple(got.get((encoding, batch, t, m)) for m in ("latency", "throughput")) for t in ("sglang", "detokd"))
             if None in (*s, *d):
                 continue  # a run cut short: only whole cases are quoted
-            rate = lambda pair: " / ".join(f"{r['tokens_per_s_median']:,.0f}" for r in pair)  # noqa: E731
             gain = " / ".join(f"{dr['tokens_per_s_median'] / sr['tokens_per_s_median']:.1f}×" for sr, dr in zip(s, d))
             rows.append(f"| {Path(path).name} | {doc['environment'].get('commit', '?')} | {stream_of(doc['args'], s[0], d[0])} | {encoding} "
-                        f"| {batch} | {rate(s)} | {rate(d)} | {gain} | {d[0]['latency_ms_p50']:.2f} / {d[0]['latency_ms_p99']:.2f} "
+                        f"| {batch} | {_rates(s)} | {_rates(d)} | {gain} | {d[0]['latency_ms_p50']:.2f} / {d[0]['latency_ms_p99']:.2f} "
                         f"| {s[0]['cpu_us_per_row']:.1f} / {d[0]['cpu_us_per_row']:.2f} / {d[0]['floor_us_per_row']:.2f} |")
     return "\n".join(rows)
 
