@@ -1,4 +1,4 @@
-"""What the tests of detokd.sglang's IPC share: SGLang batches and decode_ids rows, SGLang's own encoder and detokenizer."""
+"""What the tests of detokd.sglang's IPC share: SGLang batches and decode_ids rows, SGLang's own encoder and detokenizer, a hostile pickle."""
 
 from __future__ import annotations
 
@@ -126,3 +126,13 @@ def arrays_of(runs: list[tuple[int, int, str]], value: int) -> list[array]:
         item = min(2**63 - 1, max(-(2**63) + 600, value + r * 7919 - 40000)) if typecode != "i" else value % 2**31
         ids += [array(typecode, [item - j for j in range(length)]) for _ in range(repeat)]
     return ids
+
+
+class Calls:
+    """Pickles as a call of `func(*args)`: what a hostile frame holds."""
+
+    def __init__(self, func, *args) -> None:
+        self.reduced = (func, args)
+
+    def __reduce__(self):
+        return self.reduced

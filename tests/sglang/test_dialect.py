@@ -18,6 +18,7 @@ from detokd.core.stats import Stats
 from detokd.sglang import schema
 from detokbench.sglang_replay import Scripted, accumulate, build_stream, ipc_encoding
 from detokd.sglang.dialect import SglangDialect
+from messages import Calls
 
 NAME = "deepseek"
 PROMPT = [1, 2, 3]
@@ -182,16 +183,6 @@ def test_a_batch_that_does_not_read_as_the_schema_says_aborts_its_requests_never
     assert r.stats.errors["bad_row"] >= len(r.reqs) and r.stats.bad_frames == 0
     for rid, lives in accumulate(r.got).items():
         assert all(life.finished_reason["type"] == "abort" for life in lives), rid
-
-
-class Calls:
-    """Pickles as a call of `func(*args)`."""
-
-    def __init__(self, func, *args) -> None:
-        self.reduced = (func, args)
-
-    def __reduce__(self):
-        return self.reduced
 
 
 def test_a_pickle_that_would_call_a_function_is_a_bad_frame_and_every_request_goes_on(rig, tmp_path):

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from detokd.sglang import id_rows, pickled, schema
-from messages import ROW_RUNS, arrays_of, assert_bounds, sglang_detokenizer, token_batch
+from messages import ROW_RUNS, Calls, arrays_of, assert_bounds, sglang_detokenizer, token_batch
 from messages import tok as tok  # a fixture, re-exported: no F811 where a test takes it
 
 
@@ -99,16 +99,6 @@ def test_received_arrays_read_and_pickle_back_as_the_arrays_they_stand_for(rows)
     assert pickled.id_rows(got) == [a.tolist() for a in rows]
     for a, b in zip(rows, got):
         assert pickled.dumps(b) == pickled.dumps(a) and b.array() == a and type(b.array()) is array
-
-
-class Calls:
-    """Pickles as a call of `func(*args)`: what a hostile frame holds."""
-
-    def __init__(self, func, *args) -> None:
-        self.reduced = (func, args)
-
-    def __reduce__(self):
-        return self.reduced
 
 
 def hostile(marker) -> list:
