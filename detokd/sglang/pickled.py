@@ -6,7 +6,7 @@ detokenizer pays a Python __setstate__ per row to unpickle them (it rebases thei
 to its clock) and a Python __getstate__ per row to pickle them again (it rebases them to
 the TokenizerManager's): about half of unpickling and pickling a batch.
 
-`loads` unpickles them as TimeStats instead: the state as it arrived, set by pickle's
+`loader`'s unpickler reads them as TimeStats instead: the state as it arrived, set by pickle's
 C default, no Python. Pickled, a TimeStats becomes SGLang's class again with the state
 SGLang's round trip would send: the same state when that round trip leaves it as it
 is (checked once against the installed class: true of the empty state the scheduler
@@ -208,9 +208,6 @@ def loader(messages: Iterable[str] = (), extra: Iterable[tuple[str, str]] = ()) 
     allowed = SAFE | {(MESSAGES, m) for m in messages} | frozenset(extra)
     unpickler = type("_Unpickler", (_Unpickler,), {"allowed": allowed})
     return lambda frame: unpickler(io.BytesIO(frame)).load()
-
-
-loads = loader()  # what a message holds (arrays, time stats, tensors), no message itself
 
 
 def allowances(spec: str) -> frozenset[tuple[str, str]]:

@@ -14,6 +14,8 @@ from detokd.sglang import id_rows, pickled, schema
 from messages import ROW_RUNS, Calls, arrays_of, assert_bounds, sglang_detokenizer, token_batch
 from messages import tok as tok  # a fixture, re-exported: no F811 where a test takes it
 
+received = pickled.loader()  # unpickles what a message holds (arrays, time stats) as detokd does
+
 
 def scheduler_time_stats(timed: bool):
     """A SchedulerReqTimeStats as the scheduler holds it: untouched (what it sends unless
@@ -56,8 +58,8 @@ def test_compact_lists_unpickle_to_what_they_hold(output_ids):
     from detokd.sglang import pickled
 
     sent = [scheduler_time_stats(False), scheduler_time_stats(False)]
-    stats = pickled.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
-    ids = pickled.loads(pickle.dumps(output_ids, protocol=pickle.HIGHEST_PROTOCOL))  # as received: Array
+    stats = received(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+    ids = received(pickle.dumps(output_ids, protocol=pickle.HIGHEST_PROTOCOL))  # as received: Array
     for name, value, want in (("time_stats", stats, sent), ("output_ids", ids, output_ids)):
         got = pickle.loads(pickled.dumps(pickled.compact(name, value)))
         assert type(got) is type(want) and (got is None or [type(x) for x in got] == [type(x) for x in want])
@@ -75,7 +77,7 @@ def test_pickled_decode_ids_read_as_sglang_sent_them(runs, value):
     from detokd.sglang import pickled
 
     rows = arrays_of(runs, value)
-    ids = pickled.id_rows(pickled.loads(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)))
+    ids = pickled.id_rows(received(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)))
     assert ids == [a.tolist() for a in rows]
     assert_bounds(ids)
     assert (type(ids) is id_rows.IdRows) == (bool(rows) and all(a.typecode == "q" for a in rows))
@@ -94,7 +96,7 @@ def test_received_arrays_read_and_pickle_back_as_the_arrays_they_stand_for(rows)
     arrays' items, and each pickles back to the bytes the array itself pickles to."""
     from detokd.sglang import pickled
 
-    got = pickled.loads(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
+    got = received(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
     assert all(type(a) is pickled.Array for a in got)
     assert pickled.id_rows(got) == [a.tolist() for a in rows]
     for a, b in zip(rows, got):
