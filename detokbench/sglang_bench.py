@@ -71,7 +71,7 @@ from detokd.sglang.process import run_sglang_detokenizer as detokd_target
 from detokd.tokenizer import load
 
 from . import ROOT
-from .bench.report import pct
+from .bench.report import machine, pct
 from .commands import command_line
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
@@ -385,7 +385,8 @@ def environment() -> dict:
     from detokd import __version__
 
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return dict(python=platform.python_version(), machine=platform.machine(), cpus=os.cpu_count(),
+    # The CPU model: detokd's per-row work is bound by memory, so its gain depends on the host's caches.
+    return dict(python=platform.python_version(), machine=platform.machine(), cpus=os.cpu_count(), cpu=machine().get("cpu"),
                 sglang=sglang.__version__, detokd=__version__, commit=commit, tokenizer=TOKENIZER)
 
 
@@ -432,9 +433,9 @@ def _rates(results: tuple[dict, ...]) -> str:
 def summary(paths: list[str]) -> str:
     """One row per recorded run, IPC and batch size: the figures the docs quote, read
     back from the JSON files that hold them (medians of the passes; p99 pooled)."""
-    rows = ["| run | commit | stream | IPC | B | SGLang tokens/s, 1 / 8 in flight | detokd tokens/s, 1 / 8 in flight "
+    rows = ["| run | commit | CPU | stream | IPC | B | SGLang tokens/s, 1 / 8 in flight | detokd tokens/s, 1 / 8 in flight "
             "| gain | detokd p50 / p99, ms | CPU µs/row: SGLang / detokd / floor |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in paths:
         doc = json.loads(Path(path).read_text())
         got = {(r["encoding"], r["batch"], r["target"], r["mode"]): r for r in doc["results"]}
@@ -443,7 +444,7 @@ def summary(paths: list[str]) -> str:
             if None in (*s, *d):
                 continue  # a run cut short: only whole cases are quoted
             gain = " / ".join(f"{dr['tokens_per_s_median'] / sr['tokens_per_s_median']:.1f}×" for sr, dr in zip(s, d))
-            rows.append(f"| {Path(path).name} | {doc['environment'].get('commit', '?')} | {stream_of(doc['args'], s[0], d[0])} | {encoding} "
+            rows.append(f"| {Path(path).name} | {doc['environment'].get('commit', '?')} | {doc['environment'].get('cpu') or '—'} | {stream_of(doc['args'], s[0], d[0])} | {encoding} "
                         f"| {batch} | {_rates(s)} | {_rates(d)} | {gain} | {d[0]['latency_ms_p50']:.2f} / {d[0]['latency_ms_p99']:.2f} "
                         f"| {s[0]['cpu_us_per_row']:.1f} / {d[0]['cpu_us_per_row']:.2f} / {d[0]['floor_us_per_row']:.2f} |")
     return "\n".join(rows)

@@ -62,7 +62,7 @@ def test_varied_ids_per_step_are_drawn_from_one_to_k_the_same_every_run():
     assert requests(IDS, batch=8, steps=30, tag="s", per_step=4, varied=True) == reqs
 
 
-def recorded_run(tmp_path, rates: dict, args: dict, name: str = "run.json") -> str:
+def recorded_run(tmp_path, rates: dict, args: dict, name: str = "run.json", cpu: str | None = None) -> str:
     """A run's JSON as `--json` writes it, with the fields the summary reads."""
     results = [
         dict(encoding="msgpack", batch=1024, target=target, mode=mode, tokens_per_s_median=rate, detokenizers=1,
@@ -70,18 +70,20 @@ def recorded_run(tmp_path, rates: dict, args: dict, name: str = "run.json") -> s
         for (target, mode), rate in rates.items()
     ]
     path = tmp_path / name
-    path.write_text(json.dumps(dict(environment=dict(commit="abc1234"), args=args, results=results)))
+    environment = dict(commit="abc1234", **({"cpu": cpu} if cpu else {}))  # runs before 2026-12-05 name no CPU
+    path.write_text(json.dumps(dict(environment=environment, args=args, results=results)))
     return str(path)
 
 
-def test_the_summary_reads_each_recorded_run_back_as_one_row_with_its_gains(tmp_path):
+@pytest.mark.parametrize("cpu, shown", [("AMD EPYC", "AMD EPYC"), (None, "—")])
+def test_the_summary_reads_each_recorded_run_back_as_one_row_with_its_gains(tmp_path, cpu, shown):
     rates = {("sglang", "latency"): 50_000, ("sglang", "throughput"): 56_000,
              ("detokd", "latency"): 555_000, ("detokd", "throughput"): 810_000}
-    path = recorded_run(tmp_path, rates, dict(ids_per_step=4, varied_ids=True, lifetime=256, freeze_gc=True))
+    path = recorded_run(tmp_path, rates, dict(ids_per_step=4, varied_ids=True, lifetime=256, freeze_gc=True), cpu=cpu)
     rows = summary([path]).splitlines()[2:]
     assert len(rows) == 1
     row = rows[0]
-    assert "| run.json | abc1234 | 1-4 ids, L = 256, GC frozen | msgpack | 1024 |" in row
+    assert f"| run.json | abc1234 | {shown} | 1-4 ids, L = 256, GC frozen | msgpack | 1024 |" in row
     gains = (rates["detokd", "latency"] / rates["sglang", "latency"], rates["detokd", "throughput"] / rates["sglang", "throughput"])
     assert f"| {gains[0]:.1f}× / {gains[1]:.1f}× |" in row
 
