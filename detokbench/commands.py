@@ -33,6 +33,7 @@ COMMANDS = {
         Command("worst-frames", "detokbench.worst_frames.cli", "what one worst-case frame at the default caps costs a real detokd"),
         Command("gc-pauses", "detokbench.gc_pauses", "the collector's pauses in detokd's loop under continuous batching, in-process: its policy against once a second"),
         Command("sglang-bench", "detokbench.sglang_bench", "detokd in SGLang mode against SGLang's own detokenizer (in SGLang's environment)"),
+        Command("sglang-aging", "detokbench.sglang_aging", "does detokd in SGLang mode slow down as it ages? one process for all passes against a fresh one per pass"),
     )
 }
 

@@ -438,6 +438,9 @@ def summary(paths: list[str]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in paths:
         doc = json.loads(Path(path).read_text())
+        if "results" not in doc:  # another command's JSON beside them (sglang-aging's)
+            log(f"{path}: not a sglang-bench run, left out")
+            continue
         got = {(r["encoding"], r["batch"], r["target"], r["mode"]): r for r in doc["results"]}
         for encoding, batch in sorted({(e, b) for e, b, _, _ in got}, key=lambda c: (c[0] != "pickle", c[1])):
             s, d = (tuple(got.get((encoding, batch, t, m)) for m in ("latency", "throughput")) for t in ("sglang", "detokd"))

@@ -91,3 +91,11 @@ def test_the_summary_reads_each_recorded_run_back_as_one_row_with_its_gains(tmp_
 def test_a_run_cut_short_is_not_quoted(tmp_path):
     path = recorded_run(tmp_path, {("sglang", "latency"): 50_000, ("detokd", "latency"): 555_000}, dict(ids_per_step=1))
     assert summary([path]).splitlines()[2:] == []
+
+
+def test_another_commands_json_is_left_out_of_the_summary_and_named(tmp_path, capsys):
+    aging = tmp_path / "sglang-aging.json"
+    aging.write_text(json.dumps(dict(command="python -m detokbench sglang-aging", passes=[])))
+    run = recorded_run(tmp_path, {(t, m): 1000 for t in ("sglang", "detokd") for m in ("latency", "throughput")}, dict(ids_per_step=1))
+    assert len(summary([str(aging), run]).splitlines()[2:]) == 1
+    assert f"{aging}: not a sglang-bench run" in capsys.readouterr().err
