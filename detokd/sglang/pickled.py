@@ -6,9 +6,9 @@ detokenizer pays a Python __setstate__ per row to unpickle them (it rebases thei
 to its clock) and a Python __getstate__ per row to pickle them again (it rebases them to
 the TokenizerManager's): about half of unpickling and pickling a batch.
 
-`loader`'s unpickler reads them as TimeStats instead: the state as it arrived, set by pickle's
-C default, no Python. Pickled, a TimeStats becomes SGLang's class again with the state
-SGLang's round trip would send: the same state when that round trip leaves it as it
+`loader`'s unpickler reads them as TimeStats instead: the state as it arrived, set by
+pickle's C default, no Python. Pickled, a TimeStats becomes SGLang's class again with the
+state SGLang's round trip would send: the same state when that round trip leaves it as it
 is (checked once against the installed class: true of the empty state the scheduler
 sends unless metrics or timing are on), else computed by that very round trip. The
 TokenizerManager unpickles the same objects either way (object.__new__ of SGLang's

@@ -55,8 +55,6 @@ def test_pickled_time_stats_reach_the_tokenizer_manager_as_sglangs_detokenizer_s
     None,
 ])
 def test_compact_lists_unpickle_to_what_they_hold(output_ids):
-    from detokd.sglang import pickled
-
     sent = [scheduler_time_stats(False), scheduler_time_stats(False)]
     stats = received(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
     ids = received(pickle.dumps(output_ids, protocol=pickle.HIGHEST_PROTOCOL))  # as received: Array
@@ -74,8 +72,6 @@ def test_compact_lists_unpickle_to_what_they_hold(output_ids):
 @example(runs=[(1, 500, "q"), (6, 1, "q"), (1, 200, "q"), (0, 1, "q"), (6, 2, "q"), (1, 9, "q")], value=3)
 def test_pickled_decode_ids_read_as_sglang_sent_them(runs, value):
     """In runs of rows of one length (a few starts among a step's rows), or row by row."""
-    from detokd.sglang import pickled
-
     rows = arrays_of(runs, value)
     ids = pickled.id_rows(received(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)))
     assert ids == [a.tolist() for a in rows]
@@ -94,8 +90,6 @@ def test_pickled_decode_ids_read_as_sglang_sent_them(runs, value):
 def test_received_arrays_read_and_pickle_back_as_the_arrays_they_stand_for(rows):
     """Arrays unpickle as pickled.Array (no array built); decode_ids read from them are the
     arrays' items, and each pickles back to the bytes the array itself pickles to."""
-    from detokd.sglang import pickled
-
     got = received(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
     assert all(type(a) is pickled.Array for a in got)
     assert pickled.id_rows(got) == [a.tolist() for a in rows]
