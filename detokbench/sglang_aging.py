@@ -27,6 +27,10 @@ from .sglang_bench import TOKENIZER, Stream, check, environment, run_pass
 from .sglang_replay import SglangDetokenizerUnderTest
 
 
+def _ratio(ratio: float | None) -> str:
+    return "not measured (passes too short)" if ratio is None else f"{ratio:.2f}"
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m detokbench sglang-aging", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,11 +67,14 @@ def main(argv: list[str]) -> int:
             old = one_pass(aged)
             with started() as fresh:
                 new = one_pass(fresh)
-            passes.append(dict(long_lived=old, fresh=new, ratio=old["cpu_us_per_row"] / new["cpu_us_per_row"]))
+            # None: a pass shorter than the CPU clock's tick (10 ms) measures no CPU
+            ratio = old["cpu_us_per_row"] / new["cpu_us_per_row"] if new["cpu_us_per_row"] else None
+            passes.append(dict(long_lived=old, fresh=new, ratio=ratio))
             print(f"pass {k}: CPU per row {old['cpu_us_per_row']:.2f} µs long-lived (RSS {old['rss_mb']:.0f} MB), "
-                  f"{new['cpu_us_per_row']:.2f} fresh (RSS {new['rss_mb']:.0f} MB): ratio {passes[-1]['ratio']:.2f}", flush=True)
-    ratios = [p["ratio"] for p in passes]
-    print(f"ratio long-lived / fresh: median {statistics.median(ratios):.2f}, first {ratios[0]:.2f}, last {ratios[-1]:.2f}; "
+                  f"{new['cpu_us_per_row']:.2f} fresh (RSS {new['rss_mb']:.0f} MB): ratio {_ratio(ratio)}", flush=True)
+    ratios = [p["ratio"] for p in passes if p["ratio"] is not None]
+    print(f"ratio long-lived / fresh: median {_ratio(statistics.median(ratios) if ratios else None)}, "
+          f"first {_ratio(passes[0]['ratio'])}, last {_ratio(passes[-1]['ratio'])}; "
           f"long-lived RSS {passes[0]['long_lived']['rss_mb']:.0f} → {passes[-1]['long_lived']['rss_mb']:.0f} MB")
     if args.json:
         doc = dict(command=command_line("sglang-aging", argv), environment=environment(), args=vars(args), passes=passes)
