@@ -58,7 +58,9 @@ def exit_now(message: str, wait: float, level: int = logging.ERROR) -> NoReturn:
     full stderr, or on a lock the stuck loop holds. The words wait; the exit does not."""
 
     def last_words() -> None:
-        log.log(level, message)
+        # Past the rate limiter: its lock is the one a busy loop takes row after row,
+        # and a waiter can starve on it. The message is detokd's own, not a peer's.
+        log.log(level, message, extra={"_detokd_limited": True})
         logs.close()
         logging.shutdown()
 
@@ -111,7 +113,9 @@ class GraceWatch:
     def close(self) -> None:
         signal.set_wakeup_fd(self.old_fd)
         self.writer.close()  # the reader sees the end
-        self.thread.join(1)
+        # It returns at once, or it heard a signal still unread and ends the process:
+        # within the grace, as promised, however slowly a loaded machine runs it.
+        self.thread.join(self.grace)
         self.reader.close()
 
 
@@ -300,10 +304,13 @@ class Server:
             )
             self.close()
             logs.report_suppressed(force=True)
+            # The watch first: a second signal it already heard ends the process with
+            # EXIT_GRACE while close() waits for it. With the old handlers back first,
+            # the next signal of a storm took the default action (killed, status -15).
+            watch.close()
             for sig, handler in old.items():
                 if handler is not None:  # None: a handler not installed from Python
                     signal.signal(sig, handler)
-            watch.close()
         return 0
 
     def _stop_accepting(self) -> float:

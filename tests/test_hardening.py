@@ -1129,8 +1129,8 @@ def test_signals_while_the_loop_holds_the_log_filters_lock_end_the_process_withi
     log call and waited on it as well: SIGTERM and shutdown_grace_s were ignored (a
     storm of thousands escaped by RecursionError; two signals, as the supervisor sent,
     did not). Now the handler only sets a flag and the grace watch's last words have a
-    bounded time: one SIGTERM ends the process when the grace is over, a second at once,
-    both with status 3."""
+    bounded time and pass by the filter's lock: one SIGTERM ends the process when the
+    grace is over, a second at once, both with status 3 and said."""
     cfg = ipc_config(tmp_path, shutdown_grace_s=2.0, log_level="info")
     d = DetokdProcess(cfg, folder=tmp_path, command=[PY, "-c", HOLDS_THE_LOG_LOCK])
     Sink(zctx, cfg.workers[0])
@@ -1144,6 +1144,48 @@ def test_signals_while_the_loop_holds_the_log_filters_lock_end_the_process_withi
                 time.sleep(0.002)
             d.proc.send_signal(signal.SIGTERM)
         assert _exit_code(d, 2.0 + 5) == 3
+        said = "second signal 15 while stopping: exiting now" if signals == 2 else "not stopped within shutdown_grace_s"
+        assert said in d.log()
+    finally:
+        d.kill()
+
+
+# The grace watch's last words take a while (a slow log sink), and the loop, not stuck,
+# ends its run meanwhile: its last log line waits until the last words have begun, so a
+# second signal has been heard however the signals were delivered. Nothing else is
+# changed: the rest is `detokd serve`.
+SLOW_LAST_WORDS = r"""
+import logging, sys, threading, time
+from detokd import cli
+begun = threading.Event()
+class Slow(logging.Filter):
+    def filter(self, record):
+        if str(record.msg).startswith("second signal"):
+            begun.set()
+            time.sleep(0.4)  # within the last words' bound: min(0.5, shutdown_grace_s / 4)
+        elif str(record.msg).startswith("stopping:"):
+            begun.wait(5)
+        return True
+logging.getLogger("detokd.server").addFilter(Slow())
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_signals_after_a_second_one_while_the_last_words_are_written_do_not_kill_the_process(tmp_path, zctx):
+    """A second SIGTERM ends the process with status 3 once its last words are written.
+    While they were, the loop finished its run and put the old handlers back, and the next
+    signal of the storm killed the process by default (status -15, no last words)."""
+    cfg = ipc_config(tmp_path, shutdown_grace_s=2.0, log_level="info")
+    d = DetokdProcess(cfg, folder=tmp_path, command=[PY, "-c", SLOW_LAST_WORDS])
+    Sink(zctx, cfg.workers[0])
+    try:
+        d.start()
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.002)
+        d.proc.send_signal(signal.SIGTERM)
+        _storm(d.pid, 1.0)
+        assert _exit_code(d, 2.0 + 5) == 3
+        assert "second signal 15 while stopping: exiting now" in d.log()
     finally:
         d.kill()
 
