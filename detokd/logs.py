@@ -31,6 +31,9 @@ __all__ = ["setup", "dropped", "escape", "report_suppressed", "RateLimitFilter",
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 QUEUE_SIZE = 10000  # records waiting for the writer at most; beyond, dropped and counted
 DRAIN_TIMEOUT = 1.0  # s the writer gets at exit to write what is queued
+# `extra=` of a record the rate limiter lets by without taking its lock: detokd's own
+# words (a count of suppressed records, the last words before an exit), never a peer's.
+UNLIMITED = {"_detokd_limited": True}
 
 _lock = threading.Lock()
 _dropped = 0
@@ -156,7 +159,7 @@ class RateLimitFilter(logging.Filter):
                     w.start, w.passed, w.suppressed = now, 0, 0
         for name, level, n, seconds, key in due:
             logging.getLogger(name).log(
-                level, "%d similar messages suppressed in %.0f s: %.120r", n, seconds, key, extra={"_detokd_limited": True}
+                level, "%d similar messages suppressed in %.0f s: %.120r", n, seconds, key, extra=UNLIMITED
             )
 
 

@@ -59,8 +59,8 @@ def exit_now(message: str, wait: float, level: int = logging.ERROR) -> NoReturn:
 
     def last_words() -> None:
         # Past the rate limiter: its lock is the one a busy loop takes row after row,
-        # and a waiter can starve on it. The message is detokd's own, not a peer's.
-        log.log(level, message, extra={"_detokd_limited": True})
+        # and a waiter can starve on it.
+        log.log(level, message, extra=logs.UNLIMITED)
         logs.close()
         logging.shutdown()
 
