@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import pickle
@@ -228,8 +229,9 @@ def _accumulator(return_logprob: bool, reqs: Sequence[Any], cached_details: Call
     from sglang.srt.managers.scheduler_components.output_streamer import _GenerationStreamAccumulator
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    # The batch-level flags of OutputStreamer._stream_output_generation.
-    return _GenerationStreamAccumulator(
+    # The batch-level flags of OutputStreamer._stream_output_generation, as far as the
+    # installed release takes them (0.5.21 and older have no request-level customized info).
+    kwargs = dict(
         return_logprob=return_logprob,
         return_hidden_states=any(r.return_hidden_states for r in reqs),
         return_routed_experts=any(r.return_routed_experts for r in reqs),
@@ -242,6 +244,8 @@ def _accumulator(return_logprob: bool, reqs: Sequence[Any], cached_details: Call
         is_request_level_customized_info_key=lambda key: False,
         current_weight_version="default",  # ServerArgs.weight_version default
     )
+    takes = inspect.signature(_GenerationStreamAccumulator).parameters
+    return _GenerationStreamAccumulator(**{k: v for k, v in kwargs.items() if k in takes})
 
 
 def _cached_details(req) -> dict | None:
