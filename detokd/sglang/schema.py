@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's detokenizer IPC, as detokd reads and writes it.
+"""SGLang's detokenizer IPC, as detokd reads and writes it, built from the installed release.
 
 SGLang's scheduler sends the detokenizer BatchTokenIDOutput (and BatchEmbeddingOutput,
 FreezeGCReq, ConfigureLoggingReq); the detokenizer sends the TokenizerManager a
@@ -16,8 +16,9 @@ msgpack form (SGLANG_USE_PICKLE_IPC=0)
     maps; opaque objects (time_stats, customized_info) are nested PickleWrapper structs
     ``["PickleWrapper", <bin: pickle bytes>]``; beam_search_output, weight_versions and
     the other nested structs are array-like lists too.
-    The Structs below mirror those classes: the fields detokd reads are typed, every
-    field the detokenizer only copies into BatchStrOutput is msgspec.Raw - its encoded
+    `build()` makes Structs mirroring the installed classes, field for field in their
+    declaration order: the fields detokd reads are typed (READS), every field the
+    detokenizer only copies into BatchStrOutput is msgspec.Raw - its encoded
     bytes, never turned into Python objects and written back verbatim, so SGLang's own
     decoder sees exactly the values its scheduler sent. Tensors the detokenizer turns
     into base64 (routed_experts, indexer_topk) are read as msgpack Ext and base64'd from
@@ -43,10 +44,13 @@ pickle form (the default)
 In both forms a frame the detokenizer returns unchanged (BatchEmbeddingOutput) is best
 forwarded as the received bytes: decoding them gives the object SGLang would re-encode.
 
-`check()` compares these Structs against the installed SGLang (names and order of every
-mirrored class's fields, the declared types of the fields detokd reads, the wire config,
-and which BatchStrOutput fields the installed detokenizer copies, computes or clears) and
-raises SchemaMismatch naming the first difference.
+`build()` reads the installed release (io_struct's classes: their fields in order, wire
+config, the declared types of the fields detokd reads; and how its DetokenizerManager
+fills BatchStrOutput, from its source) and raises SchemaMismatch naming the first thing
+detokd cannot mirror: a field it reads gone or of another type, a BatchStrOutput field
+the detokenizer computes in a way detokd does not, or leaves to its default. Fields
+SGLang adds that the detokenizer only copies need nothing of detokd: they are Raw.
+`check()` is that build, for the plugin's structural check.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ import dataclasses
 import inspect
 import textwrap
 from collections.abc import Mapping
-from typing import Any, Union, get_args
+from typing import Any, Optional, Union
 
 import msgspec
 from msgspec import Raw
@@ -65,209 +69,59 @@ from msgspec.msgpack import Ext
 
 from .id_rows import IdRows, ids_of, int64_rows
 
-SCHEMA = "sglang-0.5.23"
-
 # msgpack nil: the encoding of a None field, the default of every optional passthrough.
 NIL = Raw(b"\xc0")
 _EXT_TENSOR = 2
 
 FinishReason = Union[dict[str, Union[str, int, list[int], None]], None]
+_B64 = Optional[list[Optional[str]]]
 
 
 class SchemaMismatch(RuntimeError):
-    """The installed SGLang's IPC classes differ from the ones detokd speaks."""
+    """The installed SGLang's IPC classes differ from what detokd can speak."""
 
 
-class _Batch(msgspec.Struct, tag=True, kw_only=True, array_like=True):
-    rids: Union[list[str], None] = None
-    http_worker_ipcs: Union[list[Union[str, None]], None] = None
-
-
-class _Single(msgspec.Struct, tag=True, kw_only=True, array_like=True):
-    rid: Union[str, None] = None
-    http_worker_ipc: Union[str, None] = None
-
-
-class BatchTokenIDOutput(_Batch, kw_only=True):
-    finished_reasons: list[FinishReason]
-    decoded_texts: list[str]
-    decode_ids: list[Ext]  # array('q') as SGLang's ext 1; read them with the codec's ids()
-    read_offsets: list[int]
-    output_ids: Raw
-    skip_special_tokens: list[bool]
-    spaces_between_special_tokens: list[bool]
-    no_stop_trim: list[bool]
-    prompt_tokens: Raw
-    reasoning_tokens: Raw
-    completion_tokens: Raw
-    cached_tokens: Raw
-    input_token_logprobs_val: Raw
-    input_token_logprobs_idx: Raw
-    output_token_logprobs_val: Raw
-    output_token_logprobs_idx: Raw
-    input_top_logprobs_val: Raw
-    input_top_logprobs_idx: Raw
-    output_top_logprobs_val: Raw
-    output_top_logprobs_idx: Raw
-    input_token_ids_logprobs_val: Raw
-    input_token_ids_logprobs_idx: Raw
-    output_token_ids_logprobs_val: Raw
-    output_token_ids_logprobs_idx: Raw
-    output_token_entropy_val: Raw
-    output_token_sampling_mask: Raw
-    output_hidden_states: Raw
-    # Tensors (ext 2); BatchStrOutput carries them base64'd.
-    routed_experts: Union[list[Union[Ext, None]], None]
-    indexer_topk: Union[list[Union[Ext, None]], None]
-    placeholder_tokens_idx: Raw
-    placeholder_tokens_val: Raw
-    retraction_counts: Raw = NIL
-    # Not nil when the batch carries beam-search results (see has_beam_search).
-    beam_search_output: Raw = NIL
-    weight_versions: Raw = NIL
-    token_steps: Raw = NIL
-    customized_info: Raw = NIL
-    cached_tokens_details: Raw = NIL
-    dp_ranks: Raw = NIL
-    time_stats: Raw = NIL
-    image_tokens: Raw = NIL
-    audio_tokens: Raw = NIL
-    video_tokens: Raw = NIL
-    spec_verify_ct: Raw = NIL
-    spec_num_correct_drafts: Raw = NIL
-    spec_num_block_accept_tokens: Raw = NIL
-    spec_num_cap_tokens: Raw = NIL
-    spec_correct_drafts_histogram: Raw = NIL
-    spec_cap_lens_histogram: Raw = NIL
-    input_top_logprobs_val_flat: Raw = NIL
-    input_top_logprobs_idx_flat: Raw = NIL
-    input_top_logprobs_flat_null_prefix: Raw = NIL
-
-
-class BatchStrOutput(_Batch, kw_only=True):
-    finished_reasons: list[FinishReason]
-    output_strs: list[str]
-    output_ids: Raw
-    prompt_tokens: Raw
-    completion_tokens: Raw
-    reasoning_tokens: Raw
-    cached_tokens: Raw
-    input_token_logprobs_val: Raw
-    input_token_logprobs_idx: Raw
-    output_token_logprobs_val: Raw
-    output_token_logprobs_idx: Raw
-    input_top_logprobs_val: Raw
-    input_top_logprobs_idx: Raw
-    output_top_logprobs_val: Raw
-    output_top_logprobs_idx: Raw
-    input_token_ids_logprobs_val: Raw
-    input_token_ids_logprobs_idx: Raw
-    output_token_ids_logprobs_val: Raw
-    output_token_ids_logprobs_idx: Raw
-    output_token_entropy_val: Raw
-    output_token_sampling_mask: Raw
-    output_hidden_states: Raw
-    routed_experts: Union[list[Union[str, None]], None]
-    indexer_topk: Union[list[Union[str, None]], None]
-    placeholder_tokens_idx: None
-    placeholder_tokens_val: None
-    retraction_counts: Raw = NIL
-    beam_search_output: Raw = NIL
-    weight_versions: Raw = NIL
-    token_steps: Raw = NIL
-    customized_info: Raw = NIL
-    cached_tokens_details: Raw = NIL
-    dp_ranks: Raw = NIL
-    time_stats: Raw = NIL
-    image_tokens: Raw = NIL
-    audio_tokens: Raw = NIL
-    video_tokens: Raw = NIL
-    spec_verify_ct: Raw = NIL
-    spec_num_correct_drafts: Raw = NIL
-    spec_num_block_accept_tokens: Raw = NIL
-    spec_num_cap_tokens: Raw = NIL
-    spec_correct_drafts_histogram: Raw = NIL
-    spec_cap_lens_histogram: Raw = NIL
-    input_top_logprobs_val_flat: Raw = NIL
-    input_top_logprobs_idx_flat: Raw = NIL
-    input_top_logprobs_flat_null_prefix: Raw = NIL
-
-
-class BatchEmbeddingOutput(_Batch, kw_only=True):
-    # Returned unchanged by the detokenizer: forward the received frame.
-    finished_reasons: Raw
-    embeddings: Raw
-    prompt_tokens: Raw
-    cached_tokens: Raw
-    placeholder_tokens_idx: Raw
-    placeholder_tokens_val: Raw
-    retraction_counts: Raw = NIL
-    cached_tokens_details: Raw = NIL
-    time_stats: Raw = NIL
-    pooled_hidden_states: Raw = NIL
-
-
-class FreezeGCReq(_Single, kw_only=True):
-    gc_threshold: Union[list[int], None] = None
-
-
-class ConfigureLoggingReq(_Single, kw_only=True):
-    log_requests: Raw = NIL
-    log_requests_level: Raw = NIL
-    log_requests_format: Raw = NIL
-    log_level: Union[str, None] = None
-    dump_requests_folder: Raw = NIL
-    dump_requests_threshold: Raw = NIL
-    crash_dump_folder: Raw = NIL
-    dump_requests_exclude_meta_keys: Raw = NIL
-
-
-Inbound = Union[BatchTokenIDOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq]
-
-# What MsgpackCodec decodes a batch as: decode_ids left raw, read by the codec itself
-# (each run of rows of one length in numpy views over those bytes, with no Ext object per row).
-RawIdsBatch = msgspec.defstruct(
-    "BatchTokenIDOutput", [("decode_ids", Raw)], bases=(BatchTokenIDOutput,), kw_only=True, module=__name__,
-)
-_RawIdsInbound = Union[RawIdsBatch, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq]
-
-# A BatchTokenIDOutput read for its rids alone, every other field its raw bytes: what is
-# left of a batch whose fields do not read as the schema says, so that each of its
-# requests can still be answered (with an abort) instead of never.
-UnreadBatch = msgspec.defstruct(
-    "BatchTokenIDOutput",
-    [(name, Raw, NIL) for name in BatchTokenIDOutput.__struct_fields__ if name not in _Batch.__struct_fields__],
-    bases=(_Batch,), kw_only=True, module=__name__,
-)
-MIRRORED = (BatchTokenIDOutput, BatchStrOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq)
-
-# SGLang 0.5.23's annotation of every field the mirrors type (the fields detokd reads or
-# computes; a Raw field is copied whatever it holds): a field whose type changes while its
-# name stays would fail every batch at run time, so the check compares these too.
-ANNOTATIONS = {
+MIRRORED = ("BatchTokenIDOutput", "BatchStrOutput", "BatchEmbeddingOutput", "FreezeGCReq", "ConfigureLoggingReq")
+_BATCH = {"rids": ("Optional[List[str]]", Optional[list[str]]),
+          "http_worker_ipcs": ("Optional[List[Optional[str]]]", Optional[list[Optional[str]]])}
+_SINGLE = {"rid": ("Optional[str]", Optional[str]), "http_worker_ipc": ("Optional[str]", Optional[str])}
+# The fields detokd reads or computes, by class: SGLang's annotation (a field whose type
+# changes while its name stays would fail every batch at run time, so the build compares
+# it) and the type detokd reads it as. One table for every release: these have not changed
+# within the window; every other field is Raw, whatever the release adds.
+READS: dict[str, dict[str, tuple[str, Any]]] = {
     "BatchTokenIDOutput": {
-        "rids": "Optional[List[str]]", "http_worker_ipcs": "Optional[List[Optional[str]]]",
-        "finished_reasons": "List[Optional[FinishReasonDict]]", "decoded_texts": "List[str]",
-        "decode_ids": "List[array]", "read_offsets": "List[int]", "skip_special_tokens": "List[bool]",
-        "spaces_between_special_tokens": "List[bool]", "no_stop_trim": "List[bool]",
-        "routed_experts": "Optional[List[Optional[torch.Tensor]]]", "indexer_topk": "Optional[List[Optional[torch.Tensor]]]",
+        **_BATCH,
+        "finished_reasons": ("List[Optional[FinishReasonDict]]", list[FinishReason]),
+        "decoded_texts": ("List[str]", list[str]),
+        "decode_ids": ("List[array]", list[Ext]),  # array('q') as SGLang's ext 1; read with the codec's ids()
+        "read_offsets": ("List[int]", list[int]),
+        "skip_special_tokens": ("List[bool]", list[bool]),
+        "spaces_between_special_tokens": ("List[bool]", list[bool]),
+        "no_stop_trim": ("List[bool]", list[bool]),
+        # Tensors (ext 2); BatchStrOutput carries them base64'd.
+        "routed_experts": ("Optional[List[Optional[torch.Tensor]]]", Optional[list[Optional[Ext]]]),
+        "indexer_topk": ("Optional[List[Optional[torch.Tensor]]]", Optional[list[Optional[Ext]]]),
     },
     "BatchStrOutput": {
-        "rids": "Optional[List[str]]", "http_worker_ipcs": "Optional[List[Optional[str]]]",
-        "finished_reasons": "List[Optional[FinishReasonDict]]", "output_strs": "List[str]",
-        "routed_experts": "Optional[List[Optional[str]]]", "indexer_topk": "Optional[List[Optional[str]]]",
-        "placeholder_tokens_idx": "Optional[List[Optional[List[int]]]]",
-        "placeholder_tokens_val": "Optional[List[Optional[List[int]]]]",
+        **_BATCH,
+        "finished_reasons": ("List[Optional[FinishReasonDict]]", list[FinishReason]),
+        "output_strs": ("List[str]", list[str]),
+        "routed_experts": ("Optional[List[Optional[str]]]", _B64),
+        "indexer_topk": ("Optional[List[Optional[str]]]", _B64),
+        "placeholder_tokens_idx": ("Optional[List[Optional[List[int]]]]", None),
+        "placeholder_tokens_val": ("Optional[List[Optional[List[int]]]]", None),
     },
-    "BatchEmbeddingOutput": {"rids": "Optional[List[str]]", "http_worker_ipcs": "Optional[List[Optional[str]]]"},
-    "FreezeGCReq": {"rid": "Optional[str]", "http_worker_ipc": "Optional[str]", "gc_threshold": "Optional[List[int]]"},
-    "ConfigureLoggingReq": {"rid": "Optional[str]", "http_worker_ipc": "Optional[str]", "log_level": "Optional[str]"},
+    "BatchEmbeddingOutput": dict(_BATCH),  # returned unchanged by the detokenizer: the received frame is forwarded
+    "FreezeGCReq": {**_SINGLE, "gc_threshold": ("Optional[List[int]]", Optional[list[int]])},
+    "ConfigureLoggingReq": {**_SINGLE, "log_level": ("Optional[str]", Optional[str])},
 }
-
-
-def typed_fields(ours: type) -> list[str]:
-    """The fields a mirror types: every one but the Raw passthroughs."""
-    return [f.name for f in msgspec.structs.fields(ours) if f.type is not Raw]
+# Fields detokd reads where the release has them: FreezeGCReq.gc_threshold is 0.5.23's
+# (detokd's GC policy does not use it).
+OPTIONAL = {("FreezeGCReq", "gc_threshold")}
+# The BatchStrOutput fields detokd computes, as SGLang's detokenizer computes them:
+# the texts, and the tensors base64'd.
+COMPUTES = ("output_strs", "routed_experts", "indexer_topk")
 
 
 def annotations(cls: type) -> dict[str, str]:
@@ -278,15 +132,146 @@ def annotations(cls: type) -> dict[str, str]:
             out[name] = ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
     return out
 
-# How the detokenizer fills each BatchStrOutput field: "copy" (the same-named
-# BatchTokenIDOutput field, as is), "none", or "computed" (output_strs, base64 tensors).
-FILLS: dict[str, str] = {
-    name: ("computed" if name in ("output_strs", "routed_experts", "indexer_topk")
-           else "none" if name in ("placeholder_tokens_idx", "placeholder_tokens_val")
-           else "copy")
-    for name in BatchStrOutput.__struct_fields__
-}
-COPIED = tuple(name for name, how in FILLS.items() if how == "copy")
+
+def _fields(cls: type) -> list[tuple[str, bool]]:
+    """(name, has a default) of each field of an SGLang message class, in declaration order."""
+    if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
+        return [(f.name, f.required is False) for f in msgspec.structs.fields(cls)]
+    if dataclasses.is_dataclass(cls):
+        return [(f.name, f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+                for f in dataclasses.fields(cls)]
+    raise SchemaMismatch(f"{getattr(cls, '__name__', cls)!r} is neither a msgspec Struct nor a dataclass")
+
+
+def _struct(name: str, fields: list[tuple[str, bool]], types: Mapping[str, Any]) -> type:
+    """A tagged, array-like Struct of SGLang's wire config with these fields in this order:
+    `types`' type where it names one, Raw (its bytes, copied as they are) elsewhere."""
+    spec = []
+    for field, has_default in fields:
+        kind = types.get(field, Raw)
+        if has_default:
+            spec.append((field, kind, NIL if kind is Raw else None))
+        else:
+            spec.append((field, kind))
+    return msgspec.defstruct(name, spec, tag=True, kw_only=True, array_like=True, module=__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    """The installed release's messages as detokd speaks them."""
+
+    version: str  # SGLang's
+    structs: dict[str, type]  # by SGLang class name: the msgpack mirrors
+    copied: tuple[str, ...]  # BatchStrOutput fields copied from the same-named BatchTokenIDOutput field
+    nones: tuple[str, ...]  # BatchStrOutput fields the detokenizer sets to None
+    computed: tuple[str, ...]  # BatchStrOutput fields detokd computes (a subset of COMPUTES)
+    gc_threshold: bool  # FreezeGCReq carries one
+
+    @property
+    def name(self) -> str:
+        return f"sglang-{self.version}"
+
+
+def _check_class(name: str, cls: type) -> list[tuple[str, bool]]:
+    """The installed class's fields, once the fields detokd reads are there with the
+    annotation detokd reads them by, and the wire config is SGLang's."""
+    fields = _fields(cls)
+    if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
+        cfg = cls.__struct_config__
+        wire = {"tag": name, "tag_field": "type", "array_like": True, "omit_defaults": False}
+        for key, value in wire.items():
+            if getattr(cfg, key) != value:
+                raise SchemaMismatch(f"{name}: wire config {key}={getattr(cfg, key)!r}, detokd speaks {value!r}")
+    names = [f for f, _ in fields]
+    declared = annotations(cls)
+    for field, (want, _) in READS[name].items():
+        if field not in names:
+            if (name, field) in OPTIONAL:
+                continue
+            raise SchemaMismatch(f"{name}: field {field!r}, which detokd reads, is gone from SGLang")
+        if declared.get(field) != want:
+            raise SchemaMismatch(f"{name}.{field}: SGLang declares {declared.get(field)!r}, detokd reads {want!r}")
+    return fields
+
+
+def _str_output_types(tok_fields: list[str], str_fields: list[str], fills: Mapping[str, str]) -> dict[str, Any]:
+    """BatchStrOutput's field types as the installed detokenizer fills each field, or
+    SchemaMismatch for a field filled in a way detokd does not."""
+    reads = READS["BatchStrOutput"]
+    types: dict[str, Any] = {}
+    for field in str_fields:
+        how = fills.get(field, "default")
+        if how == "copy" and field in tok_fields:
+            types[field] = reads[field][1] if field in reads else Raw
+        elif how == "none":
+            types[field] = None
+        elif how == "computed" and field in COMPUTES:
+            types[field] = reads[field][1]
+        else:
+            why = {"default": "leaves it to its default", "copy": "copies it from a field BatchTokenIDOutput lacks"}
+            raise SchemaMismatch(f"BatchStrOutput: field {field!r} is new to detokd: SGLang's detokenizer "
+                                 f"{why.get(how, 'computes it')}, which detokd does not mirror")
+    extra = sorted(set(fills) - set(str_fields))
+    if extra:
+        raise SchemaMismatch(f"BatchStrOutput: SGLang's detokenizer fills field {extra[0]!r}, which the class lacks")
+    if fills.get("output_strs") != "computed":
+        raise SchemaMismatch("BatchStrOutput: SGLang's detokenizer does not compute output_strs")
+    return types
+
+
+def build(theirs: Mapping[str, type] | None = None, fills: Mapping[str, str] | None = None) -> Schema:
+    """The installed release's schema, or SchemaMismatch naming what detokd cannot mirror.
+
+    `theirs` replaces installed io_struct classes by name and `fills` the detokenizer's
+    BatchStrOutput filling (for testing against a modified copy, not an edited SGLang)."""
+    import sglang
+    from sglang.srt.managers import io_struct
+
+    theirs = dict(theirs or {})
+    fields = {}
+    for name in MIRRORED:
+        cls = theirs.get(name) or getattr(io_struct, name, None)
+        if cls is None:
+            raise SchemaMismatch(f"{name}: no such class in sglang.srt.managers.io_struct")
+        fields[name] = _check_class(name, cls)
+    fills = dict(installed_fills() if fills is None else fills)
+    tok_names = [f for f, _ in fields["BatchTokenIDOutput"]]
+    str_types = _str_output_types(tok_names, [f for f, _ in fields["BatchStrOutput"]], fills)
+    structs = {name: _struct(name, fields[name], {k: t for k, (_, t) in READS[name].items()})
+               for name in MIRRORED if name != "BatchStrOutput"}
+    structs["BatchStrOutput"] = _struct("BatchStrOutput", fields["BatchStrOutput"], str_types)
+    return Schema(
+        version=sglang.__version__,
+        structs=structs,
+        copied=tuple(f for f, how in fills.items() if how == "copy"),
+        nones=tuple(f for f, how in fills.items() if how == "none"),
+        computed=tuple(f for f, how in fills.items() if how == "computed"),
+        gc_threshold="gc_threshold" in dict(fields["FreezeGCReq"]),
+    )
+
+
+_installed: Schema | None = None
+
+
+def installed() -> Schema:
+    """The installed release's schema, built once per process."""
+    global _installed
+    if _installed is None:
+        _installed = build()
+    return _installed
+
+
+def check(theirs: Mapping[str, type] | None = None, fills: Mapping[str, str] | None = None) -> None:
+    """Raise SchemaMismatch unless detokd can speak the installed SGLang's schema (build's
+    arguments)."""
+    build(theirs, fills)
+
+
+def __getattr__(name: str) -> Any:
+    """The installed release's mirrors by SGLang's class names (schema.BatchTokenIDOutput)."""
+    if name in MIRRORED:
+        return installed().structs[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def tensor_b64(ext: Ext) -> str:
@@ -309,22 +294,39 @@ def _b64_list(items: Any, one) -> Any:
 
 
 class MsgpackCodec:
-    """SGLANG_USE_PICKLE_IPC=0: decode into the Structs above, encode BatchStrOutput."""
+    """SGLANG_USE_PICKLE_IPC=0: decode into the release's mirrors, encode BatchStrOutput."""
 
     name = "msgpack"
 
-    def __init__(self) -> None:
-        self._decoder = msgspec.msgpack.Decoder(_RawIdsInbound)
-        self._typed = msgspec.msgpack.Decoder(Inbound)
+    def __init__(self, built: Schema | None = None) -> None:
+        s = self.schema = built or installed()
+        tok = s.structs["BatchTokenIDOutput"]
+        others = [s.structs[n] for n in ("BatchEmbeddingOutput", "FreezeGCReq", "ConfigureLoggingReq")]
+        # decode_ids left raw, read by the codec itself (each run of rows of one length in
+        # numpy views over those bytes, with no Ext object per row).
+        self.raw_ids = msgspec.defstruct("BatchTokenIDOutput", [("decode_ids", Raw)], bases=(tok,), kw_only=True,
+                                         module=__name__)
+        # A batch read for its rids alone, every other field its raw bytes: what is left of
+        # a batch whose fields do not read as the schema says, so that each of its
+        # requests can still be answered (with an abort) instead of never.
+        reads = READS["BatchTokenIDOutput"]
+        self.unread = msgspec.defstruct(
+            "BatchTokenIDOutput",
+            [(f, reads[f][1], None) if f in _BATCH else (f, Raw, NIL) for f in tok.__struct_fields__],
+            tag=True, kw_only=True, array_like=True, module=__name__,
+        )
+        self._str = s.structs["BatchStrOutput"]
+        self._decoder = msgspec.msgpack.Decoder(Union[(self.raw_ids, *others)])
+        self._typed = msgspec.msgpack.Decoder(Union[(tok, *others)])
         self._exts = msgspec.msgpack.Decoder(list[Ext])
-        self._unread = msgspec.msgpack.Decoder(UnreadBatch)
+        self._unread = msgspec.msgpack.Decoder(self.unread)
         self._encoder = msgspec.msgpack.Encoder()
 
-    def decode(self, frame: bytes) -> Inbound:
+    def decode(self, frame: bytes) -> Any:
         """The message; a batch's decode_ids read (IdRows, or the Ext of each row)."""
         try:
             msg = self._decoder.decode(frame)
-            if type(msg) is RawIdsBatch:
+            if type(msg) is self.raw_ids:
                 rows = int64_rows(msg.decode_ids)
                 msg.decode_ids = self._exts.decode(msg.decode_ids) if rows is None else rows
             return msg
@@ -332,37 +334,34 @@ class MsgpackCodec:
             return self._typed.decode(frame)  # raises what the schema finds first, as if read in one go
 
     def unread_batch(self, frame: bytes) -> Any:
-        """The rids of a BatchTokenIDOutput frame that fails `decode` (UnreadBatch), or
-        None when even they cannot be read."""
+        """The rids of a BatchTokenIDOutput frame that fails `decode`, or None when even
+        they cannot be read."""
         try:
             return self._unread.decode(frame)
         except msgspec.DecodeError:
             return None
 
     @staticmethod
-    def ids(tok: BatchTokenIDOutput) -> list[list[int]]:
+    def ids(tok: Any) -> list[list[int]]:
         rows = tok.decode_ids
         return rows if type(rows) is IdRows else ids_of(rows)
 
-    def str_output(self, tok: BatchTokenIDOutput, output_strs: list[str]) -> BatchStrOutput:
-        if type(tok) is UnreadBatch:  # its requests are all aborted: no finish reason or tensor to carry
-            fields = {name: getattr(tok, name) for name in COPIED}
+    def str_output(self, tok: Any, output_strs: list[str]) -> Any:
+        s = self.schema
+        fields = {name: getattr(tok, name) for name in s.copied}
+        fields.update(dict.fromkeys(s.nones), output_strs=output_strs)
+        unread = type(tok) is self.unread  # its requests are all aborted: no finish reason or tensor to carry
+        if unread:
             fields["finished_reasons"] = [None] * len(output_strs)
-            return BatchStrOutput(**fields, output_strs=output_strs, routed_experts=None, indexer_topk=None,
-                                  placeholder_tokens_idx=None, placeholder_tokens_val=None)
-        return BatchStrOutput(
-            **{name: getattr(tok, name) for name in COPIED},
-            output_strs=output_strs,
-            routed_experts=_b64_list(tok.routed_experts, tensor_b64),
-            indexer_topk=_b64_list(tok.indexer_topk, tensor_b64),
-            placeholder_tokens_idx=None,
-            placeholder_tokens_val=None,
-        )
+        for name in ("routed_experts", "indexer_topk"):
+            if name in s.computed:
+                fields[name] = None if unread else _b64_list(getattr(tok, name), tensor_b64)
+        return self._str(**fields)
 
-    def encode(self, out: BatchStrOutput) -> bytes:
+    def encode(self, out: Any) -> bytes:
         return self._encoder.encode(out)
 
-    def encode_str_output(self, tok: BatchTokenIDOutput, output_strs: list[str]) -> bytes:
+    def encode_str_output(self, tok: Any, output_strs: list[str]) -> bytes:
         return self.encode(self.str_output(tok, output_strs))
 
 
@@ -371,15 +370,16 @@ class PickleCodec:
 
     name = "pickle"
 
-    def __init__(self, allow: frozenset[tuple[str, str]] = frozenset()) -> None:
+    def __init__(self, allow: frozenset[tuple[str, str]] = frozenset(), built: Schema | None = None) -> None:
         """`allow`: globals a frame may name beyond the inbound messages and what they hold."""
         from sglang.srt.managers import io_struct
 
         from . import pickled
 
+        self.schema = built or installed()
         self._out = io_struct.BatchStrOutput
         self._id_rows = pickled.id_rows
-        self.decode = pickled.loader([kind.__name__ for kind in get_args(Inbound)], allow)
+        self.decode = pickled.loader([n for n in MIRRORED if n != "BatchStrOutput"], allow)
         self.encode = pickled.dumps
         self._compact = pickled.compact
 
@@ -392,30 +392,30 @@ class PickleCodec:
         return self._id_rows(tok.decode_ids)
 
     def str_output(self, tok: Any, output_strs: list[str]) -> Any:
-        fields = {name: getattr(tok, name) for name in COPIED}
+        s = self.schema
+        fields = {name: getattr(tok, name) for name in s.copied}
         for name in ("time_stats", "output_ids"):
-            fields[name] = self._compact(name, fields[name])
-        return self._out(
-            **fields,
-            output_strs=output_strs,
-            routed_experts=_b64_list(tok.routed_experts, _tensor_b64_pickled),
-            indexer_topk=_b64_list(tok.indexer_topk, _tensor_b64_pickled),
-            placeholder_tokens_idx=None,
-            placeholder_tokens_val=None,
-        )
+            if name in fields:
+                fields[name] = self._compact(name, fields[name])
+        fields.update(dict.fromkeys(s.nones), output_strs=output_strs)
+        for name in ("routed_experts", "indexer_topk"):
+            if name in s.computed:
+                fields[name] = _b64_list(getattr(tok, name), _tensor_b64_pickled)
+        return self._out(**fields)
 
     def encode_str_output(self, tok: Any, output_strs: list[str]) -> bytes:
         return self.encode(self.str_output(tok, output_strs))
 
 
-def codec(use_pickle: bool | None = None, allow: frozenset[tuple[str, str]] = frozenset()) -> MsgpackCodec | PickleCodec:
+def codec(use_pickle: bool | None = None, allow: frozenset[tuple[str, str]] = frozenset(),
+          built: Schema | None = None) -> MsgpackCodec | PickleCodec:
     """The codec of the running SGLang (its SGLANG_USE_PICKLE_IPC), or the one asked for;
-    `allow`: see PickleCodec."""
+    `allow`: see PickleCodec; `built`: the schema (the installed release's by default)."""
     if use_pickle is None:
         from sglang.srt.environ import envs
 
         use_pickle = bool(envs.SGLANG_USE_PICKLE_IPC.get())
-    return PickleCodec(allow) if use_pickle else MsgpackCodec()
+    return PickleCodec(allow, built) if use_pickle else MsgpackCodec(built)
 
 
 def kind(obj: Any) -> str:
@@ -426,34 +426,10 @@ def kind(obj: Any) -> str:
 def has_beam_search(tok: Any) -> bool:
     """Whether a BatchTokenIDOutput (either form) carries beam results, which SGLang's
     detokenizer decodes into beam_search_output and detokd does not."""
-    beams = tok.beam_search_output
+    beams = getattr(tok, "beam_search_output", None)
     if isinstance(beams, Raw):
         return bytes(beams) not in (b"\xc0", b"\x90")  # nil, empty array
     return beams is not None and len(beams) > 0
-
-
-# ---------------------------------------------------------------- the schema check
-
-
-def _field_names(cls: type) -> tuple[str, ...]:
-    if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
-        return tuple(cls.__struct_fields__)
-    if dataclasses.is_dataclass(cls):
-        return tuple(f.name for f in dataclasses.fields(cls))
-    raise SchemaMismatch(f"{getattr(cls, '__name__', cls)!r} is neither a msgspec Struct nor a dataclass")
-
-
-def _first_difference(ours: tuple[str, ...], theirs: tuple[str, ...]) -> str:
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            if b not in ours:
-                return f"field {b!r} (position {i}) is new in SGLang; detokd has {a!r} there"
-            if a not in theirs:
-                return f"field {a!r} (position {i}) is gone from SGLang; SGLang has {b!r} there"
-            return f"field {b!r} moved to position {i}; detokd has {a!r} there"
-    if len(theirs) > len(ours):
-        return f"field {theirs[len(ours)]!r} (position {len(ours)}) is new in SGLang"
-    return f"field {ours[len(theirs)]!r} (position {len(theirs)}) is gone from SGLang"
 
 
 def installed_fills() -> dict[str, str]:
@@ -478,42 +454,3 @@ def installed_fills() -> dict[str, str]:
         else:
             fills[kw.arg] = "computed"
     return fills
-
-
-def check(theirs: Mapping[str, type] | None = None, fills: Mapping[str, str] | None = None) -> None:
-    """Raise SchemaMismatch unless the installed SGLang speaks this schema.
-
-    `theirs` replaces installed io_struct classes by name and `fills` the detokenizer's
-    BatchStrOutput filling (for testing against a modified copy, not an edited SGLang)."""
-    from sglang.srt.managers import io_struct
-
-    theirs = dict(theirs or {})
-    for ours in MIRRORED:
-        name = ours.__name__
-        cls = theirs.get(name) or getattr(io_struct, name, None)
-        if cls is None:
-            raise SchemaMismatch(f"{name}: no such class in sglang.srt.managers.io_struct")
-        a, b = _field_names(ours), _field_names(cls)
-        if a != b:
-            raise SchemaMismatch(f"{name}: {_first_difference(a, b)}")
-        if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
-            cfg, mine = cls.__struct_config__, ours.__struct_config__
-            for key in ("tag", "tag_field", "array_like", "omit_defaults"):
-                if getattr(cfg, key) != getattr(mine, key):
-                    raise SchemaMismatch(
-                        f"{name}: wire config {key}={getattr(cfg, key)!r}, detokd speaks {getattr(mine, key)!r}"
-                    )
-        declared = annotations(cls)
-        for field, want in ANNOTATIONS[name].items():
-            if declared.get(field) != want:
-                raise SchemaMismatch(f"{name}.{field}: SGLang declares {declared.get(field)!r}, detokd reads {want!r}")
-    fills = dict(installed_fills() if fills is None else fills)
-    for field, how in FILLS.items():
-        got = fills.get(field, "default")
-        if got != how:
-            raise SchemaMismatch(
-                f"BatchStrOutput: field {field!r} is filled as {got!r} by SGLang's detokenizer, detokd fills it as {how!r}"
-            )
-    extra = sorted(set(fills) - set(FILLS))
-    if extra:
-        raise SchemaMismatch(f"BatchStrOutput: SGLang's detokenizer fills unknown field {extra[0]!r}")

@@ -15,8 +15,11 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from sglang.srt.managers import io_struct
     from sglang.srt.managers.detokenizer_manager import DetokenizerManager, LimitedCapacityDict
-    from sglang.srt.sampling.sampling_mask import SamplingMaskChunk
     from sglang.srt.utils.weight_versions import WeightVersionSpan
+    try:
+        from sglang.srt.sampling.sampling_mask import SamplingMaskChunk
+    except ImportError:  # 0.5.20 sends a sampling mask as lists, beside output_token_sampling_logprobs
+        SamplingMaskChunk = None
 
 from detokd.sglang import id_rows
 from conftest import vocab
@@ -34,11 +37,24 @@ def sglang_detokenizer(tokenizer) -> DetokenizerManager:
     return m
 
 
+def sampling_mask(n: int) -> list:
+    if SamplingMaskChunk is None:
+        return [[[3, 4]]] + [[]] * (n - 1)
+    return [
+        SamplingMaskChunk(
+            lengths=np.array([2], dtype=np.int32),
+            token_ids=np.array([3, 4], dtype=np.int32),
+            logprobs=np.array([-0.5, -1.0], dtype=np.float32),
+        )
+    ] + [None] * (n - 1)
+
+
 def token_batch(tok, texts: list[str], finished: list, step: int) -> io_struct.BatchTokenIDOutput:
-    """A BatchTokenIDOutput with every kind of field the scheduler fills filled."""
+    """A BatchTokenIDOutput with every kind of field the scheduler fills filled (those the
+    installed release has)."""
     n = len(texts)
     ids = [array("q", tok.encode(t, add_special_tokens=False)) for t in texts]
-    return io_struct.BatchTokenIDOutput(
+    fields = dict(
         rids=[f"r{i}" for i in range(n)],
         http_worker_ipcs=[None] * n,
         finished_reasons=finished,
@@ -66,13 +82,8 @@ def token_batch(tok, texts: list[str], finished: list, step: int) -> io_struct.B
         output_token_ids_logprobs_val=[[[-1.5]]] * n,
         output_token_ids_logprobs_idx=[[[9]]] * n,
         output_token_entropy_val=[0.125] * n,
-        output_token_sampling_mask=[
-            SamplingMaskChunk(
-                lengths=np.array([2], dtype=np.int32),
-                token_ids=np.array([3, 4], dtype=np.int32),
-                logprobs=np.array([-0.5, -1.0], dtype=np.float32),
-            )
-        ] + [None] * (n - 1),
+        output_token_sampling_mask=sampling_mask(n),
+        output_token_sampling_logprobs=[[[-0.5, -1.0]]] + [[]] * (n - 1),
         output_hidden_states=[[[0.5, 1.5]]] + [None] * (n - 1),
         routed_experts=[torch.arange(12, dtype=torch.int32).reshape(2, 3, 2)] + [None] * (n - 1),
         indexer_topk=[None] * (n - 1) + [torch.tensor([[7, -1]], dtype=torch.int64)],
@@ -91,6 +102,8 @@ def token_batch(tok, texts: list[str], finished: list, step: int) -> io_struct.B
         input_top_logprobs_idx_flat=[np.zeros((1, 2), dtype=np.int32)] + [None] * (n - 1),
         input_top_logprobs_flat_null_prefix=[1] + [None] * (n - 1),
     )
+    has = set(io_struct.BatchTokenIDOutput.__struct_fields__)
+    return io_struct.BatchTokenIDOutput(**{k: v for k, v in fields.items() if k in has})
 
 
 # Shared from here, not from a tests/sglang/conftest.py: one there would replace

@@ -137,7 +137,11 @@ def test_every_global_of_the_fullest_batch_sglang_sends_is_allowed(tok):
     assert [t.tolist() if t is not None else None for t in got.routed_experts] == [
         t.tolist() if t is not None else None for t in sent.routed_experts
     ]
-    assert got.output_token_sampling_mask[0].token_ids.tolist() == sent.output_token_sampling_mask[0].token_ids.tolist()
+    mask, want = got.output_token_sampling_mask[0], sent.output_token_sampling_mask[0]
+    if isinstance(want, list):  # 0.5.20: lists, beside output_token_sampling_logprobs
+        assert mask == want and got.output_token_sampling_logprobs == sent.output_token_sampling_logprobs
+    else:
+        assert mask.token_ids.tolist() == want.token_ids.tolist()
 
 
 def test_an_operator_may_allow_more_globals(tok):
@@ -160,9 +164,10 @@ def test_every_allowed_global_is_one_the_installed_packages_define():
     """The allow-list names SGLang's, numpy's and torch's internals by module and name: a
     typo, or a package that moved one, would refuse every frame that holds it."""
     import importlib
+    import importlib.util
 
-    from typing import get_args
-
-    wanted = pickled.SAFE | {(pickled.MESSAGES, kind.__name__) for kind in get_args(schema.Inbound)}
+    wanted = pickled.SAFE | {(pickled.MESSAGES, kind) for kind in schema.MIRRORED if kind != "BatchStrOutput"}
     for module, name in sorted(wanted):
+        if module.startswith("sglang.") and importlib.util.find_spec(module) is None:
+            continue  # a module of a newer release (0.5.20 has no sampling_mask): no frame here names it
         assert callable(getattr(importlib.import_module(module), name)), (module, name)

@@ -1,5 +1,5 @@
-"""detokd's mirror of SGLang's detokenizer IPC, proved against SGLang's own encoder,
-decoder and DetokenizerManager (0.5.23)."""
+"""detokd's mirror of SGLang's detokenizer IPC, built from the installed release's classes
+and proved against that release's own encoder, decoder and DetokenizerManager."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_the_typed_fields_read_what_sglang_sent(tok):
     mine = schema.MsgpackCodec().decode(frame)
     assert mine.rids == sent.rids and mine.http_worker_ipcs == sent.http_worker_ipcs
     assert schema.MsgpackCodec.ids(mine) == [list(a) for a in sent.decode_ids]
-    typed = msgspec.msgpack.Decoder(schema.Inbound).decode(frame)  # the generic parse agrees
+    typed = msgspec.msgpack.Decoder(schema.BatchTokenIDOutput).decode(frame)  # the generic parse agrees
     assert [id_rows.array_of(e) for e in typed.decode_ids] == sent.decode_ids
     assert mine.finished_reasons == sent.finished_reasons
     for name in ("decoded_texts", "read_offsets", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
@@ -69,7 +69,7 @@ def test_decode_ids_that_are_no_arrays_fail_as_the_whole_schema_says(tok):
     """decode_ids are read apart from the rest; a frame where they do not read fails with
     the error of the whole schema (the abort's cause names the same place)."""
     sent = token_batch(tok, ["one", "two"], [None, None], step=1)
-    typed = msgspec.msgpack.Decoder(schema.Inbound)
+    typed = msgspec.msgpack.Decoder(schema.BatchTokenIDOutput)
     for bad in ([[1], [2]], [array("q", [1]), 7]):
         sent.decode_ids = bad
         frame = sglang_wire(sent)
@@ -100,8 +100,10 @@ def test_a_msgpack_frame_travels_a_real_zmq_socket_unchanged(tok):
 
 def test_the_other_inbound_messages_decode_by_their_tag():
     codec = schema.MsgpackCodec()
-    gc = codec.decode(sglang_wire(io_struct.FreezeGCReq(gc_threshold=[700, 10, 10])))
-    assert isinstance(gc, schema.FreezeGCReq) and gc.gc_threshold == [700, 10, 10]
+    has_threshold = "gc_threshold" in io_struct.FreezeGCReq.__struct_fields__  # 0.5.23's
+    sent = io_struct.FreezeGCReq(gc_threshold=[700, 10, 10]) if has_threshold else io_struct.FreezeGCReq()
+    gc = codec.decode(sglang_wire(sent))
+    assert isinstance(gc, schema.FreezeGCReq) and getattr(gc, "gc_threshold", None) == getattr(sent, "gc_threshold", None)
     log = codec.decode(sglang_wire(io_struct.ConfigureLoggingReq(log_level="debug", log_requests=True)))
     assert isinstance(log, schema.ConfigureLoggingReq) and log.log_level == "debug"
     emb = io_struct.BatchEmbeddingOutput(
@@ -141,70 +143,103 @@ def test_codec_follows_sglangs_pickle_switch(monkeypatch):
     assert schema.codec().name == "pickle"
 
 
-# ---------------------------------------------------------------- the schema check
+# ---------------------------------------------------------------- the schema build
 
 
-def test_check_passes_on_the_installed_sglang():
-    assert schema.SCHEMA == "sglang-0.5.23"
-    schema.check()
+def test_the_mirrors_have_the_installed_classes_fields_in_their_order():
+    import sglang
+
+    built = schema.build()
+    assert built.version == sglang.__version__ and built.name == f"sglang-{sglang.__version__}"
+    for name in schema.MIRRORED:
+        assert built.structs[name].__struct_fields__ == getattr(io_struct, name).__struct_fields__, name
+    # What the installed detokenizer copies is Raw, whatever the release added.
+    fields = msgspec.structs.fields(built.structs["BatchStrOutput"])
+    raw = {f.name for f in fields if f.type is msgspec.Raw}
+    assert raw == set(built.copied) - set(schema.READS["BatchStrOutput"])
+    assert "time_stats" in raw
 
 
 def fields_of(cls) -> list[tuple[str, object]]:
-    return [(f, object) for f in cls.__struct_fields__]
+    """A class's fields with their declared annotations, for a modified copy of it."""
+    declared = schema.annotations(cls)
+    return [(f, declared[f]) for f in cls.__struct_fields__]
 
 
-def test_check_names_a_field_sglang_added():
-    f = fields_of(io_struct.BatchTokenIDOutput)
-    f.insert(5, ("draft_ids", object))
-    copy = dataclasses.make_dataclass("BatchTokenIDOutput", f)
-    with pytest.raises(schema.SchemaMismatch, match=r"BatchTokenIDOutput: field 'draft_ids'.*new"):
-        schema.check({"BatchTokenIDOutput": copy})
+def with_field(cls, name: str, at: int):
+    f = fields_of(cls)
+    f.insert(at, (name, object))
+    return dataclasses.make_dataclass(cls.__name__, f)
 
 
-def test_check_names_a_field_sglang_removed():
+def test_a_field_sglang_adds_and_its_detokenizer_copies_passes_through_raw_in_its_place():
+    fills = schema.installed_fills() | {"draft_ids": "copy"}
+    built = schema.build({"BatchTokenIDOutput": with_field(io_struct.BatchTokenIDOutput, "draft_ids", 5),
+                          "BatchStrOutput": with_field(io_struct.BatchStrOutput, "draft_ids", 4)}, fills)
+    for name, at in (("BatchTokenIDOutput", 5), ("BatchStrOutput", 4)):
+        field = msgspec.structs.fields(built.structs[name])[at]
+        assert (field.name, field.type) == ("draft_ids", msgspec.Raw), name
+    assert "draft_ids" in built.copied
+
+
+def test_a_field_sglang_adds_to_a_message_the_detokenizer_forwards_needs_nothing():
+    built = schema.build({"BatchEmbeddingOutput": with_field(io_struct.BatchEmbeddingOutput, "pooled_ids", 3)})
+    assert "pooled_ids" in built.structs["BatchEmbeddingOutput"].__struct_fields__
+
+
+def test_a_batch_str_output_field_the_detokenizer_leaves_to_its_default_is_a_mismatch():
+    with pytest.raises(schema.SchemaMismatch, match=r"BatchStrOutput: field 'draft_texts' is new.*default"):
+        schema.build({"BatchStrOutput": with_field(io_struct.BatchStrOutput, "draft_texts", 3)})
+
+
+def test_the_build_names_a_field_the_detokenizer_removed_while_it_still_fills_it():
     f = [x for x in fields_of(io_struct.BatchStrOutput) if x[0] != "time_stats"]
-    with pytest.raises(schema.SchemaMismatch, match=r"BatchStrOutput: field 'time_stats'.*gone"):
-        schema.check({"BatchStrOutput": dataclasses.make_dataclass("BatchStrOutput", f)})
+    with pytest.raises(schema.SchemaMismatch, match=r"BatchStrOutput: .*'time_stats', which the class lacks"):
+        schema.build({"BatchStrOutput": dataclasses.make_dataclass("BatchStrOutput", f)})
 
 
-def test_check_names_a_field_sglang_renamed():
+def test_the_build_names_a_field_detokd_reads_that_sglang_renamed():
     f = [("decode_token_ids" if n == "decode_ids" else n, t) for n, t in fields_of(io_struct.BatchTokenIDOutput)]
-    with pytest.raises(schema.SchemaMismatch, match=r"BatchTokenIDOutput: field 'decode_token_ids'"):
-        schema.check({"BatchTokenIDOutput": dataclasses.make_dataclass("BatchTokenIDOutput", f)})
+    with pytest.raises(schema.SchemaMismatch, match=r"BatchTokenIDOutput: field 'decode_ids', which detokd reads, is gone"):
+        schema.build({"BatchTokenIDOutput": dataclasses.make_dataclass("BatchTokenIDOutput", f)})
 
 
-def test_check_names_a_field_sglang_appended_to_a_request():
-    f = fields_of(io_struct.FreezeGCReq) + [("generation", object)]
-    with pytest.raises(schema.SchemaMismatch, match=r"FreezeGCReq: field 'generation'.*new"):
-        schema.check({"FreezeGCReq": dataclasses.make_dataclass("FreezeGCReq", f)})
-
-
-def test_check_names_a_field_the_detokenizer_now_fills_differently():
+def test_the_build_names_a_field_the_detokenizer_now_computes():
     fills = schema.installed_fills()
     fills["output_ids"] = "computed"
-    with pytest.raises(schema.SchemaMismatch, match=r"BatchStrOutput: field 'output_ids'"):
-        schema.check(fills=fills)
+    with pytest.raises(schema.SchemaMismatch, match=r"BatchStrOutput: field 'output_ids' is new to detokd.*computes"):
+        schema.build(fills=fills)
 
 
-def test_every_field_a_mirror_types_has_sglangs_annotation_recorded():
-    for ours in schema.MIRRORED:
-        assert set(schema.ANNOTATIONS[ours.__name__]) == set(schema.typed_fields(ours)), ours.__name__
+def test_gc_threshold_is_read_where_the_release_has_it():
+    f = [x for x in fields_of(io_struct.FreezeGCReq) if x[0] != "gc_threshold"]
+    built = schema.build({"FreezeGCReq": dataclasses.make_dataclass("FreezeGCReq", f)})
+    assert built.gc_threshold is False
+    assert schema.build().gc_threshold is ("gc_threshold" in io_struct.FreezeGCReq.__struct_fields__)
 
 
-def test_check_names_a_field_whose_type_changed_while_its_name_stayed():
+def test_the_build_names_a_field_whose_type_changed_while_its_name_stayed():
     """decode_ids no longer a list of arrays: every batch would fail in the dialect."""
     declared = schema.annotations(io_struct.BatchTokenIDOutput)
     declared["decode_ids"] = "List[List[int]]"
     copy = dataclasses.make_dataclass("BatchTokenIDOutput", [(n, declared[n]) for n in io_struct.BatchTokenIDOutput.__struct_fields__])
     with pytest.raises(schema.SchemaMismatch, match=r"BatchTokenIDOutput.decode_ids: SGLang declares 'List\[List\[int\]\]'"):
-        schema.check({"BatchTokenIDOutput": copy})
+        schema.build({"BatchTokenIDOutput": copy})
 
 
-def test_check_names_a_wire_config_change():
+def test_the_build_names_a_wire_config_change():
     changed = msgspec.defstruct(
         "ConfigureLoggingReq",
         [(n, object) for n in io_struct.ConfigureLoggingReq.__struct_fields__],
         tag=True, kw_only=True, array_like=False,
     )
     with pytest.raises(schema.SchemaMismatch, match=r"ConfigureLoggingReq: wire config array_like"):
-        schema.check({"ConfigureLoggingReq": changed})
+        schema.build({"ConfigureLoggingReq": changed})
+
+
+def test_every_field_detokd_reads_is_declared_as_the_installed_release_declares_it():
+    for name, reads in schema.READS.items():
+        declared = schema.annotations(getattr(io_struct, name))
+        for field, (want, _) in reads.items():
+            if field in declared or (name, field) not in schema.OPTIONAL:
+                assert declared.get(field) == want, (name, field)
