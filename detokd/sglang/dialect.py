@@ -82,6 +82,8 @@ class SglangDialect:
         vocab_size: int,
         http_workers: bool = False,
         keep_stop_ids: frozenset[int] = frozenset(),
+        falsy_no_match: bool = False,
+        split: Any = None,
     ) -> None:
         self.core = core
         self.delivery = delivery
@@ -91,6 +93,12 @@ class SglangDialect:
         self.vocab_size = vocab_size
         self.http_workers = http_workers  # tokenizer_worker_num > 1: route rows by http_worker_ipcs
         self.keep_stop_ids = keep_stop_ids  # stop tokens SGLang never trims (tool-call closers)
+        # The release's trim test (detokd.sglang.release): `if not matched` trims nothing
+        # for a matched 0 or "" (0.5.20 and older), `is None` trims them.
+        self.falsy_no_match = falsy_no_match
+        # The release's split of a batch for one HTTP worker (release.Split); the
+        # installed release's if not given.
+        self.split = split
         self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
         self.batch: Any = None  # the BatchTokenIDOutput being answered
         self.blank: Any = None  # its BatchStrOutput with empty texts, for splitting per worker
@@ -262,6 +270,8 @@ class SglangDialect:
             return None, False
         kind = str(reason.get("type", "abort"))
         matched = reason.get("matched")
+        if self.falsy_no_match and not matched:
+            matched = None
         if type(matched) is int:
             keep = no_stop_trim or not ids or ids[-1] in self.keep_stop_ids
             return Finish(kind), not keep
@@ -358,20 +368,16 @@ class SglangDialect:
         return _io().msgpack_encode(obj)
 
     def _subsets(self, full: Any, indices: list[int], rows: list[OutRow]):
-        """SGLang's own split of a batch into one worker's rows: one sub-batch, or one
-        message per row where a field cannot be split (as its detokenizer falls back)."""
-        from sglang.srt.managers import multi_tokenizer_mixin as mt
+        """SGLang's own split of a batch into one worker's rows, as the release splits:
+        one sub-batch, or one message per row (older releases, or where a field cannot
+        be split, as its detokenizer falls back)."""
+        if self.split is None:
+            from .release import detect
 
-        ipcs = full.http_worker_ipcs
-        try:
-            sub = mt._handle_output_by_indices(full, indices)
-        except mt._CannotSplitBatch:
-            for index, row in zip(indices, rows):
-                one = mt._handle_output_by_index(full, index)
-                yield one, [row]
-            return
-        sub.http_worker_ipcs = None if ipcs is None else [ipcs[i] for i in indices]
-        yield sub, rows
+            self.split = detect().split
+        row_at = dict(zip(indices, rows))
+        for sub, held in self.split(full, indices):
+            yield sub, [row_at[i] for i in held]
 
     def _split(self, full: Any, ipcs: list[str | None]):
         by_worker: dict[int, list[int]] = {}

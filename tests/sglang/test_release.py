@@ -1,0 +1,71 @@
+"""What detokd detects of the installed release's behaviour, held to that release's own
+DetokenizerManager (its trim, its split helpers) rather than to a table of versions."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import sglang
+
+from detokd.sglang import release
+from detokd.sglang.dialect import SglangDialect
+from detokd.sglang.schema import SchemaMismatch
+from messages import sglang_detokenizer
+from messages import tok as tok  # a fixture, re-exported
+
+
+def test_the_installed_release_is_detected_and_in_the_tested_window():
+    rel = release.detect()
+    assert rel.version == sglang.__version__
+    assert rel.tested, f"SGLang {rel.version} is not one of {release.WINDOW}: run the suite on a release of the window"
+
+
+# (matched, ids, no_stop_trim): a stop token of id 0 and an empty stop string are where
+# `if not matched` (0.5.20) and `if matched is None` (0.5.21+) part.
+TRIMS = [(0, [5, 6, 0], False), (7, [5, 6, 7], False), (7, [5, 6, 7], True), (None, [5, 6], False), ("", [5, 6], False)]
+
+
+@pytest.mark.parametrize("matched,ids,no_stop_trim", TRIMS)
+def test_detokd_trims_a_stop_token_exactly_where_the_installed_detokenizer_does(tok, matched, ids, no_stop_trim):
+    reason = {"type": "stop", "matched": matched}
+    theirs = sglang_detokenizer(tok).trim_matched_stop(list(ids), reason, no_stop_trim)
+    rel = release.detect()
+    dialect = SimpleNamespace(falsy_no_match=rel.falsy_no_match, keep_stop_ids=frozenset())
+    finish, trim = SglangDialect._finish(dialect, reason, list(ids), no_stop_trim)
+    assert (ids[:-1] if trim else ids) == theirs
+    if isinstance(matched, str):  # the stop string: trimmed by the core, when SGLang trims it
+        assert finish.matched == (matched if matched or not rel.falsy_no_match else None)
+
+
+def rule(source: str) -> bool:
+    return release.trim_rule(ast.parse(textwrap.dedent(source)))
+
+
+def test_the_trim_rule_is_read_from_the_test_of_matched():
+    assert rule("def f(matched):\n    if not matched:\n        return 1\n") is True
+    assert rule("def f(matched):\n    if matched is None:\n        return 1\n") is False
+    with pytest.raises(SchemaMismatch, match="trim_matched_stop"):
+        rule("def f(matched):\n    if matched == -1:\n        return 1\n")
+
+
+def test_the_split_is_the_one_the_installed_multi_worker_loop_uses():
+    """0.5.23's loop sends each HTTP worker one sub-batch; older ones one message per row."""
+    import inspect
+
+    from sglang.srt.managers import multi_tokenizer_mixin as mt
+
+    loop = inspect.getsource(mt.MultiHttpWorkerDetokenizerMixin.multi_http_worker_event_loop)
+    rel = release.detect()
+    assert rel.split_name == ("by worker" if "_send_output_to_tokenizer_workers" in loop else "per row")
+
+
+def test_tool_call_closers_are_kept_only_where_the_release_keeps_them():
+    import inspect
+
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+
+    uses = "tool_close_token_ids" in inspect.getsource(DetokenizerManager.trim_matched_stop)
+    assert (release.detect().tool_closers is not None) is uses
