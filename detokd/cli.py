@@ -107,7 +107,7 @@ def cmd_tokenizer(ns: argparse.Namespace) -> int:
     vocab = load_tokenizer(ns.spec)
     codec = make_codec(vocab)
     print(f"tokenizer  {ns.spec}")
-    print(f"ids        {vocab.size} ({len(vocab.special)} special)")
+    print(f"ids        {vocab.size} ({len(vocab.special)} special: the ids skip_special_tokens removes)")
     print(f"decoder    {' + '.join(vocab.decoder_types()) or 'none'}")
     print(f"codec      {codec.name}")
     bad = self_check(vocab, codec, trials=ns.trials, seed=1)

@@ -155,6 +155,11 @@ def ipc_folder_problem(address: str) -> tuple[str, bool] | None:
     return None  # ours, and the sticky bit keeps it ours while it is there
 
 
+# What to do about an ipc path in a folder others can write; detokd as SGLang's detokenizer
+# says where SGLang puts its addresses instead (detokd.sglang.process).
+IPC_ADVICE = "use a folder only trusted users can write (docs/security.md)"
+
+
 def check_ipc_folders(named: list[tuple[str, str | None]]) -> None:
     """At start, for each (what, address): refuse (exit 2) a path a stranger could take,
     warn of one a stranger could bind first."""
@@ -164,8 +169,8 @@ def check_ipc_folders(named: list[tuple[str, str | None]]) -> None:
             continue
         why, fatal = problem
         if fatal:
-            raise ConfigError(f"{what} {address}: {why}; use a folder only trusted users can write (docs/security.md)")
-        log.warning("%s %s: %s; use a folder only trusted users can write (docs/security.md)", what, address, why)
+            raise ConfigError(f"{what} {address}: {why}; {IPC_ADVICE}")
+        log.warning("%s %s: %s; %s", what, address, why, IPC_ADVICE)
 
 
 # --- tcp exposure -------------------------------------------------------------------------

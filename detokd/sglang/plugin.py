@@ -15,10 +15,16 @@ instead: SGLang's own launch, with N detokd processes behind its router. SGLang
 records the pids in all_child_pids, watches them with SubprocessWatchdog and kills them
 with the process tree. Replacing the launch method rather than SGLang's
 run_detokenizer_process keeps the spawn target picklable (a partial of a module
-function). Any SGLang feature detokd does not serve keeps SGLang's own detokenizer,
-with a warning naming the feature; so does a tokenizer detokd cannot decode exactly as
-SGLang does, which only the process can tell (it loads SGLang's tokenizer): the launch
-waits for its verdict before it returns.
+function).
+
+Any SGLang feature detokd does not serve keeps SGLang's own detokenizer, with one warning
+line naming the cause and the installed SGLang release; so does anything detokd's process
+cannot do before it serves (an SGLang module or symbol missing, a schema it cannot
+mirror, a bad DETOKD_CONFIG, a tokenizer it cannot decode exactly as SGLang does): the
+launch waits for its verdict before it returns, and the process binds nothing until it
+serves. DETOKD_SGLANG=require turns every such fallback into a launch failure of one
+line. A release outside the tested window (detokd.sglang.release.WINDOW) is served when
+the structural check passes, and the log says it is untested.
 """
 
 from __future__ import annotations
@@ -45,7 +51,38 @@ def _true(name: str) -> bool:
 
 
 def enabled() -> bool:
-    return _true(ENV)
+    return _true(ENV) or required()
+
+
+def required() -> bool:
+    """DETOKD_SGLANG=require: detokd serves, or SGLang does not start."""
+    return os.environ.get(ENV, "").strip().lower() == "require"
+
+
+def _sglang_version() -> str:
+    try:
+        import sglang
+
+        return sglang.__version__
+    except Exception:  # noqa: BLE001 - only for the log line
+        return "?"
+
+
+def keep_sglangs(cause: str, version: str | None = None) -> None:
+    """SGLang's own detokenizer runs: one warning line naming the cause and the release,
+    or, under DETOKD_SGLANG=require, a launch failure of one line."""
+    where = f"SGLang {version or _sglang_version()}"
+    if required():
+        raise SystemExit(f"detokd: {ENV}=require, and detokd cannot serve {where}'s detokenizer: {cause}")
+    logger.warning("detokd: keeping SGLang's own detokenizer on %s: %s", where, cause)
+
+
+def _main_process() -> bool:
+    """Whether this is the process that launches SGLang's detokenizer (SGLang's
+    schedulers load plugins too, in children of it)."""
+    import multiprocessing as mp
+
+    return mp.parent_process() is None
 
 
 def behind_router() -> bool:
@@ -59,12 +96,19 @@ def register() -> None:
     global _registered
     if not enabled() or _registered:
         return
-    from detokd.sglang import schema
-
+    # The structural check, in the process that launches the detokenizer (detokd's own
+    # process decides again, with everything else, before it serves); no failure of it
+    # may take SGLang down.
     try:
+        from detokd.sglang import release, schema
+
         schema.check()
-    except schema.SchemaMismatch as e:
-        logger.warning("detokd: keeping SGLang's own detokenizer: schema %s does not match: %s", schema.SCHEMA, e)
+        release.detect()
+    except Exception as e:  # noqa: BLE001
+        if _main_process():
+            from detokd.sglang.process import cause
+
+            keep_sglangs(cause(e))
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -94,13 +138,13 @@ def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_arg
     """AROUND hook of Engine._launch_detokenizer_subprocesses (a classmethod: cls first)."""
     feature = unsupported(server_args, run_detokenizer_process_func)
     if feature is not None:
-        logger.warning("detokd: keeping SGLang's own detokenizer: detokd does not support %s", feature)
+        keep_sglangs(f"detokd does not support {feature}")
         return original(cls, server_args=server_args, port_args=port_args,
                         run_detokenizer_process_func=run_detokenizer_process_func)
     try:
         from detokd.sglang.process import run_sglang_detokenizer
     except ImportError as e:
-        logger.warning("detokd: keeping SGLang's own detokenizer: cannot import detokd.sglang.process: %s", e)
+        keep_sglangs(f"cannot import detokd.sglang.process: {e}")
         return original(cls, server_args=server_args, port_args=port_args,
                         run_detokenizer_process_func=run_detokenizer_process_func)
     import functools
@@ -122,7 +166,7 @@ def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_arg
         for p in procs:
             p.kill()
             p.join(30)
-        logger.warning("detokd: keeping SGLang's own detokenizer: %s", refusal)
+        keep_sglangs(refusal)
         return original(cls, server_args=server_args, port_args=port_args,
                         run_detokenizer_process_func=run_detokenizer_process_func)
     _announce(len(workers), requested)
@@ -150,16 +194,16 @@ def await_refusal(reader, workers: list, timeout: float = VERDICT_TIMEOUT_S) -> 
             if reader.poll(0.5):
                 verdict = reader.recv()
                 if not verdict.serves:
-                    return f"detokd cannot decode SGLang's tokenizer exactly: {verdict.detail}"
+                    return verdict.detail
                 told += 1
                 continue
             dead = [p for p in workers if p.exitcode is not None]
             if dead:  # before all of them said they serve
-                return f"a detokd detokenizer exited (code {dead[0].exitcode}) before it loaded SGLang's tokenizer"
+                return f"a detokd detokenizer exited (code {dead[0].exitcode}) before it decided to serve"
             if time.monotonic() > deadline:
-                return f"detokd's detokenizer did not load SGLang's tokenizer within {timeout:.0f} s"
+                return f"detokd's detokenizer did not decide to serve within {timeout:.0f} s"
     except EOFError:
-        return "every detokd detokenizer exited before it loaded SGLang's tokenizer"
+        return "every detokd detokenizer exited before it decided to serve"
     finally:
         reader.close()
     return None
@@ -171,7 +215,7 @@ def _announce(processes: int, requested: int) -> None:
         return
     _announced = True
     import detokd
-    from detokd.sglang import schema
+    from detokd.sglang import release
 
     # An operator who asked for N processes hears why there is one, or what N costs.
     if processes > 1:
@@ -183,4 +227,9 @@ def _announce(processes: int, requested: int) -> None:
                "docs/sglang.md, Several detokenizers)")
     else:
         how = ""
-    logger.info("detokd %s replaced SGLang's detokenizer%s; it speaks schema %s", detokd.__version__, how, schema.SCHEMA)
+    version = _sglang_version()
+    if version in release.WINDOW:
+        logger.info("detokd %s replaced SGLang's detokenizer (SGLang %s)%s", detokd.__version__, version, how)
+    else:  # the structural check passed: served, and said to be untested
+        logger.warning("detokd %s replaced SGLang's detokenizer (SGLang %s, a release detokd is untested on: its "
+                       "structural check passed; tested: %s)%s", detokd.__version__, version, ", ".join(release.WINDOW), how)

@@ -14,10 +14,14 @@ its environment (IPC encoding, SGLANG_DETOKENIZER_MAX_STATES); DETOKD_CONFIG may
 detokd TOML file for the rest (metrics_port, log_level, caps...), DETOKD_METRICS_PORT
 sets just the metrics port.
 
-Started by the plugin with a `verdict` pipe, the process first loads SGLang's tokenizer
-and checks detokd's tables against it (detokd.sglang.vocab), and says on the pipe
-whether it serves; only then does it bind. A refusal leaves SGLang's addresses free for
-SGLang's own detokenizer, which the plugin then starts.
+Started by the plugin with a `verdict` pipe, the process first decides (`prepare`):
+it imports every SGLang module and symbol it uses, builds the schema from the installed
+release's classes and detects how that release behaves (detokd.sglang.schema, .release),
+reads and validates DETOKD_CONFIG, loads SGLang's tokenizer and checks detokd's tables
+against it (detokd.sglang.vocab). Only then does it tell the plugin whether it serves,
+and only once it serves does it bind. Any failure before that is a refusal naming its
+cause: SGLang's addresses stay free for SGLang's own detokenizer, which the plugin then
+starts; nothing detokd does there can take SGLang down.
 """
 
 from __future__ import annotations
@@ -27,24 +31,36 @@ import os
 import signal
 import stat
 
-from .. import __version__
 from dataclasses import dataclass
+from typing import Callable
 
+from .. import __version__, sockets
 from ..config import Config, load
 from ..server import Server
 from ..tokenizer import Vocab, of
-from .dialect import GPT_OSS_CALL, SglangDialect
-from . import schema, vocab as sglang_vocab
+from .dialect import SglangDialect
+from . import release, schema, vocab as sglang_vocab
 
 log = logging.getLogger("detokd.sglang")
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the process tells the plugin once it has SGLang's tokenizer: whether it serves."""
+    """What the process tells the plugin once it has decided: whether it serves."""
 
     serves: bool
-    detail: str  # the tokenizer's fingerprint, or why detokd does not serve it
+    detail: str  # the tokenizer's fingerprint, or why detokd does not serve (one line)
+    version: str = "?"  # the installed SGLang's
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything the process serves with, decided before it tells the plugin."""
+
+    vocab: Vocab
+    fingerprint: sglang_vocab.Fingerprint
+    cfg: Config
+    make_dialect: Callable
 
 
 def config(port_args, tokenizer_path: str) -> Config:
@@ -87,37 +103,82 @@ def sglangs_vocab(server_args) -> tuple[Vocab, sglang_vocab.Fingerprint]:
     return vocab, sglang_vocab.check(vocab, tokenizer)
 
 
-def dialect_factory(vocab, use_pickle: bool | None = None):
-    """Builds the SGLang dialect for a Server, from SGLang's own (resolved) settings."""
-    from sglang.srt.parser.response_template import tool_close_token_ids
+def dialect_factory(vocab, built: schema.Schema, rel: release.Release, ipc) -> Callable:
+    """Builds the SGLang dialect for a Server, from SGLang's own (resolved) settings and
+    the installed release's behaviour."""
     from sglang.srt.runtime_context import get_serving
 
-    from . import pickled
-
-    ipc = schema.codec(use_pickle, pickled.allowances(os.environ.get("DETOKD_SGLANG_PICKLE_ALLOW", "")))
     serving = get_serving()
     parser = serving.tool_call_parser
-    keep = set(tool_close_token_ids(parser, vocab.hf)) if parser else set()
-    if parser == "gpt-oss":
-        keep.add(GPT_OSS_CALL)
+    keep = set(rel.tool_closers(parser, vocab.hf)) if parser and rel.tool_closers else set()
+    if parser == "gpt-oss" and rel.gpt_oss_call:
+        keep.add(release.GPT_OSS_CALL)
+    workers = serving.tokenizer_worker_num
     # Read as SGLang resolved them (a deprecated parser name on the command line is not
     # what its detokenizer uses): said once, so an operator can check.
-    log.info("detokd's settings from SGLang: tool_call_parser=%r (stop ids kept %s), HTTP workers %d, %s IPC",
-             parser, sorted(keep), serving.tokenizer_worker_num, ipc.name)
+    log.info("detokd's settings from SGLang %s: tool_call_parser=%r (stop ids kept %s), HTTP workers %d%s, "
+             "stop-token trim on %s, %s IPC", built.version, parser, sorted(keep), workers,
+             f" (answered {rel.split_name})" if workers > 1 else "",
+             "`not matched`" if rel.falsy_no_match else "`matched is None`", ipc.name)
 
     def make(core, delivery, gc_policy, stats, cfg) -> SglangDialect:
         return SglangDialect(
             core, delivery, gc_policy, stats,
-            ipc=ipc, vocab_size=vocab.size, http_workers=serving.tokenizer_worker_num > 1,
-            keep_stop_ids=frozenset(keep),
+            ipc=ipc, vocab_size=vocab.size, http_workers=workers > 1,
+            keep_stop_ids=frozenset(keep), falsy_no_match=rel.falsy_no_match, split=rel.split,
         )
 
     return make
 
 
+def prepare(server_args, port_args, use_pickle: bool | None = None) -> Prepared:
+    """Everything detokd's process needs, decided before it tells the plugin it serves:
+    the schema from the installed classes, the release's behaviour (every SGLang symbol
+    either uses, imported), the IPC codec, SGLang's tokenizer checked, DETOKD_CONFIG
+    read and validated. Raises what it cannot do."""
+    from . import pickled
+
+    built = schema.build()
+    rel = release.detect()
+    ipc = schema.codec(use_pickle, pickled.allowances(os.environ.get("DETOKD_SGLANG_PICKLE_ALLOW", "")), built)
+    vocab, fingerprint = sglangs_vocab(server_args)
+    cfg = config(port_args, vocab.name)
+    return Prepared(vocab, fingerprint, cfg, dialect_factory(vocab, built, rel, ipc))
+
+
+def cause(exc: BaseException) -> str:
+    """An exception as one line of a log."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:400]
+
+
+def own_lines() -> None:
+    """Every log line of detokd's in SGLang's log says it is detokd's: SGLang's format
+    shows no logger name."""
+    factory = logging.getLogRecordFactory()
+
+    def make(*args, **kwargs):
+        record = factory(*args, **kwargs)
+        if record.name.startswith("detokd") and isinstance(record.msg, str) and not record.msg.startswith("detokd"):
+            record.msg = "detokd: " + record.msg
+        return record
+
+    logging.setLogRecordFactory(make)
+
+
+def sglangs_ipc_advice() -> str:
+    """What to do about SGLang's ipc addresses in a folder others can write: SGLang makes
+    them with tempfile, in $TMPDIR."""
+    import tempfile
+
+    return (f"SGLang makes its ipc addresses in {tempfile.gettempdir()} (TMPDIR): start SGLang with TMPDIR set to a "
+            "folder only its user can write (mkdir -m 700) (docs/sglang.md)")
+
+
 def run_sglang_detokenizer(server_args, port_args, verdict=None) -> None:
     """SGLang's detokenizer process, served by detokd. `verdict`: the plugin's end of a
     pipe, told a Verdict before anything binds."""
+    import sglang
     from sglang.srt.runtime_context import publish
     from sglang.srt.utils import configure_logger, kill_itself_when_parent_died
 
@@ -127,24 +188,32 @@ def run_sglang_detokenizer(server_args, port_args, verdict=None) -> None:
     kill_itself_when_parent_died()
     setproctitle.setproctitle("sglang::detokenizer (detokd)")
     configure_logger(server_args)
+    own_lines()
+    sockets.IPC_ADVICE = sglangs_ipc_advice()
     publish(server_args, role="detokenizer")
     parent = psutil.Process().parent()
-    told = verdict is None  # whether the plugin knows detokd serves
     try:
-        vocab, fingerprint = sglangs_vocab(server_args)
-        log.info("detokd decodes with SGLang's tokenizer %s (%s)", vocab.name, fingerprint)
-        if verdict is not None:
-            verdict.send(Verdict(True, f"{vocab.name} ({fingerprint})"))
-            told = True
-        cfg = config(port_args, vocab.name)
-        take_reserved_path(cfg.input)
-        server = Server(cfg, dialect_factory(vocab), vocab)
-        log.info("detokd %s serves SGLang's detokenizer (schema %s, %s IPC)", __version__, schema.SCHEMA, server.dialect.ipc.name)
-        server.run()
+        ready = prepare(server_args, port_args)
     except Exception as exc:
-        if not told:  # nothing is bound: the plugin starts SGLang's own detokenizer instead
-            verdict.send(Verdict(False, f"{type(exc).__name__}: {exc}"))
-            return
+        if verdict is None:  # no plugin to fall back to: a failure of SGLang's detokenizer
+            log.exception("detokd cannot serve SGLang %s's detokenizer", sglang.__version__)
+            parent.send_signal(signal.SIGQUIT)
+            raise
+        # Nothing is bound: the plugin starts SGLang's own detokenizer instead.
+        verdict.send(Verdict(False, cause(exc), sglang.__version__))
+        return
+    log.info("detokd decodes with SGLang's tokenizer %s: %d ids, %d special (as `detokd tokenizer` counts: the ids "
+             "skip_special_tokens removes); fingerprint %s", ready.vocab.name, ready.vocab.size, len(ready.vocab.special),
+             ready.fingerprint)
+    if verdict is not None:
+        verdict.send(Verdict(True, f"{ready.vocab.name} ({ready.fingerprint})", sglang.__version__))
+    try:
+        take_reserved_path(ready.cfg.input)
+        server = Server(ready.cfg, ready.make_dialect, ready.vocab)
+        log.info("detokd %s serves SGLang %s's detokenizer (%s IPC)", __version__, sglang.__version__,
+                 server.dialect.ipc.name)
+        server.run()
+    except Exception:
         log.exception("detokd's SGLang detokenizer failed")
         parent.send_signal(signal.SIGQUIT)
         raise

@@ -32,7 +32,9 @@ class Fingerprint:
     table_sha256: str
 
     def __str__(self) -> str:
-        return f"{self.size} ids, {len(self.special_ids)} special, table {self.table_sha256[:12]}"
+        # all_special_ids: the special-token map, which may differ from the ids
+        # skip_special_tokens removes (`detokd tokenizer`'s count), so it is named so.
+        return f"{self.size} ids, {len(self.special_ids)} in the special-token map, table {self.table_sha256[:12]}"
 
 
 def fingerprint(size: int, special_ids, tokens) -> Fingerprint:

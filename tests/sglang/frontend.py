@@ -33,22 +33,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 class Frontend:
-    """One SGLang server: `detokenizer` is "detokd" (the plugin) or "sglang" (its own)."""
+    """One SGLang server: `detokenizer` is "detokd" (the plugin) or "sglang" (its own);
+    `env` is set over what the server's environment would be."""
 
     def __init__(self, model: Path, *, detokenizer: str, encoding: str, workers: int = 1, router: bool = False,
-                 plugin_path: Path, log_dir: Path, extra: tuple[str, ...] = ()):
+                 plugin_path: Path, log_dir: Path, extra: tuple[str, ...] = (), env: dict | None = None,
+                 tag: str = ""):
         self.detokenizer, self.encoding, self.workers = detokenizer, encoding, workers
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        tag = f"{model.name}-{detokenizer}-{encoding}-{workers}{'-router' if router else ''}"
+        tag = f"{model.name}-{detokenizer}-{encoding}-{workers}{'-router' if router else ''}{tag}"
         self.standin_log = log_dir / f"{tag}.standin.jsonl"
         self.server_log = log_dir / f"{tag}.server.log"
+        env_extra = env
         env = {k: v for k, v in os.environ.items() if k not in ("DETOKD_SGLANG", "DETOKD_SGLANG_ROUTER", "SGLANG_PLUGINS")}
         env.update(QUIET_CRASH, HF_HUB_OFFLINE="1", STANDIN_LOG=str(self.standin_log),
                    SGLANG_USE_PICKLE_IPC="1" if encoding == "pickle" else "0",
                    DETOKD_SGLANG="1" if detokenizer == "detokd" else "0",
                    DETOKD_SGLANG_ROUTER="1" if router else "0",
                    PYTHONPATH=os.pathsep.join([str(plugin_path), str(ROOT), str(HERE)]))
+        env.update(env_extra or {})
         args = ["--model-path", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                 "--device", "cpu", "--detokenizer-worker-num", str(workers), *extra]
         self._out = open(self.server_log, "w")

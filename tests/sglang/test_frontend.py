@@ -146,6 +146,7 @@ class Served:
     health: int | None = None  # /health after the mix (its hang-up included)
     health_generate: int | None = None
     exit_after_kill: int | None = None  # the server's exit status once a detokd process was killed
+    log: str = ""  # the server's log, as it was after the mix
 
 
 def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, Served]:
@@ -168,7 +169,7 @@ def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, 
         for key, fe in fes.items():
             answers = {r["rid"]: answer for (k, r), answer in zip(jobs, done) if k == key}
             titles = [" ".join(p.cmdline()) for p in fe.detokenizer_processes()]
-            out[key] = Served(mix, answers, fe.records(), titles)
+            out[key] = Served(mix, answers, fe.records(), titles, log=fe.log_tail(1 << 22))
         for key, fe in fes.items():
             if key[2] != "detokd":
                 continue
@@ -239,6 +240,17 @@ def test_a_client_hanging_up_aborts_its_request_and_the_server_stays_healthy(ser
     rec = run.records.get("hangup")
     assert rec is not None and rec["finish"]["type"] == "abort", rec
     assert (run.health, run.health_generate) == (200, 200)
+
+
+@pytest.mark.parametrize("key", keys("detokd"), ids=key_id)
+def test_detokds_lines_in_sglangs_log_say_they_are_detokds_and_what_to_do_about_tmp(served, key):
+    """SGLang's addresses sit in /tmp here (TMPDIR unset): detokd's warning says to set
+    TMPDIR (test_fallback.py: set, the warning goes)."""
+    log = served[key].log
+    warnings = [line for line in log.splitlines() if "writable by every user" in line]
+    assert warnings and all("detokd" in line and "TMPDIR" in line for line in warnings), warnings
+    ours = [line for line in log.splitlines() if "detokd" in line.lower()]
+    assert any("replaced SGLang's detokenizer" in line for line in ours)
 
 
 @pytest.mark.parametrize("key", keys("detokd"), ids=key_id)
