@@ -6,7 +6,7 @@ beginning, and after each pass through a detokd process started for that pass al
 the two meet the same phase of the machine: a process that ages badly shows a ratio
 (long-lived CPU per row / fresh) that grows from pass to pass, or an RSS that does. Every
 pass's text is checked against the oracle. Run it in SGLang's environment
-(`.venv-sglang/bin/python -m detokbench sglang-aging`).
+(`.venv-sglang-0.5.23/bin/python -m detokbench sglang-aging`).
 """
 
 from __future__ import annotations

