@@ -589,8 +589,10 @@ class SglangDetokenizerUnderTest:
         for i, address in enumerate(own):
             port_args = dataclasses.replace(self.port_args, detokenizer_ipc_name=address)
             start(f"detokenizer_{i}", target, (self.server_args, port_args))
+        # enable_metrics is 0.5.21's and newer.
+        takes = inspect.signature(run_multi_detokenizer_router_process).parameters
         start("detokenizer_router", run_multi_detokenizer_router_process, (own, self.server_args, self.port_args),
-              {"enable_metrics": False})
+              {"enable_metrics": False} if "enable_metrics" in takes else {})
 
     def _on_sigquit(self, signum, frame) -> None:
         self.sigquit = True
