@@ -21,9 +21,22 @@ from detokbench.sglang_replay import (
 # take one encoding each. (tokenizer, encoding, HTTP workers)
 CASES = [("deepseek", "pickle", 1), ("deepseek", "msgpack", 1), ("qwen2", "pickle", 1), ("mistral_v3", "msgpack", 1)]
 MULTI = ("deepseek", "msgpack", 2)
+
+def _router_routes_by_rid() -> bool:
+    """Whether the installed SGLang's MultiDetokenizerRouter routes a row that names no
+    HTTP worker (by its rid: 0.5.23). 0.5.22 and older route by the HTTP worker alone and
+    assert every row names one, which SGLang's TokenizerManager stamps only with
+    --tokenizer-worker-num > 1: there SGLang's own router serves only that layout."""
+    from sglang.srt.managers.multi_tokenizer_mixin import MultiDetokenizerRouter
+
+    return hasattr(MultiDetokenizerRouter, "_pick_for")
+
+
 # SGLang's multi-detokenizer mode (--detokenizer-worker-num 2: two detokenizers behind its
-# router, which spreads rows by rid) in both encodings. (tokenizer, encoding, HTTP workers, detokenizers)
-ROUTED = [("qwen2", "pickle", 1, 2), ("deepseek", "msgpack", 1, 2)]
+# router) in both encodings, with the HTTP workers the release's router can serve.
+# (tokenizer, encoding, HTTP workers, detokenizers)
+_ROUTED_WORKERS = 1 if _router_routes_by_rid() else 2
+ROUTED = [("qwen2", "pickle", _ROUTED_WORKERS, 2), ("deepseek", "msgpack", _ROUTED_WORKERS, 2)]
 TARGETS = {"sglang": None, "detokd": detokd_target}
 
 TEXT = "Hello, world! 世界你好 🤖🎉👍🏽 Привет, мир! مرحبا بالعالم. Done."
@@ -184,7 +197,10 @@ class Runs:
         self.done: dict[tuple, Run] = {}
 
     def _start_all(self) -> None:
-        for name, enc, workers, detokenizers in [(*c, 1) for c in [*CASES, MULTI]] + ROUTED:
+        # ROUTED's runs are compared with one detokd process on the same HTTP workers too.
+        single = [(*c, 1) for c in [*CASES, MULTI]]
+        single += [(n, e, w, 1) for n, e, w, _ in ROUTED if (n, e, w, 1) not in single]
+        for name, enc, workers, detokenizers in single + ROUTED:
             for target, fn in TARGETS.items():
                 self.procs[name, enc, workers, detokenizers, target] = SglangDetokenizerUnderTest(
                     zoo.build(name), encoding=enc, http_workers=workers, detokenizers=detokenizers, target=fn

@@ -113,8 +113,15 @@ def talk_and_kill(procs, names, port_args, oracle_dir: str, logs: Captured, kill
         tok = AutoTokenizer.from_pretrained(oracle_dir)
     ids = tok.encode("Hello from the scheduler, ünïcode ✓", add_special_tokens=False)
     n = 1
-    io_struct.sock_send(to_detokenizer, io_struct.BatchTokenIDOutput(
-        rids=["r0"], http_worker_ipcs=[None], finished_reasons=[{"type": "length", "length": len(ids)}],
+    from sglang.srt.managers.multi_tokenizer_mixin import MultiDetokenizerRouter
+
+    # SGLang 0.5.22 and older's router routes rows by their HTTP worker alone (it asserts
+    # each names one): the row names the TokenizerManager's address there, as a
+    # TokenizerManager stamps it; 0.5.23 routes a row that names none by its rid.
+    behind_router = "detokenizer_router" in names
+    ipc = port_args.tokenizer_ipc_name if behind_router and not hasattr(MultiDetokenizerRouter, "_pick_for") else None
+    fields = dict(
+        rids=["r0"], http_worker_ipcs=[ipc], finished_reasons=[{"type": "length", "length": len(ids)}],
         decoded_texts=[""], decode_ids=[array("q", ids)], read_offsets=[0], output_ids=None,
         skip_special_tokens=[True], spaces_between_special_tokens=[True], no_stop_trim=[False],
         prompt_tokens=[3], reasoning_tokens=[0], completion_tokens=[len(ids)], cached_tokens=[0],
@@ -124,7 +131,10 @@ def talk_and_kill(procs, names, port_args, oracle_dir: str, logs: Captured, kill
         input_token_ids_logprobs_idx=None, output_token_ids_logprobs_val=None, output_token_ids_logprobs_idx=None,
         output_token_entropy_val=None, output_token_sampling_mask=None, output_hidden_states=None,
         routed_experts=None, indexer_topk=None, placeholder_tokens_idx=None, placeholder_tokens_val=None,
-    ))
+        output_token_sampling_logprobs=None,
+    )
+    has = set(io_struct.BatchTokenIDOutput.__struct_fields__)  # 0.5.20 has output_token_sampling_logprobs
+    io_struct.sock_send(to_detokenizer, io_struct.BatchTokenIDOutput(**{k: v for k, v in fields.items() if k in has}))
     answered = to_tokenizer.poll(60_000)
     reply = io_struct.sock_recv(to_tokenizer) if answered else None
     out["reply_type"] = type(reply).__name__

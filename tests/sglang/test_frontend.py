@@ -36,6 +36,17 @@ RUNS = {
     ("qwen2", "pickle"): [("sglang", 1, False), ("detokd", 1, False), ("detokd", 2, False)],
     ("mistral_v3", "msgpack"): [("sglang", 1, False), ("detokd", 1, False), ("detokd", 2, True)],
 }
+
+def _router_routes_by_rid() -> bool:
+    from sglang.srt.managers.multi_tokenizer_mixin import MultiDetokenizerRouter
+
+    return hasattr(MultiDetokenizerRouter, "_pick_for")
+
+
+# SGLang 0.5.22 and older's MultiDetokenizerRouter routes rows by their HTTP worker alone
+# and asserts each names one, which the TokenizerManager stamps only with several HTTP
+# workers: SGLang's own router serves only that layout there (runs.py, ROUTED).
+ROUTER_EXTRA = () if _router_routes_by_rid() else ("--tokenizer-worker-num", "2")
 # The first test runs every case's servers (11 processes that import SGLang and torch,
 # ~10 s of CPU each, per case): minutes on two cores, past pytest's per-test timeout.
 pytestmark = pytest.mark.timeout(1800)
@@ -156,7 +167,8 @@ def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, 
     the three servers are 9-11 processes of SGLang and torch, ~9 GB."""
     model = model_folder(root, name)
     fes = {(name, enc, det, workers, router): Frontend(model, detokenizer=det, encoding=enc, workers=workers,
-                                                        router=router, plugin_path=plugin_path, log_dir=root)
+                                                        router=router, plugin_path=plugin_path, log_dir=root,
+                                                        extra=ROUTER_EXTRA if router else ())
            for det, workers, router in RUNS[name, enc]}
     try:
         for fe in fes.values():
