@@ -335,14 +335,17 @@ class Server:
             return
         if self.max_rss is not None:  # per frame, not per turn: a turn may be 256 frames of held text
             self._guard_rss(time.monotonic())
-        dialect = self.dialect
         try:
-            if not dialect.handle(frame):
+            if not self.dialect.handle(frame):
                 return  # not a message at all: counted as a bad frame, nothing to deliver
         except Exception:  # a bug must cost one batch, never the process
             stats.error(INTERNAL)
             log.exception("internal error handling a frame")
-        self.delivery.deliver()
+        try:
+            self.delivery.deliver()  # what cannot be encoded is the dialect's to answer; this is for bugs
+        except Exception:
+            stats.error(INTERNAL)
+            log.exception("internal error delivering a frame's output")
         stats.step(time.perf_counter() - t0)
 
     def _drop_multipart(self) -> None:
