@@ -106,6 +106,8 @@ def dialect_factory(vocab, use_pickle: bool | None = None):
              parser, sorted(keep), serving.tokenizer_worker_num, ipc.name)
 
     def make(core, delivery, gc_policy, stats, cfg) -> SglangDialect:
+        if ipc.name == "pickle":
+            ipc.tensor_bytes = cfg.max_frame_bytes  # what a frame's tensors may expand to
         return SglangDialect(
             core, delivery, gc_policy, stats,
             ipc=ipc, vocab_size=vocab.size, http_workers=serving.tokenizer_worker_num > 1,

@@ -63,6 +63,7 @@ import msgspec
 from msgspec import Raw
 from msgspec.msgpack import Ext
 
+from ..wire import msgpack_scan
 from .id_rows import IdRows, ids_of, int64_rows
 
 SCHEMA = "sglang-0.5.23"
@@ -231,14 +232,20 @@ RawIdsBatch = msgspec.defstruct(
 )
 _RawIdsInbound = Union[RawIdsBatch, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq]
 
-# A BatchTokenIDOutput read for its rids alone, every other field its raw bytes: what is
-# left of a batch whose fields do not read as the schema says, so that each of its
-# requests can still be answered (with an abort) instead of never.
-UnreadBatch = msgspec.defstruct(
-    "BatchTokenIDOutput",
-    [(name, Raw, NIL) for name in BatchTokenIDOutput.__struct_fields__ if name not in _Batch.__struct_fields__],
-    bases=(_Batch,), kw_only=True, module=__name__,
-)
+
+
+class UnreadBatch(msgspec.Struct):
+    """What is left of a BatchTokenIDOutput whose fields do not read as the schema says:
+    its rids and HTTP workers, so that each of its requests can still be answered
+    (with an abort) instead of never."""
+
+    rids: Union[list[str], None]
+    http_worker_ipcs: Union[list[Union[str, None]], None]
+
+
+_rids = msgspec.msgpack.Decoder(Union[list[str], None])
+_ipcs = msgspec.msgpack.Decoder(Union[list[Union[str, None]], None])
+_tag = msgspec.msgpack.Decoder(str)
 MIRRORED = (BatchTokenIDOutput, BatchStrOutput, BatchEmbeddingOutput, FreezeGCReq, ConfigureLoggingReq)
 
 # SGLang 0.5.23's annotation of every field the mirrors type (the fields detokd reads or
@@ -298,8 +305,21 @@ def tensor_b64(ext: Ext) -> str:
     return base64.b64encode(data[4 + n :]).decode("ascii")
 
 
-def _tensor_b64_pickled(t: Any) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+class TensorBudget:
+    """The bytes the tensors of one answer may expand to. A pickled tensor is a view:
+    a stride of 0 makes one stored element any number of elements, and a frame may name
+    one tensor many times, each costing its full size once base64'd. Beyond the budget
+    (max_frame_bytes) nothing is materialised: the answer cannot be built."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes
+
+    def b64(self, t: Any) -> str:
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.left:
+            raise ValueError(f"the batch's tensors expand past max_frame_bytes ({nbytes} bytes more, {self.left} left)")
+        self.left -= nbytes
+        return base64.b64encode(t.numpy().tobytes()).decode("ascii")
 
 
 def _b64_list(items: Any, one) -> Any:
@@ -317,7 +337,6 @@ class MsgpackCodec:
         self._decoder = msgspec.msgpack.Decoder(_RawIdsInbound)
         self._typed = msgspec.msgpack.Decoder(Inbound)
         self._exts = msgspec.msgpack.Decoder(list[Ext])
-        self._unread = msgspec.msgpack.Decoder(UnreadBatch)
         self._encoder = msgspec.msgpack.Encoder()
 
     def decode(self, frame: bytes) -> Inbound:
@@ -331,12 +350,19 @@ class MsgpackCodec:
         except msgspec.DecodeError:
             return self._typed.decode(frame)  # raises what the schema finds first, as if read in one go
 
-    def unread_batch(self, frame: bytes) -> Any:
-        """The rids of a BatchTokenIDOutput frame that fails `decode` (UnreadBatch), or
-        None when even they cannot be read."""
+    @staticmethod
+    def unread_batch(frame: bytes, most: int) -> UnreadBatch | None:
+        """The rids of a BatchTokenIDOutput frame that fails `decode`, or None when even
+        they cannot be read (or are more than `most`). The frame is walked, not decoded:
+        a field nested deeper than msgspec goes sinks no more than that field."""
         try:
-            return self._unread.decode(frame)
-        except msgspec.DecodeError:
+            tag, rids, ipcs = msgpack_scan.items(frame, 0, 1024, take=3)
+            if _tag.decode(frame[slice(*tag)]) != BatchTokenIDOutput.__name__:
+                return None
+            if msgpack_scan.header(frame, rids[0])[2] > most:
+                return None
+            return UnreadBatch(_rids.decode(frame[slice(*rids)]), _ipcs.decode(frame[slice(*ipcs)]))
+        except (msgpack_scan.Malformed, msgspec.DecodeError, ValueError):
             return None
 
     @staticmethod
@@ -345,11 +371,6 @@ class MsgpackCodec:
         return rows if type(rows) is IdRows else ids_of(rows)
 
     def str_output(self, tok: BatchTokenIDOutput, output_strs: list[str]) -> BatchStrOutput:
-        if type(tok) is UnreadBatch:  # its requests are all aborted: no finish reason or tensor to carry
-            fields = {name: getattr(tok, name) for name in COPIED}
-            fields["finished_reasons"] = [None] * len(output_strs)
-            return BatchStrOutput(**fields, output_strs=output_strs, routed_experts=None, indexer_topk=None,
-                                  placeholder_tokens_idx=None, placeholder_tokens_val=None)
         return BatchStrOutput(
             **{name: getattr(tok, name) for name in COPIED},
             output_strs=output_strs,
@@ -371,8 +392,10 @@ class PickleCodec:
 
     name = "pickle"
 
-    def __init__(self, allow: frozenset[tuple[str, str]] = frozenset()) -> None:
-        """`allow`: globals a frame may name beyond the inbound messages and what they hold."""
+    def __init__(self, allow: frozenset[tuple[str, str]] = frozenset(), tensor_bytes: int = 64 << 20) -> None:
+        """`allow`: globals a frame may name beyond the inbound messages and what they
+        hold; `tensor_bytes`: what the tensors of one answer may expand to (TensorBudget)."""
+        self.tensor_bytes = tensor_bytes
         from sglang.srt.managers import io_struct
 
         from . import pickled
@@ -384,7 +407,7 @@ class PickleCodec:
         self._compact = pickled.compact
 
     @staticmethod
-    def unread_batch(frame: bytes) -> None:
+    def unread_batch(frame: bytes, most: int) -> None:
         """A pickle that does not load has no rids to read."""
         return None
 
@@ -395,11 +418,12 @@ class PickleCodec:
         fields = {name: getattr(tok, name) for name in COPIED}
         for name in ("time_stats", "output_ids"):
             fields[name] = self._compact(name, fields[name])
+        tensors = TensorBudget(self.tensor_bytes)
         return self._out(
             **fields,
             output_strs=output_strs,
-            routed_experts=_b64_list(tok.routed_experts, _tensor_b64_pickled),
-            indexer_topk=_b64_list(tok.indexer_topk, _tensor_b64_pickled),
+            routed_experts=_b64_list(tok.routed_experts, tensors.b64),
+            indexer_topk=_b64_list(tok.indexer_topk, tensors.b64),
             placeholder_tokens_idx=None,
             placeholder_tokens_val=None,
         )
@@ -408,14 +432,15 @@ class PickleCodec:
         return self.encode(self.str_output(tok, output_strs))
 
 
-def codec(use_pickle: bool | None = None, allow: frozenset[tuple[str, str]] = frozenset()) -> MsgpackCodec | PickleCodec:
+def codec(use_pickle: bool | None = None, allow: frozenset[tuple[str, str]] = frozenset(),
+          tensor_bytes: int = 64 << 20) -> MsgpackCodec | PickleCodec:
     """The codec of the running SGLang (its SGLANG_USE_PICKLE_IPC), or the one asked for;
-    `allow`: see PickleCodec."""
+    `allow`, `tensor_bytes`: see PickleCodec (a msgpack tensor's bytes are in the frame)."""
     if use_pickle is None:
         from sglang.srt.environ import envs
 
         use_pickle = bool(envs.SGLANG_USE_PICKLE_IPC.get())
-    return PickleCodec(allow) if use_pickle else MsgpackCodec()
+    return PickleCodec(allow, tensor_bytes) if use_pickle else MsgpackCodec()
 
 
 def kind(obj: Any) -> str:
@@ -433,6 +458,11 @@ def has_beam_search(tok: Any) -> bool:
 
 
 # ---------------------------------------------------------------- the schema check
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """A message class's fields in declaration order (a Struct's or a dataclass's)."""
+    return _field_names(cls)
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
