@@ -89,6 +89,17 @@ def aborted_output(rids: list[str], ipcs: list[str | None] | None, reasons: list
     return cls(**{name: values.get(name) for name in schema.field_names(cls)})
 
 
+def _strings(values: Any) -> bool:
+    """Whether `values` is a list of strings: one C loop (join), not a Python one per row."""
+    if type(values) is not list:
+        return False
+    try:
+        "".join(values)
+    except TypeError:
+        return False
+    return True
+
+
 def cause_of(exc: BaseException) -> str:
     """An exception as the abort message quotes it: short, whatever the peer put in it."""
     return f"{type(exc).__name__}: {exc}"[:200]
@@ -176,18 +187,20 @@ class SglangDialect:
         self.core.tokens(rows, ids_at_most=frame_bytes)
 
     def _answerable(self, batch: Any) -> bool:
-        """Whether a batch's rids (and HTTP workers) can be answered at all: lists of
-        strings (a pickle can hold any value), at most max_rows of them, checked before
-        anything is sized by them. A batch that is not is dropped whole, logged."""
-        rids, ipcs, most = batch.rids, batch.http_worker_ipcs, self.core.limits.rows
+        """Whether a batch's rids (and HTTP workers) can be answered at all: at most
+        max_rows of them, checked before anything is sized by them, and strings (a
+        pickle can hold any value; msgpack's decoder has checked them). A batch that is
+        not is dropped whole, logged."""
+        rids, most = batch.rids, self.core.limits.rows
         if rids is None:
             return True
-        if type(rids) is not list or list(map(type, rids)).count(str) != len(rids):
+        checked = self.ipc.name == "msgpack"
+        if not checked and not _strings(rids):
             why = "its rids are not a list of strings"
         elif len(rids) > most:
             why = f"{len(rids)} rows, more than max_rows = {most}"
-        elif ipcs is not None and (type(ipcs) is not list or not all(i is None or type(i) is str for i in ipcs)):
-            why = "its http_worker_ipcs are not a list of strings"
+        elif not checked and self.http_workers and not _strings([i for i in batch.http_worker_ipcs or () if i is not None]):
+            why = "its http_worker_ipcs are not strings"
         else:
             return True
         log.error("a batch cannot be answered (%s): dropped, its requests get no answer", why)
@@ -430,7 +443,7 @@ class SglangDialect:
             for i in range(len(rids)):
                 reasons.setdefault(i, abort_reason(BAD_ROW, self.cause))
         order = sorted(reasons)
-        ipcs = batch.http_worker_ipcs
+        ipcs = batch.http_worker_ipcs if self.http_workers else None  # (unchecked with one worker)
         picked = None if ipcs is None else [ipcs[i] if i < len(ipcs) else None for i in order]
         return self._encode_object(aborted_output([rids[i] for i in order], picked, [reasons[i] for i in order]))
 
