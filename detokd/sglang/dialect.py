@@ -47,13 +47,12 @@ GPT_OSS_CALL = 200012  # <|call|>: a stop token SGLang keeps with the gpt-oss to
 _position = msgspec.msgpack.Decoder(int | None).decode
 
 
-class Positions(list):
-    """Each position's meta, made once: as many as the largest batch within max_rows."""
-
-    def upto(self, n: int) -> Positions:
-        while len(self) < n:
-            self.append(msgspec.Raw(msgspec.msgpack.encode(len(self))))
-        return self
+def grown(positions: list[msgspec.Raw], n: int) -> list[msgspec.Raw]:
+    """`positions` holding the meta of each position below `n`, each made once (a plain
+    list: the quick path indexes it, and only an exact list's indexing is specialised)."""
+    while len(positions) < n:
+        positions.append(msgspec.Raw(msgspec.msgpack.encode(len(positions))))
+    return positions
 
 
 def _io():
@@ -129,7 +128,7 @@ class SglangDialect:
         self.http_workers = http_workers  # tokenizer_worker_num > 1: route rows by http_worker_ipcs
         self.keep_stop_ids = keep_stop_ids  # stop tokens SGLang never trims (tool-call closers)
         self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
-        self.positions = Positions()
+        self.positions: list[msgspec.Raw] = []  # each position's meta, up to the largest batch within max_rows
         self.batch: Any = None  # the BatchTokenIDOutput being answered
         self.blank: Any = None  # its BatchStrOutput with empty texts, for splitting per worker
         self.cause: str | None = None  # why the batch in hand is answered with aborts, if it is
@@ -219,7 +218,7 @@ class SglangDialect:
         self.cause = cause_of(exc)
         log.error("a batch of %d requests cannot be read (%s); each of them is aborted", len(batch.rids or []), self.cause)
         ipcs = batch.http_worker_ipcs or []
-        positions = self.positions.upto(len(batch.rids or []))
+        positions = grown(self.positions, len(batch.rids or []))
         for i, rid in enumerate(batch.rids or []):
             worker = 0
             if self.http_workers:
@@ -232,7 +231,7 @@ class SglangDialect:
         rids = batch.rids or []
         ipcs = batch.http_worker_ipcs
         rows = []
-        self.positions.upto(len(rids))
+        grown(self.positions, len(rids))
         for i, (rid, ids) in enumerate(zip(rids, id_rows)):
             worker = 0
             if self.http_workers:
@@ -293,7 +292,7 @@ class SglangDialect:
         rids = batch.rids
         reasons = batch.finished_reasons
         n = len(rids)
-        positions = self.positions.upto(n)
+        positions = grown(self.positions, n)
         texts = [""] * n
         in_vocab = in_vocabulary(id_rows, self.vocab_size)
         pending: list[Row] = []
