@@ -7,11 +7,14 @@ message that names the key, so no setting is validated by hand.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
 import tomllib
 from typing import Annotated, Literal
 
 import msgspec
+import msgspec.inspect as mi
 from msgspec import Meta
 
 from . import zoo
@@ -20,8 +23,23 @@ from .core.detokenizer import Limits
 # A ZMQ endpoint detokd can bind or connect.
 Address = Annotated[str, Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-# Caps on what one peer's frame may make detokd hold (docs/protocol.md, "too_large").
-Cap = Annotated[int, Meta(ge=1)]
+
+# Every numeric key's range, in one place: Config's fields take only these types, and
+# check() and the error messages read the ranges back from them. Ints that reach
+# setsockopt fit its C types (SNDHWM and LINGER are C ints, MAXMSGSIZE an int64); a
+# duration is finite and at most a day (a timer's timeout must fit the platform's time_t).
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+DAY_S = 86400.0
+# A count or a size of at least one: caps on what one peer's frame may make detokd hold
+# (docs/protocol.md, "too_large"), live states, megabytes.
+Cap = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+Size = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+PromptTail = Annotated[int, Meta(ge=0, le=4096)]
+Hwm = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+Millis = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Seconds = Annotated[float, Meta(gt=0, le=DAY_S)]
 # A socket that may stay in plaintext while CURVE is on (curve_plaintext).
 PlaintextSocket = Annotated[str, Meta(pattern=r"^(worker\.(0|[1-9][0-9]*)|feedback|register)$")]
 
@@ -52,24 +70,24 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A folder with tokenizer.json, a tokenizer.json file, or a packaged name.
     tokenizer: str = zoo.DEFAULT
     # Live request states at most; the oldest is evicted (its worker told) beyond.
-    max_states: Annotated[int, Meta(ge=1)] = 65536
+    max_states: Cap = 65536
     # Prompt ids used as context for the first characters. 8 covers every family's
     # need (a leading space, a character cut across the prompt boundary is at most
     # 4 byte tokens) with room to spare, and costs one decode of 8 ids per request.
-    max_prompt_tail: Annotated[int, Meta(ge=0, le=4096)] = 8
+    max_prompt_tail: PromptTail = 8
     log_level: LogLevel = "info"
     # /health and /metrics on this port (127.0.0.1 unless metrics_host says); off when unset.
-    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    metrics_port: Port | None = None
     metrics_host: str = "127.0.0.1"
     # /health turns 503 once the loop has not turned for this long.
-    health_timeout: Annotated[float, Meta(gt=0)] = 5.0
+    health_timeout: Seconds = 5.0
     # A worker's queue: ZMQ's, of send_hwm messages, and behind it a backlog of at most
     # send_queue_bytes; a message that finds both full is lost and its requests fail
     # ("worker_stalled"). ZMQ counts messages only, so the bytes are bounded here.
-    send_hwm: Annotated[int, Meta(ge=1)] = 16
-    send_queue_bytes: Annotated[int, Meta(ge=0)] = 64 * 1024 * 1024
+    send_hwm: Hwm = 16
+    send_queue_bytes: Size = 64 * 1024 * 1024
     # How long shutdown waits for queued messages to leave, in milliseconds.
-    linger_ms: Annotated[int, Meta(ge=0)] = 2000
+    linger_ms: Millis = 2000
     # "auto": the fastest exact codec for the tokenizer; "window": always the generic one.
     codec: Literal["auto", "window"] = "auto"
     # While a character is split across ids, the text before it: "char" sends every whole
@@ -81,7 +99,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     debug_ops: bool = False
     # After the first SIGTERM/SIGINT the process ends within this many seconds, whatever
     # the loop is doing (below a container runtime's 10 s before SIGKILL).
-    shutdown_grace_s: Annotated[float, Meta(gt=0)] = 8.0
+    shutdown_grace_s: Seconds = 8.0
 
     # --- `register` (docs/protocol.md): off unless enabled; then only addresses matching
     # one of register_allow (fnmatch globs), at most register_max workers added at run
@@ -89,7 +107,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     register_enabled: bool = False
     register_allow: list[str] = []
     register_replace: bool = False
-    register_max: Annotated[int, Meta(ge=0)] = 16
+    register_max: Size = 16
 
     # --- CURVE (docs/security.md): key files as zmq.auth.create_certificates writes them.
     # detokd's own key pair (the .key_secret file): the input becomes a CURVE server.
@@ -133,7 +151,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_held_text_bytes: Cap = Limits.held_text_bytes
     # Above this resident size new requests are refused ("overloaded"), and so is a live
     # request's held text that grows (stream=false); off when unset.
-    max_rss_mb: Annotated[int, Meta(ge=1)] | None = None
+    max_rss_mb: Cap | None = None
 
     def limits(self) -> Limits:
         """The core's caps: each Limits field from its key, max_<field>."""
@@ -159,13 +177,65 @@ def load(path: str | None, overrides: dict) -> Config:
     try:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
+        raise ConfigError(_explain(exc, raw, where)) from exc
     check(cfg, where)
     return cfg
 
 
+@functools.cache
+def field_types() -> dict[str, mi.Type]:
+    """Each key's type as msgspec sees it, an optional one's without its None."""
+    out = {}
+    for f in mi.type_info(Config).fields:
+        t = f.type
+        if isinstance(t, mi.UnionType):
+            t = next(u for u in t.types if not isinstance(u, mi.NoneType))
+        out[f.name] = t
+    return out
+
+
+@functools.cache
+def numeric_keys() -> dict[str, mi.IntType | mi.FloatType]:
+    return {k: t for k, t in field_types().items() if isinstance(t, (mi.IntType, mi.FloatType))}
+
+
+def expected(key: str) -> str | None:
+    """What a numeric key takes, in words, from its Meta; None for other keys."""
+    t = numeric_keys().get(key)
+    if t is None:
+        return None
+    if isinstance(t, mi.IntType):
+        return f"an integer from {t.ge} to {t.le}"
+    low = f"from {t.ge:g}" if t.ge is not None else f"above {t.gt:g}"
+    return f"a finite number {low} and at most {t.le:g}"
+
+
+def in_range(key: str, value: object) -> bool:
+    t = numeric_keys()[key]
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value is None
+    if isinstance(t, mi.IntType) and not isinstance(value, int):
+        return False
+    if t.ge is not None and not value >= t.ge or t.gt is not None and not value > t.gt:
+        return False  # written so that a NaN fails too
+    return value <= t.le
+
+
+def _explain(exc: msgspec.ValidationError, raw: dict, where: str) -> str:
+    """One line for a value msgspec refused: for a numeric key, its valid range."""
+    m = re.search(r"at `\$\.(\w+)", str(exc))
+    key = m.group(1) if m else None
+    if key is not None and (want := expected(key)) is not None:
+        return f"{where}: {key} must be {want}, not {raw.get(key)!r}"
+    return f"{where}: {exc}"
+
+
 def check(cfg: Config, where: str = "settings") -> None:
-    """What msgspec cannot check: keys that only make sense together."""
+    """The ranges of a Config made in code (load's msgspec.convert checks a file's), and
+    what msgspec cannot check: keys that only make sense together."""
+    for key in numeric_keys():
+        if not in_range(key, value := getattr(cfg, key)):
+            raise ConfigError(f"{where}: {key} must be {expected(key)}, not {value!r}")
     if cfg.register_enabled and not cfg.register_allow:
         raise ConfigError(f"{where}: register_enabled needs register_allow (address patterns a register may name)")
     if (cfg.curve_worker_keys or cfg.curve_feedback_key or cfg.curve_clients) and not cfg.curve_secret_key:

@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from detokd.config import Config, load
+from detokd.process import DetokdProcess, ipc_config
+from utils import config_ranges
 
 DETOKD = [sys.executable, "-m", "detokd"]
 
@@ -116,3 +118,29 @@ def test_demo_streams_and_checks_every_stream():
     r = run("demo", "--streams", "4", "--steps", "60", "--quiet", timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all 4 streams match the reference decode exactly" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "line, key",
+    [
+        ("shutdown_grace_s = inf", "shutdown_grace_s"),
+        ("health_timeout = nan", "health_timeout"),
+        ("linger_ms = 2147483648", "linger_ms"),
+        ("send_hwm = 2147483648", "send_hwm"),
+        ("max_frame_bytes = 9223372036854775807\nmax_rows = -1", "max_rows"),
+    ],
+)
+def test_a_number_out_of_its_range_exits_2_naming_the_key_and_the_range(tmp_path, line, key):
+    """These started (inf, nan) or hung in start-up (a socket option ZMQ cannot take)."""
+    f = tmp_path / "c.toml"
+    f.write_text(f'input = "ipc://{tmp_path}/in.sock"\nworkers = ["ipc://{tmp_path}/w.sock"]\n{line}\n')
+    t = config_ranges()[key]
+    one_line_error(run("serve", "--config", str(f), timeout=60), key, f"{t.le:g}" if isinstance(t.le, float) else str(t.le))
+
+
+def test_the_top_of_every_numeric_range_serves_and_stops_cleanly(tmp_path):
+    """The largest value of every numeric key at once (the grace timer, the socket
+    options, the caps): detokd gets ready, and SIGTERM still ends it with 0."""
+    tops = {k: t.le for k, t in config_ranges().items() if k != "metrics_port"}  # a fixed port may be taken
+    with DetokdProcess(ipc_config(tmp_path, **tops), folder=tmp_path) as d:
+        assert d.stop() == 0, d.log()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import msgspec
 import pytest
@@ -10,6 +11,10 @@ import pytest
 from detokd.config import Config, ConfigError, check, load
 from detokd.core.detokenizer import Limits
 from detokd.delivery import RegisterPolicy
+from detokd.process import ipc_config
+from detokd.server import Server
+from detokd.wire.native import NativeDialect
+from utils import config_ranges as ranges, deepseek
 
 
 def test_every_core_limit_is_a_key_with_the_cores_default():
@@ -50,3 +55,60 @@ def test_a_bad_value_is_refused_naming_the_key(tmp_path):
     f.write_text("max_states = -1\n")
     with pytest.raises(ConfigError, match="max_states"):
         load(str(f), {})
+
+
+# --- ranges: every numeric key, enumerated from Config itself so a new key is covered
+
+
+NUMERIC = sorted(ranges())
+EXTREMES = [math.inf, -math.inf, math.nan, -1, 0, 2**31, 2**63]
+
+
+def num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def starts(tmp_path, **settings) -> None:
+    """A Server on these settings gets through start-up (every socket option set) and
+    closes again; the tokenizer is the run's shared one, so this costs a codec build."""
+    Server(ipc_config(tmp_path, **settings), NativeDialect.make, vocab=deepseek()).close()
+
+
+def edges(key: str) -> list:
+    """The ends of a key's range. A port's top end is left out: a fixed port may be taken
+    on a shared machine, and 0 (any free port) already starts the metrics server."""
+    t = ranges()[key]
+    ends = [] if t.ge is None else [t.ge]  # a float above 0 has no least value
+    return ends if key == "metrics_port" else [*ends, t.le]
+
+
+def test_every_numeric_key_has_a_finite_range():
+    assert NUMERIC and {k for k, t in ranges().items() if t.le is None or (t.ge is None and t.gt is None)} == set()
+
+
+@pytest.mark.parametrize("value", EXTREMES, ids=repr)
+@pytest.mark.parametrize("key", NUMERIC)
+def test_a_numeric_key_takes_a_value_and_starts_or_refuses_it_naming_the_key_and_its_range(tmp_path, key, value):
+    try:
+        load(None, {key: value})
+    except ConfigError as exc:
+        t, message = ranges()[key], str(exc)
+        low = t.ge if t.ge is not None else t.gt
+        assert "\n" not in message and key in message, message
+        assert f" {num(low)} " in message and f" {num(t.le)}" in message, message  # the range, both ends
+        return
+    starts(tmp_path, **{key: value})
+
+
+@pytest.mark.parametrize("key", NUMERIC)
+def test_the_ends_of_every_numeric_range_are_accepted_and_start(tmp_path, key):
+    for value in edges(key):
+        load(None, {key: value})
+        starts(tmp_path, **{key: value})
+
+
+@pytest.mark.parametrize("key, value", [("shutdown_grace_s", math.inf), ("send_hwm", 2**31), ("max_rows", 0)])
+def test_a_config_made_in_code_is_range_checked_too(key, value):
+    with pytest.raises(ConfigError, match=f"{key} must be"):
+        check(Config(**{key: value}))
+
