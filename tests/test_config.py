@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 
 import msgspec
 import pytest
+import zmq
 
 from detokd.config import Config, ConfigError, check, load
 from detokd.core.detokenizer import Limits
-from detokd.delivery import RegisterPolicy
+from detokd.core.outbox import Outbox
+from detokd.core.stats import Stats
+from detokd.delivery import Delivery, RegisterPolicy
 from detokd.process import ipc_config
 from detokd.server import Server
 from detokd.wire.native import NativeDialect
@@ -112,3 +116,18 @@ def test_a_config_made_in_code_is_range_checked_too(key, value):
     with pytest.raises(ConfigError, match=f"{key} must be"):
         check(Config(**{key: value}))
 
+
+def test_a_socket_option_zmq_cannot_take_leaves_no_socket_open(tmp_path):
+    """setsockopt raises OverflowError, not ZMQError: the sockets made so far are closed
+    all the same, or the context's term() would wait for them forever. The traceback is
+    kept, with the frames that hold the sockets, as while Server.__init__ cleans up."""
+    ctx = zmq.Context()
+    with pytest.raises(OverflowError) as failure:
+        Delivery(
+            ctx, Outbox(), [f"ipc://{tmp_path}/w.sock"], feedback=None, hwm=2**31,
+            queue_bytes=0, linger_ms=0, stats=Stats(),
+        )
+    done = threading.Event()
+    threading.Thread(target=lambda: (ctx.term(), done.set()), daemon=True).start()
+    assert done.wait(30), "ctx.term() waits on a socket the failed start-up left open"
+    assert failure.traceback  # alive until here
