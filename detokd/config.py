@@ -7,6 +7,7 @@ message that names the key, so no setting is validated by hand.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
 import re
@@ -172,14 +173,24 @@ def load(path: str | None, overrides: dict) -> Config:
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
-    raw.update({k: v for k, v in overrides.items() if v is not None})
     where = f"config {path}" if path else "settings"
+    _refuse_unknown(raw, where)
+    raw.update({k: v for k, v in overrides.items() if v is not None})
     try:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, raw, where)) from exc
     check(cfg, where)
     return cfg
+
+
+def _refuse_unknown(raw: dict, where: str) -> None:
+    """An unknown key, with the known one it most resembles: a typo is the usual cause."""
+    for key in raw:
+        if key not in field_types():
+            close = difflib.get_close_matches(key, field_types(), n=1)
+            hint = f"; did you mean `{close[0]}`?" if close else " (`detokd config` prints every key)"
+            raise ConfigError(f"{where}: unknown key `{key}`{hint}")
 
 
 @functools.cache
@@ -200,9 +211,11 @@ def numeric_keys() -> dict[str, mi.IntType | mi.FloatType]:
 
 
 def expected(key: str) -> str | None:
-    """What a numeric key takes, in words, from its Meta; None for other keys."""
-    t = numeric_keys().get(key)
-    if t is None:
+    """What a numeric key (from its Meta) or a choice takes, in words; None for other keys."""
+    t = field_types().get(key)
+    if isinstance(t, mi.LiteralType):
+        return "one of " + ", ".join(map(repr, t.values))
+    if not isinstance(t, (mi.IntType, mi.FloatType)):
         return None
     if isinstance(t, mi.IntType):
         return f"an integer from {t.ge} to {t.le}"
@@ -222,7 +235,7 @@ def in_range(key: str, value: object) -> bool:
 
 
 def _explain(exc: msgspec.ValidationError, raw: dict, where: str) -> str:
-    """One line for a value msgspec refused: for a numeric key, its valid range."""
+    """One line for a value msgspec refused: for a numeric key its range, for a choice its values."""
     m = re.search(r"at `\$\.(\w+)", str(exc))
     key = m.group(1) if m else None
     if key is not None and (want := expected(key)) is not None:

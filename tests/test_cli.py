@@ -144,3 +144,16 @@ def test_the_top_of_every_numeric_range_serves_and_stops_cleanly(tmp_path):
     tops = {k: t.le for k, t in config_ranges().items() if k != "metrics_port"}  # a fixed port may be taken
     with DetokdProcess(ipc_config(tmp_path, **tops), folder=tmp_path) as d:
         assert d.stop() == 0, d.log()
+
+
+def test_a_mistyped_key_is_answered_with_the_key_it_resembles(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("max_state = 10\n")
+    one_line_error(run("serve", "--config", str(f)), "unknown key `max_state`", "did you mean `max_states`?")
+
+
+@pytest.mark.parametrize("key, values", [("log_level", ["debug", "info", "warning", "error", "critical"]), ("release", ["char", "word"])])
+def test_a_choice_outside_its_values_lists_the_values(tmp_path, key, values):
+    f = tmp_path / "c.toml"
+    f.write_text(f'{key} = "verbose"\n')
+    one_line_error(run("serve", "--config", str(f)), key, "'verbose'", *(repr(v) for v in values))
