@@ -12,6 +12,7 @@ import functools
 import os
 import re
 import tomllib
+from collections.abc import Callable, Mapping
 from typing import Annotated, Literal
 
 import msgspec
@@ -163,25 +164,86 @@ class ConfigError(ValueError):
     """A config that cannot be used; its message is the one line the user sees."""
 
 
-def load(path: str | None, overrides: dict) -> Config:
-    raw: dict = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
-    where = f"config {path}" if path else "settings"
+ENV_PREFIX = "DETOKD_"  # DETOKD_<KEY> sets a key; DETOKD_CONFIG names the TOML file
+CONFIG_ENV = "DETOKD_CONFIG"
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def load(
+    path: str | None, overrides: dict, env: Mapping[str, str] | None = None, flag: Callable[[str], str] | None = None,
+) -> Config:
+    """The file's keys, then `env`'s DETOKD_<KEY> variables (with `env`, DETOKD_CONFIG
+    names the file when `path` does not), then `overrides` (not None); each error names
+    where its value came from: the file, the variable, or `flag(key)`."""
+    where = "settings"
+    if path is None and env is not None and env.get(CONFIG_ENV):
+        path, where = env[CONFIG_ENV], f"config {env[CONFIG_ENV]} ({CONFIG_ENV})"
+    elif path is not None:
+        where = f"config {path}"
+    raw = _read(path, where)
     _refuse_unknown(raw, where)
-    raw.update({k: v for k, v in overrides.items() if v is not None})
+    origin = dict.fromkeys(raw, where)
+    for key, value in (from_env(env) if env is not None else {}).items():
+        raw[key], origin[key] = value, f"environment {env_name(key)}"
+    for key, value in overrides.items():
+        if value is not None:
+            raw[key], origin[key] = value, flag(key) if flag else where
     try:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_explain(exc, raw, where)) from exc
+        raise ConfigError(_explain(exc, raw, origin, where)) from exc
     check(cfg, where)
     return cfg
+
+
+def _read(path: str | None, where: str) -> dict:
+    if path is None:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {where}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where} is not valid TOML: {exc}") from exc
+
+
+def from_env(env: Mapping[str, str]) -> dict:
+    """Every key a DETOKD_<KEY> variable sets, parsed by the key's type (an empty
+    variable is unset); msgspec then checks the values as it checks a file's."""
+    out = {}
+    for key, t in field_types().items():
+        text = env.get(env_name(key), "").strip()
+        if text:
+            out[key] = _parse_env(key, t, text)
+    return out
+
+
+def _parse_env(key: str, t: mi.Type, text: str) -> object:
+    """A variable's text as the key's type: true/false (1/0, yes/no, on/off), a number,
+    a list as a TOML array or comma-separated, else the text itself."""
+    name = env_name(key)
+    if isinstance(t, mi.BoolType):
+        if text.lower() in TRUE + FALSE:
+            return text.lower() in TRUE
+        raise ConfigError(f"environment {name}: {key} must be true or false, not {text!r}")
+    if isinstance(t, (mi.IntType, mi.FloatType)):
+        try:
+            return int(text) if isinstance(t, mi.IntType) else float(text)
+        except ValueError:
+            raise ConfigError(f"environment {name}: {key} must be {expected(key)}, not {text!r}") from None
+    if isinstance(t, mi.ListType):
+        if not text.startswith("["):
+            return [item.strip() for item in text.split(",") if item.strip()]
+        try:
+            return tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"environment {name}: {key} is not a TOML array: {exc}") from None
+    return text
 
 
 def _refuse_unknown(raw: dict, where: str) -> None:
@@ -234,13 +296,16 @@ def in_range(key: str, value: object) -> bool:
     return value <= t.le
 
 
-def _explain(exc: msgspec.ValidationError, raw: dict, where: str) -> str:
-    """One line for a value msgspec refused: for a numeric key its range, for a choice its values."""
+def _explain(exc: msgspec.ValidationError, raw: dict, origin: dict, where: str) -> str:
+    """One line for a value msgspec refused, naming where it came from: for a numeric
+    key its range, for a choice its values."""
     m = re.search(r"at `\$\.(\w+)", str(exc))
     key = m.group(1) if m else None
-    if key is not None and (want := expected(key)) is not None:
-        return f"{where}: {key} must be {want}, not {raw.get(key)!r}"
-    return f"{where}: {exc}"
+    if key is None:
+        return f"{where}: {exc}"
+    if (want := expected(key)) is not None:
+        return f"{origin.get(key, where)}: {key} must be {want}, not {raw.get(key)!r}"
+    return f"{origin.get(key, where)}: {exc}"
 
 
 def check(cfg: Config, where: str = "settings") -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import tomllib
 
+import msgspec
 import pytest
 
 from detokd.config import Config, load
@@ -15,8 +18,9 @@ from utils import config_ranges
 DETOKD = [sys.executable, "-m", "detokd"]
 
 
-def run(*args, timeout=120):
-    return subprocess.run([*DETOKD, *args], capture_output=True, text=True, timeout=timeout)
+def run(*args, timeout=120, env=None):
+    """`detokd ARGS`; `env` adds to the inherited environment."""
+    return subprocess.run([*DETOKD, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize("cmd", [[], ["serve"], ["demo"], ["tokenizer"], ["config"]])
@@ -157,3 +161,47 @@ def test_a_choice_outside_its_values_lists_the_values(tmp_path, key, values):
     f = tmp_path / "c.toml"
     f.write_text(f'{key} = "verbose"\n')
     one_line_error(run("serve", "--config", str(f)), key, "'verbose'", *(repr(v) for v in values))
+
+
+# --- the environment: DETOKD_<KEY>, DETOKD_CONFIG; flag > environment > file > default
+
+
+def printed(r) -> Config:
+    """The config `detokd config` printed."""
+    assert r.returncode == 0, r.stderr
+    return msgspec.convert(tomllib.loads(r.stdout), Config)
+
+
+def test_the_environment_overrides_the_file_which_overrides_the_defaults(tmp_path):
+    (tmp_path / "a.toml").write_text('max_states = 10\nlog_level = "debug"\n')
+    (tmp_path / "b.toml").write_text("max_states = 30\n")
+    env = {"DETOKD_CONFIG": str(tmp_path / "a.toml"), "DETOKD_SEND_HWM": "20"}
+    cfg = printed(run("config", env=env))
+    assert (cfg.max_states, cfg.log_level, cfg.send_hwm, cfg.linger_ms) == (10, "debug", 20, Config().linger_ms)
+    assert printed(run("config", "-c", str(tmp_path / "b.toml"), env=env)).max_states == 30  # -c beats DETOKD_CONFIG
+
+
+def test_serve_reads_DETOKD_CONFIG(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("max_states = 0\n")
+    one_line_error(run("serve", env={"DETOKD_CONFIG": str(f)}), str(f), "DETOKD_CONFIG", "max_states")
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [("DETOKD_SEND_HWM", "lots"), ("DETOKD_SEND_HWM", "2147483648"), ("DETOKD_DEBUG_OPS", "maybe"),
+     ("DETOKD_LOG_LEVEL", "loud"), ("DETOKD_WORKERS", "localhost:5555")],
+)
+def test_a_bad_environment_value_exits_2_naming_the_variable(tmp_path, variable, value):
+    one_line_error(run("serve", "--input", f"ipc://{tmp_path}/in.sock", env={variable: value}), f"environment {variable}:")
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_serve_binds_the_flags_input_over_the_environments_over_the_files(tmp_path, flag):
+    """The one setting a running detokd shows in its log: the input it bound."""
+    address = {w: f"ipc://{tmp_path}/{w}.sock" for w in ("file", "env", "flag")}
+    cfg = msgspec.structs.replace(ipc_config(tmp_path), input=address["file"])
+    args = ["--input", address["flag"]] if flag else []
+    with DetokdProcess(cfg, folder=tmp_path, args=args, env={"DETOKD_INPUT": address["env"]}) as d:
+        log = d.log()
+    assert f"serving: input {address['flag' if flag else 'env']}" in log, log
