@@ -48,6 +48,8 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    if ns.shards < 1:
+        raise ConfigError(f"--shards must be 1 or more, not {ns.shards}")
     cfg = load(ns.config, _overrides(ns), os.environ, flag)
     _setup_logging(cfg.log_level)
     if ns.supervisor_port is not None and ns.shards < 2:

@@ -99,7 +99,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     release: Literal["char", "word"] = "char"
     # Enables the control op "debug_stall:<seconds>" that blocks the loop (tests only).
     debug_ops: bool = False
-    # After the first SIGTERM/SIGINT the process ends within this many seconds, whatever
+    # After the first SIGTERM/SIGINT/SIGHUP the process ends within this many seconds, whatever
     # the loop is doing (below a container runtime's 10 s before SIGKILL).
     shutdown_grace_s: Seconds = 8.0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -205,3 +206,24 @@ def test_serve_binds_the_flags_input_over_the_environments_over_the_files(tmp_pa
     with DetokdProcess(cfg, folder=tmp_path, args=args, env={"DETOKD_INPUT": address["env"]}) as d:
         log = d.log()
     assert f"serving: input {address['flag' if flag else 'env']}" in log, log
+
+
+# --- --shards and the stop signals
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_no_shards_is_refused(tmp_path, n):
+    """--shards 0 or -1 used to start one server, as if unset."""
+    one_line_error(run("serve", "--input", f"ipc://{tmp_path}/in.sock", "--shards", n, timeout=60), "--shards", n)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_sighup_is_a_drained_stop_that_exits_0_and_is_logged(tmp_path, shards):
+    """SIGHUP's default killed detokd at once, unlogged; under --shards the supervisor
+    died of it and left its shards to PR_SET_PDEATHSIG."""
+    with DetokdProcess(ipc_config(tmp_path), folder=tmp_path, args=["--shards", str(shards)]) as d:
+        assert d.stop(sig=signal.SIGHUP) == 0, d.log()
+    log = d.log()
+    if shards > 1:
+        assert "got SIGHUP: stopping 2 shards" in log, log
+    assert log.count("SIGHUP: input ") == shards, log  # each shard's drained stop, named
