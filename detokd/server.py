@@ -158,6 +158,7 @@ class Server:
         self._limit_log_rates()
         self.stop_requested_at: float | None = None  # when the first STOP_SIGNAL came
         self.stop_signal = signal.SIGTERM  # which one it was
+        self.stopping_notified = False
         self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None
         self.rss_checked = 0.0
 
@@ -302,7 +303,7 @@ class Server:
                     break
         finally:
             self.gc_policy.stop()
-            readiness.notify("STOPPING=1")
+            self._notify_stopping()
             log.info(
                 "stopping: %d queued frame(s) answered (%d row(s) with shutdown); sends get up to %d ms to leave",
                 drained, stats.errors.get(SHUTDOWN, 0), self.cfg.linger_ms,
@@ -331,7 +332,13 @@ class Server:
             "%s: input %s takes no new frames; the queued ones get up to %.1f s to decode",
             signal.Signals(self.stop_signal).name, self.endpoint, share,
         )
+        self._notify_stopping()  # now, not after the drain: systemd shows the unit deactivating
         return self.stop_requested_at + share
+
+    def _notify_stopping(self) -> None:
+        if not self.stopping_notified:
+            self.stopping_notified = True
+            readiness.notify("STOPPING=1")
 
     def process(self, frame: bytes) -> None:
         """One inbound frame, start to finish: decode, handle, deliver."""
