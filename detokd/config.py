@@ -1,7 +1,10 @@
-"""Every setting in one place: the Config Struct, TOML loading, and CLI overrides.
+"""Every setting in one place: the Config Struct, TOML loading, the environment
+(DETOKD_<KEY>), and CLI overrides.
 
-The Struct is the schema: msgspec rejects unknown keys and wrong types with a
-message that names the key, so no setting is validated by hand.
+The Struct is the schema: its field types carry every range, msgspec rejects unknown
+keys, wrong types and values out of range, and load() words each refusal as one line
+naming the key, where its value came from and what the key takes. No setting is
+validated by hand.
 """
 
 from __future__ import annotations
@@ -177,8 +180,8 @@ def load(
     path: str | None, overrides: dict, env: Mapping[str, str] | None = None, flag: Callable[[str], str] | None = None,
 ) -> Config:
     """The file's keys, then `env`'s DETOKD_<KEY> variables (with `env`, DETOKD_CONFIG
-    names the file when `path` does not), then `overrides` (not None); each error names
-    where its value came from: the file, the variable, or `flag(key)`."""
+    names the file when `path` does not), then the `overrides` that are not None; an
+    error names where its value came from: the file, the variable, or `flag(key)`."""
     where = "settings"
     if path is None and env is not None and env.get(CONFIG_ENV):
         path, where = env[CONFIG_ENV], f"config {env[CONFIG_ENV]} ({CONFIG_ENV})"
@@ -212,7 +215,7 @@ def _read(path: str | None, where: str) -> dict:
         raise ConfigError(f"{where} is not valid TOML: {exc}") from exc
 
 
-def from_env(env: Mapping[str, str]) -> dict:
+def from_env(env: Mapping[str, str]) -> dict[str, object]:
     """Every key a DETOKD_<KEY> variable sets, parsed by the key's type (an empty
     variable is unset); msgspec then checks the values as it checks a file's."""
     out = {}
@@ -277,15 +280,16 @@ def expected(key: str) -> str | None:
     t = field_types().get(key)
     if isinstance(t, mi.LiteralType):
         return "one of " + ", ".join(map(repr, t.values))
-    if not isinstance(t, (mi.IntType, mi.FloatType)):
-        return None
     if isinstance(t, mi.IntType):
         return f"an integer from {t.ge} to {t.le}"
-    low = f"from {t.ge:g}" if t.ge is not None else f"above {t.gt:g}"
-    return f"a finite number {low} and at most {t.le:g}"
+    if isinstance(t, mi.FloatType):
+        low = f"from {t.ge:g}" if t.ge is not None else f"above {t.gt:g}"
+        return f"a finite number {low} and at most {t.le:g}"
+    return None
 
 
 def in_range(key: str, value: object) -> bool:
+    """Whether a numeric key's value is within its Meta (None: an optional key unset)."""
     t = numeric_keys()[key]
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return value is None

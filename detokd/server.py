@@ -44,8 +44,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 EXIT_GRACE = 3  # the exit status when the shutdown grace ran out, or a second signal came
 DRAIN_SHARE = 0.5  # of shutdown_grace_s for decoding queued frames; then error rows and the linger
 LAST_WORDS_S = 0.5  # at most, of the grace, for the log lines before an os._exit
-# Each asks for the same drained stop. SIGHUP too: its default (the terminal or the
-# session is gone) killed the process with nothing answered and nothing logged.
+# Each asks for the same drained stop. SIGHUP too: detokd has no reload, and SIGHUP's
+# default action (a terminal or session gone) would end it with nothing answered or logged.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
