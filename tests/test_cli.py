@@ -21,7 +21,8 @@ DETOKD = [sys.executable, "-m", "detokd"]
 
 def run(*args, timeout=120, env=None):
     """`detokd ARGS`; `env` adds to the inherited environment."""
-    return subprocess.run([*DETOKD, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    env = {**os.environ, **(env or {})}
+    return subprocess.run([*DETOKD, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.parametrize("cmd", [[], ["serve"], ["demo"], ["tokenizer"], ["config"]])
@@ -157,7 +158,9 @@ def test_a_mistyped_key_is_answered_with_the_key_it_resembles(tmp_path):
     one_line_error(run("serve", "--config", str(f)), "unknown key `max_state`", "did you mean `max_states`?")
 
 
-@pytest.mark.parametrize("key, values", [("log_level", ["debug", "info", "warning", "error", "critical"]), ("release", ["char", "word"])])
+@pytest.mark.parametrize(
+    "key, values", [("log_level", ["debug", "info", "warning", "error", "critical"]), ("release", ["char", "word"])]
+)
 def test_a_choice_outside_its_values_lists_the_values(tmp_path, key, values):
     f = tmp_path / "c.toml"
     f.write_text(f'{key} = "verbose"\n')
