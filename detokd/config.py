@@ -170,6 +170,8 @@ class ConfigError(ValueError):
 ENV_PREFIX = "DETOKD_"  # DETOKD_<KEY> sets a key; DETOKD_CONFIG names the TOML file
 CONFIG_ENV = "DETOKD_CONFIG"
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+# detokd's variables that set no key (prefixes): never taken for a mistyped key's.
+OTHER_ENV = (CONFIG_ENV, "DETOKD_SGLANG", "DETOKD_ZOO_CACHE")
 
 
 def env_name(key: str) -> str:
@@ -218,12 +220,24 @@ def _read(path: str | None, where: str) -> dict:
 def from_env(env: Mapping[str, str]) -> dict[str, object]:
     """Every key a DETOKD_<KEY> variable sets, parsed by the key's type (an empty
     variable is unset); msgspec then checks the values as it checks a file's."""
+    _refuse_mistyped(env)
     out = {}
     for key, t in field_types().items():
         text = env.get(env_name(key), "").strip()
         if text:
             out[key] = _parse_env(key, t, text)
     return out
+
+
+def _refuse_mistyped(env: Mapping[str, str]) -> None:
+    """A DETOKD_ variable a letter or two from a key's: a typo, which would otherwise be
+    ignored in silence. Names far from every key may be another program's, and pass."""
+    names = [env_name(key) for key in field_types()]
+    for name in env:
+        if name.startswith(ENV_PREFIX) and name not in names and not name.startswith(OTHER_ENV):
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
+            if close:
+                raise ConfigError(f"environment {name}: no such key; did you mean {close[0]}?")
 
 
 def _parse_env(key: str, t: mi.Type, text: str) -> object:

@@ -150,3 +150,10 @@ def test_every_key_is_read_from_its_variable_as_its_type():
 def test_the_environment_is_read_only_when_given(monkeypatch):
     monkeypatch.setenv("DETOKD_MAX_STATES", "3")
     assert load(None, {}) == Config()  # SGLang mode and library callers: no DETOKD_<KEY> reaches them
+
+
+def test_a_mistyped_variable_is_answered_with_the_one_it_resembles():
+    with pytest.raises(ConfigError, match="environment DETOKD_MAX_STATE: no such key; did you mean DETOKD_MAX_STATES"):
+        load(None, {}, {"DETOKD_MAX_STATE": "5"})
+    others = {"DETOKD_SGLANG": "1", "DETOKD_SGLANG_ROUTER": "1", "DETOKD_ZOO_CACHE": "/z", "DETOKD_SOMETHING_ELSE": "1"}
+    assert load(None, {}, others) == Config()  # detokd's other variables, and names far from any key, pass
