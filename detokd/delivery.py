@@ -197,7 +197,7 @@ class Delivery:
             if feedback:
                 sock, _ = self._connect(feedback, curve.feedback if curve else None)
                 self.feedback = Worker(FEEDBACK, feedback, sock)
-        except (ValueError, zmq.ZMQError):
+        except BaseException:  # any failure (setsockopt's OverflowError too): an open socket would hang ctx.term()
             self.close()
             raise
 
@@ -330,7 +330,7 @@ class Delivery:
             s.setsockopt(zmq.SNDHWM, self.hwm)
             s.setsockopt(zmq.LINGER, self.linger_ms)
             s.connect(address)
-        except zmq.ZMQError:
+        except BaseException:  # not only ZMQError: setsockopt raises OverflowError
             if monitor is not None:
                 s.disable_monitor()
                 monitor.close(linger=0)
