@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from . import __version__
@@ -12,10 +13,11 @@ from .config import Config, ConfigError, load, to_toml
 from .tokenizer import TokenizerError
 
 EXIT_CONFIG = 2
+CONFIG_HELP = "TOML config file (default: $DETOKD_CONFIG); DETOKD_<KEY> variables override it, flags override both"
 
 
 def _serve_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--config", "-c", metavar="FILE", help="TOML config file (every key optional; flags override it)")
+    sp.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
     sp.add_argument("--input", metavar="ADDR", help="address to bind the PULL socket for schedulers (tcp://, ipc://)")
     sp.add_argument("--worker", metavar="ADDR", action="append", dest="workers", help="a worker's address; repeat for workers 0, 1, ...")
     sp.add_argument("--feedback", metavar="ADDR", help="the scheduler's address for `stopped` messages")
@@ -33,6 +35,11 @@ def _overrides(ns: argparse.Namespace) -> dict:
     return {k: getattr(ns, k) for k in keys}
 
 
+def flag(key: str) -> str:
+    """The flag that sets a key (every key in _overrides has one)."""
+    return "--worker" if key == "workers" else "--" + key.replace("_", "-")
+
+
 def _setup_logging(level: str) -> None:
     # Through a bounded queue to stderr, rate-limited and escaped: see detokd/logs.py.
     from . import logs
@@ -41,7 +48,9 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    cfg = load(ns.config, _overrides(ns))
+    if ns.shards < 1:
+        raise ConfigError(f"--shards must be 1 or more, not {ns.shards}")
+    cfg = load(ns.config, _overrides(ns), os.environ, flag)
     _setup_logging(cfg.log_level)
     if ns.supervisor_port is not None and ns.shards < 2:
         raise ConfigError("--supervisor-port needs --shards 2 or more")
@@ -116,7 +125,7 @@ def cmd_tokenizer(ns: argparse.Namespace) -> int:
 
 
 def cmd_config(ns: argparse.Namespace) -> int:
-    cfg = load(ns.config, {})
+    cfg = load(ns.config, {}, os.environ)
     sys.stdout.write(to_toml(cfg))
     return 0
 
@@ -148,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.set_defaults(func=cmd_tokenizer)
 
     cp = sub.add_parser("config", help="print the effective config as TOML")
-    cp.add_argument("--config", "-c", metavar="FILE")
+    cp.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
     cp.set_defaults(func=cmd_config)
     return ap
 

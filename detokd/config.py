@@ -1,17 +1,25 @@
-"""Every setting in one place: the Config Struct, TOML loading, and CLI overrides.
+"""Every setting in one place: the Config Struct, TOML loading, the environment
+(DETOKD_<KEY>), and CLI overrides.
 
-The Struct is the schema: msgspec rejects unknown keys and wrong types with a
-message that names the key, so no setting is validated by hand.
+The Struct is the schema: its field types carry every range, msgspec rejects unknown
+keys, wrong types and values out of range, and load() words each refusal as one line
+naming the key, where its value came from and what the key takes. No setting is
+validated by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import os
+import re
 import tomllib
+from collections.abc import Callable, Mapping
 from typing import Annotated, Literal
 
 import msgspec
+import msgspec.inspect as mi
 from msgspec import Meta
 
 from . import zoo
@@ -20,8 +28,23 @@ from .core.detokenizer import Limits
 # A ZMQ endpoint detokd can bind or connect.
 Address = Annotated[str, Meta(pattern=r"^(tcp|ipc|inproc)://.+")]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-# Caps on what one peer's frame may make detokd hold (docs/protocol.md, "too_large").
-Cap = Annotated[int, Meta(ge=1)]
+
+# Every numeric key's range, in one place: Config's fields take only these types, and
+# check() and the error messages read the ranges back from them. Ints that reach
+# setsockopt fit its C types (SNDHWM and LINGER are C ints, MAXMSGSIZE an int64); a
+# duration is finite and at most a day (a timer's timeout must fit the platform's time_t).
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+DAY_S = 86400.0
+# A count or a size of at least one: caps on what one peer's frame may make detokd hold
+# (docs/protocol.md, "too_large"), live states, megabytes.
+Cap = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+Size = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+PromptTail = Annotated[int, Meta(ge=0, le=4096)]
+Hwm = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+Millis = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Seconds = Annotated[float, Meta(gt=0, le=DAY_S)]
 # A socket that may stay in plaintext while CURVE is on (curve_plaintext).
 PlaintextSocket = Annotated[str, Meta(pattern=r"^(worker\.(0|[1-9][0-9]*)|feedback|register)$")]
 
@@ -52,24 +75,24 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A folder with tokenizer.json, a tokenizer.json file, or a packaged name.
     tokenizer: str = zoo.DEFAULT
     # Live request states at most; the oldest is evicted (its worker told) beyond.
-    max_states: Annotated[int, Meta(ge=1)] = 65536
+    max_states: Cap = 65536
     # Prompt ids used as context for the first characters. 8 covers every family's
     # need (a leading space, a character cut across the prompt boundary is at most
     # 4 byte tokens) with room to spare, and costs one decode of 8 ids per request.
-    max_prompt_tail: Annotated[int, Meta(ge=0, le=4096)] = 8
+    max_prompt_tail: PromptTail = 8
     log_level: LogLevel = "info"
     # /health and /metrics on this port (127.0.0.1 unless metrics_host says); off when unset.
-    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    metrics_port: Port | None = None
     metrics_host: str = "127.0.0.1"
     # /health turns 503 once the loop has not turned for this long.
-    health_timeout: Annotated[float, Meta(gt=0)] = 5.0
+    health_timeout: Seconds = 5.0
     # A worker's queue: ZMQ's, of send_hwm messages, and behind it a backlog of at most
     # send_queue_bytes; a message that finds both full is lost and its requests fail
     # ("worker_stalled"). ZMQ counts messages only, so the bytes are bounded here.
-    send_hwm: Annotated[int, Meta(ge=1)] = 16
-    send_queue_bytes: Annotated[int, Meta(ge=0)] = 64 * 1024 * 1024
+    send_hwm: Hwm = 16
+    send_queue_bytes: Size = 64 * 1024 * 1024
     # How long shutdown waits for queued messages to leave, in milliseconds.
-    linger_ms: Annotated[int, Meta(ge=0)] = 2000
+    linger_ms: Millis = 2000
     # "auto": the fastest exact codec for the tokenizer; "window": always the generic one.
     codec: Literal["auto", "window"] = "auto"
     # While a character is split across ids, the text before it: "char" sends every whole
@@ -79,9 +102,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     release: Literal["char", "word"] = "char"
     # Enables the control op "debug_stall:<seconds>" that blocks the loop (tests only).
     debug_ops: bool = False
-    # After the first SIGTERM/SIGINT the process ends within this many seconds, whatever
+    # After the first SIGTERM/SIGINT/SIGHUP the process ends within this many seconds, whatever
     # the loop is doing (below a container runtime's 10 s before SIGKILL).
-    shutdown_grace_s: Annotated[float, Meta(gt=0)] = 8.0
+    shutdown_grace_s: Seconds = 8.0
 
     # --- `register` (docs/protocol.md): off unless enabled; then only addresses matching
     # one of register_allow (fnmatch globs), at most register_max workers added at run
@@ -89,7 +112,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     register_enabled: bool = False
     register_allow: list[str] = []
     register_replace: bool = False
-    register_max: Annotated[int, Meta(ge=0)] = 16
+    register_max: Size = 16
 
     # --- CURVE (docs/security.md): key files as zmq.auth.create_certificates writes them.
     # detokd's own key pair (the .key_secret file): the input becomes a CURVE server.
@@ -133,7 +156,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_held_text_bytes: Cap = Limits.held_text_bytes
     # Above this resident size new requests are refused ("overloaded"), and so is a live
     # request's held text that grows (stream=false); off when unset.
-    max_rss_mb: Annotated[int, Meta(ge=1)] | None = None
+    max_rss_mb: Cap | None = None
 
     def limits(self) -> Limits:
         """The core's caps: each Limits field from its key, max_<field>."""
@@ -144,28 +167,171 @@ class ConfigError(ValueError):
     """A config that cannot be used; its message is the one line the user sees."""
 
 
-def load(path: str | None, overrides: dict) -> Config:
-    raw: dict = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
-    raw.update({k: v for k, v in overrides.items() if v is not None})
-    where = f"config {path}" if path else "settings"
+ENV_PREFIX = "DETOKD_"  # DETOKD_<KEY> sets a key; DETOKD_CONFIG names the TOML file
+CONFIG_ENV = "DETOKD_CONFIG"
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+# detokd's variables that set no key (prefixes): never taken for a mistyped key's.
+OTHER_ENV = (CONFIG_ENV, "DETOKD_SGLANG", "DETOKD_ZOO_CACHE")
+
+
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def load(
+    path: str | None, overrides: dict, env: Mapping[str, str] | None = None, flag: Callable[[str], str] | None = None,
+) -> Config:
+    """The file's keys, then `env`'s DETOKD_<KEY> variables (with `env`, DETOKD_CONFIG
+    names the file when `path` does not), then the `overrides` that are not None; an
+    error names where its value came from: the file, the variable, or `flag(key)`."""
+    where = "settings"
+    if path is None and env is not None and env.get(CONFIG_ENV):
+        path, where = env[CONFIG_ENV], f"config {env[CONFIG_ENV]} ({CONFIG_ENV})"
+    elif path is not None:
+        where = f"config {path}"
+    raw = _read(path, where)
+    _refuse_unknown(raw, where)
+    origin = dict.fromkeys(raw, where)
+    for key, value in (from_env(env) if env is not None else {}).items():
+        raw[key], origin[key] = value, f"environment {env_name(key)}"
+    for key, value in overrides.items():
+        if value is not None:
+            raw[key], origin[key] = value, flag(key) if flag else where
     try:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
+        raise ConfigError(_explain(exc, raw, origin, where)) from exc
     check(cfg, where)
     return cfg
 
 
+def _read(path: str | None, where: str) -> dict:
+    if path is None:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {where}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where} is not valid TOML: {exc}") from exc
+
+
+def from_env(env: Mapping[str, str]) -> dict[str, object]:
+    """Every key a DETOKD_<KEY> variable sets, parsed by the key's type (an empty
+    variable is unset); msgspec then checks the values as it checks a file's."""
+    _refuse_mistyped(env)
+    out = {}
+    for key, t in field_types().items():
+        text = env.get(env_name(key), "").strip()
+        if text:
+            out[key] = _parse_env(key, t, text)
+    return out
+
+
+def _refuse_mistyped(env: Mapping[str, str]) -> None:
+    """A DETOKD_ variable a letter or two from a key's: a typo, which would otherwise be
+    ignored in silence. Names far from every key may be another program's, and pass."""
+    names = [env_name(key) for key in field_types()]
+    for name in env:
+        if name.startswith(ENV_PREFIX) and name not in names and not name.startswith(OTHER_ENV):
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
+            if close:
+                raise ConfigError(f"environment {name}: no such key; did you mean {close[0]}?")
+
+
+def _parse_env(key: str, t: mi.Type, text: str) -> object:
+    """A variable's text as the key's type: true/false (1/0, yes/no, on/off), a number,
+    a list as a TOML array or comma-separated, else the text itself."""
+    name = env_name(key)
+    if isinstance(t, mi.BoolType):
+        if text.lower() in TRUE + FALSE:
+            return text.lower() in TRUE
+        raise ConfigError(f"environment {name}: {key} must be true or false, not {text!r}")
+    if isinstance(t, (mi.IntType, mi.FloatType)):
+        try:
+            return int(text) if isinstance(t, mi.IntType) else float(text)
+        except ValueError:
+            raise ConfigError(f"environment {name}: {key} must be {expected(key)}, not {text!r}") from None
+    if isinstance(t, mi.ListType):
+        if not text.startswith("["):
+            return [item.strip() for item in text.split(",") if item.strip()]
+        try:
+            return tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"environment {name}: {key} is not a TOML array: {exc}") from None
+    return text
+
+
+def _refuse_unknown(raw: dict, where: str) -> None:
+    """An unknown key, with the known one it most resembles: a typo is the usual cause."""
+    for key in raw:
+        if key not in field_types():
+            close = difflib.get_close_matches(key, field_types(), n=1)
+            hint = f"; did you mean `{close[0]}`?" if close else " (`detokd config` prints every key)"
+            raise ConfigError(f"{where}: unknown key `{key}`{hint}")
+
+
+@functools.cache
+def field_types() -> dict[str, mi.Type]:
+    """Each key's type as msgspec sees it, an optional one's without its None."""
+    out = {}
+    for f in mi.type_info(Config).fields:
+        t = f.type
+        if isinstance(t, mi.UnionType):
+            t = next(u for u in t.types if not isinstance(u, mi.NoneType))
+        out[f.name] = t
+    return out
+
+
+@functools.cache
+def numeric_keys() -> dict[str, mi.IntType | mi.FloatType]:
+    return {k: t for k, t in field_types().items() if isinstance(t, (mi.IntType, mi.FloatType))}
+
+
+def expected(key: str) -> str | None:
+    """What a numeric key (from its Meta) or a choice takes, in words; None for other keys."""
+    t = field_types().get(key)
+    if isinstance(t, mi.LiteralType):
+        return "one of " + ", ".join(map(repr, t.values))
+    if isinstance(t, mi.IntType):
+        return f"an integer from {t.ge} to {t.le}"
+    if isinstance(t, mi.FloatType):
+        low = f"from {t.ge:g}" if t.ge is not None else f"above {t.gt:g}"
+        return f"a finite number {low} and at most {t.le:g}"
+    return None
+
+
+def in_range(key: str, value: object) -> bool:
+    """Whether a numeric key's value is within its Meta (None: an optional key unset)."""
+    t = numeric_keys()[key]
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value is None
+    if isinstance(t, mi.IntType) and not isinstance(value, int):
+        return False
+    if t.ge is not None and not value >= t.ge or t.gt is not None and not value > t.gt:
+        return False  # written so that a NaN fails too
+    return value <= t.le
+
+
+def _explain(exc: msgspec.ValidationError, raw: dict, origin: dict, where: str) -> str:
+    """One line for a value msgspec refused, naming where it came from: for a numeric
+    key its range, for a choice its values."""
+    m = re.search(r"at `\$\.(\w+)", str(exc))
+    key = m.group(1) if m else None
+    if key is None:
+        return f"{where}: {exc}"
+    if (want := expected(key)) is not None:
+        return f"{origin.get(key, where)}: {key} must be {want}, not {raw.get(key)!r}"
+    return f"{origin.get(key, where)}: {exc}"
+
+
 def check(cfg: Config, where: str = "settings") -> None:
-    """What msgspec cannot check: keys that only make sense together."""
+    """The ranges of a Config made in code (load's msgspec.convert checks a file's), and
+    what msgspec cannot check: keys that only make sense together."""
+    for key in numeric_keys():
+        if not in_range(key, value := getattr(cfg, key)):
+            raise ConfigError(f"{where}: {key} must be {expected(key)}, not {value!r}")
     if cfg.register_enabled and not cfg.register_allow:
         raise ConfigError(f"{where}: register_enabled needs register_allow (address patterns a register may name)")
     if (cfg.curve_worker_keys or cfg.curve_feedback_key or cfg.curve_clients) and not cfg.curve_secret_key:

@@ -65,9 +65,12 @@ def _owed() -> BoundedMap[str, OutRow]:
 
 
 class Encoder(Protocol):
-    """What a wire dialect gives delivery: the frames of a worker's rows, of feedback."""
+    """What a wire dialect gives delivery: the frames of a worker's rows, of feedback,
+    and of rows that could not be encoded (their requests failed, the worker told)."""
 
     def encode_text(self, rows: list[OutRow]) -> bytes | list[bytes]: ...
+
+    def unencodable(self, worker: int, rows: list[OutRow], exc: Exception) -> bytes | list[bytes]: ...
 
     def encode_stopped(self, rows: list[StoppedRow]) -> bytes: ...
 
@@ -194,7 +197,7 @@ class Delivery:
             if feedback:
                 sock, _ = self._connect(feedback, curve.feedback if curve else None)
                 self.feedback = Worker(FEEDBACK, feedback, sock)
-        except (ValueError, zmq.ZMQError):
+        except BaseException:  # any failure (setsockopt's OverflowError too): an open socket would hang ctx.term()
             self.close()
             raise
 
@@ -327,7 +330,7 @@ class Delivery:
             s.setsockopt(zmq.SNDHWM, self.hwm)
             s.setsockopt(zmq.LINGER, self.linger_ms)
             s.connect(address)
-        except zmq.ZMQError:
+        except BaseException:  # not only ZMQError: setsockopt raises OverflowError
             if monitor is not None:
                 s.disable_monitor()
                 monitor.close(linger=0)
@@ -429,7 +432,11 @@ class Delivery:
         error rows the worker is owed when it has room again."""
         encoder = self.encoder
         for index, rows in self.outbox.take():
-            if not self._send_frames(index, encoder.encode_text(rows), rows):
+            try:
+                frames = encoder.encode_text(rows)
+            except Exception as exc:  # a value a peer sent that cannot be sent on: those requests fail, not the process
+                frames = encoder.unencodable(index, rows, exc)
+            if not self._send_frames(index, frames, rows):
                 log.warning("worker %d's queue is full: %d rows lost, their requests failed", index, len(rows))
                 self._keep_owed(self.workers[index], self.lost(index, rows))
         stopped = self.outbox.take_stopped()

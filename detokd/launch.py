@@ -109,7 +109,7 @@ def supervise_shards(
     status_port: int | None = None,
     status_host: str = "127.0.0.1",
 ) -> int:
-    """Run `n` children `[*command, *argv_for_shard(i)]` until SIGTERM/SIGINT.
+    """Run `n` children `[*command, *argv_for_shard(i)]` until SIGTERM/SIGINT/SIGHUP.
 
     A child that exits on its own, or cannot be started at all (the spawn fails:
     EMFILE, an executable gone), is logged and restarted, after `restart_delay` s
@@ -121,7 +121,7 @@ def supervise_shards(
     With `status_port`, /health (200, or 503 naming the crash-looping shards) and
     /status (JSON, one entry per shard) are served on `status_host`:`status_port`.
 
-    SIGTERM/SIGINT are forwarded to the children, once each, which get `stop_timeout`
+    SIGTERM/SIGINT/SIGHUP are forwarded to the children, once each, which get `stop_timeout`
     s before SIGKILL; so is a SIGTERM if the supervisor itself fails. Returns 0 when
     every child stopped in time on the forwarded signal and no shard was
     crash-looping, else 1. Call from the main thread (it installs signal handlers,
@@ -174,7 +174,8 @@ def supervise_shards(
     def on_signal(signum: int, _frame: object) -> None:
         got.append(signum)
 
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # SIGHUP as SIGTERM: a shard takes it as a drained stop too (detokd.server).
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         if status is not None:
             status.start()

@@ -44,6 +44,9 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 EXIT_GRACE = 3  # the exit status when the shutdown grace ran out, or a second signal came
 DRAIN_SHARE = 0.5  # of shutdown_grace_s for decoding queued frames; then error rows and the linger
 LAST_WORDS_S = 0.5  # at most, of the grace, for the log lines before an os._exit
+# Each asks for the same drained stop. SIGHUP too: detokd has no reload, and SIGHUP's
+# default action (a terminal or session gone) would end it with nothing answered or logged.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def rss_bytes() -> int:
@@ -71,7 +74,7 @@ def exit_now(message: str, wait: float, level: int = logging.ERROR) -> NoReturn:
 
 
 class GraceWatch:
-    """The shutdown grace, on a thread of its own. It learns of SIGTERM and SIGINT from
+    """The shutdown grace, on a thread of its own. It learns of STOP_SIGNALS from
     the wakeup fd that the interpreter's C-level handler writes the signal's number to
     (signal.set_wakeup_fd), so it hears them while the loop is stuck, and the Python
     handler only sets a flag: nothing that runs in a signal handler takes a lock.
@@ -104,7 +107,7 @@ class GraceWatch:
             if not data:
                 return  # close(): run() is over
             for signum in data:
-                if signum not in (signal.SIGTERM, signal.SIGINT):
+                if signum not in STOP_SIGNALS:
                     continue  # another program's handler shares the fd
                 if deadline is not None:
                     exit_now(f"second signal {signum} while stopping: exiting now", self.words, logging.WARNING)
@@ -153,7 +156,9 @@ class Server:
         self.dialect: Dialect = dialect(self.core, self.delivery, self.gc_policy, self.stats, cfg)
         self.delivery.attach(self.dialect, lost=self.dialect.stalled, live=self.core.table.__contains__)
         self._limit_log_rates()
-        self.stop_requested_at: float | None = None  # when the first SIGTERM/SIGINT came
+        self.stop_requested_at: float | None = None  # when the first STOP_SIGNAL came
+        self.stop_signal = signal.SIGTERM  # which one it was
+        self.stopping_notified = False
         self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None
         self.rss_checked = 0.0
 
@@ -238,18 +243,19 @@ class Server:
             if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
                 logger.addFilter(RateLimitFilter())
 
-    def _on_signal(self, _signum: int, _frame) -> None:
-        """SIGTERM/SIGINT: the loop takes no new frames, answers the queued ones, exits.
+    def _on_signal(self, signum: int, _frame) -> None:
+        """A STOP_SIGNAL: the loop takes no new frames, answers the queued ones, exits.
 
         It runs between two bytecodes of whatever the loop was doing (inside a lock of
         the logging, say), so it sets a flag and nothing else, nothing that could wait.
         The grace and a second signal are GraceWatch's."""
         if self.stop_requested_at is None:
+            self.stop_signal = signum
             self.stop_requested_at = time.monotonic()
 
     def run(self) -> int:
         watch = GraceWatch(self.cfg.shutdown_grace_s)  # first: every handled signal reaches it
-        old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        old = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         self.gc_policy.start()
         stats = self.stats
         stats.ready = True
@@ -297,7 +303,7 @@ class Server:
                     break
         finally:
             self.gc_policy.stop()
-            readiness.notify("STOPPING=1")
+            self._notify_stopping()
             log.info(
                 "stopping: %d queued frame(s) answered (%d row(s) with shutdown); sends get up to %d ms to leave",
                 drained, stats.errors.get(SHUTDOWN, 0), self.cfg.linger_ms,
@@ -322,8 +328,17 @@ class Server:
         except zmq.ZMQError as exc:  # it still reads only what is queued, then closes
             log.warning("cannot unbind input %s: %s", self.endpoint, exc.strerror)
         share = self.cfg.shutdown_grace_s * DRAIN_SHARE
-        log.info("signal: input %s takes no new frames; the queued ones get up to %.1f s to decode", self.endpoint, share)
+        log.info(
+            "%s: input %s takes no new frames; the queued ones get up to %.1f s to decode",
+            signal.Signals(self.stop_signal).name, self.endpoint, share,
+        )
+        self._notify_stopping()  # now, not after the drain: systemd shows the unit deactivating
         return self.stop_requested_at + share
+
+    def _notify_stopping(self) -> None:
+        if not self.stopping_notified:
+            self.stopping_notified = True
+            readiness.notify("STOPPING=1")
 
     def process(self, frame: bytes) -> None:
         """One inbound frame, start to finish: decode, handle, deliver."""
@@ -335,14 +350,17 @@ class Server:
             return
         if self.max_rss is not None:  # per frame, not per turn: a turn may be 256 frames of held text
             self._guard_rss(time.monotonic())
-        dialect = self.dialect
         try:
-            if not dialect.handle(frame):
+            if not self.dialect.handle(frame):
                 return  # not a message at all: counted as a bad frame, nothing to deliver
         except Exception:  # a bug must cost one batch, never the process
             stats.error(INTERNAL)
             log.exception("internal error handling a frame")
-        self.delivery.deliver()
+        try:
+            self.delivery.deliver()  # what cannot be encoded is the dialect's to answer; this is for bugs
+        except Exception:
+            stats.error(INTERNAL)
+            log.exception("internal error delivering a frame's output")
         stats.step(time.perf_counter() - t0)
 
     def _drop_multipart(self) -> None:

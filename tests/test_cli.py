@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+import tomllib
 
+import msgspec
 import pytest
 
 from detokd.config import Config, load
+from detokd.process import DetokdProcess, ipc_config
+from utils import config_ranges
 
 DETOKD = [sys.executable, "-m", "detokd"]
 
 
-def run(*args, timeout=120):
-    return subprocess.run([*DETOKD, *args], capture_output=True, text=True, timeout=timeout)
+def run(*args, timeout=120, env=None):
+    """`detokd ARGS`; `env` adds to the inherited environment."""
+    env = {**os.environ, **(env or {})}
+    return subprocess.run([*DETOKD, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.parametrize("cmd", [[], ["serve"], ["demo"], ["tokenizer"], ["config"]])
@@ -116,3 +124,109 @@ def test_demo_streams_and_checks_every_stream():
     r = run("demo", "--streams", "4", "--steps", "60", "--quiet", timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all 4 streams match the reference decode exactly" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "line, key",
+    [
+        ("shutdown_grace_s = inf", "shutdown_grace_s"),
+        ("health_timeout = nan", "health_timeout"),
+        ("linger_ms = 2147483648", "linger_ms"),
+        ("send_hwm = 2147483648", "send_hwm"),
+        ("max_frame_bytes = 9223372036854775807\nmax_rows = -1", "max_rows"),
+    ],
+)
+def test_a_number_out_of_its_range_exits_2_naming_the_key_and_the_range(tmp_path, line, key):
+    """These started (inf, nan) or hung in start-up (a socket option ZMQ cannot take)."""
+    f = tmp_path / "c.toml"
+    f.write_text(f'input = "ipc://{tmp_path}/in.sock"\nworkers = ["ipc://{tmp_path}/w.sock"]\n{line}\n')
+    t = config_ranges()[key]
+    one_line_error(run("serve", "--config", str(f), timeout=60), key, f"{t.le:g}" if isinstance(t.le, float) else str(t.le))
+
+
+def test_the_top_of_every_numeric_range_serves_and_stops_cleanly(tmp_path):
+    """The largest value of every numeric key at once (the grace timer, the socket
+    options, the caps): detokd gets ready, and SIGTERM still ends it with 0."""
+    tops = {k: t.le for k, t in config_ranges().items() if k != "metrics_port"}  # a fixed port may be taken
+    with DetokdProcess(ipc_config(tmp_path, **tops), folder=tmp_path) as d:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_mistyped_key_is_answered_with_the_key_it_resembles(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("max_state = 10\n")
+    one_line_error(run("serve", "--config", str(f)), "unknown key `max_state`", "did you mean `max_states`?")
+
+
+@pytest.mark.parametrize(
+    "key, values", [("log_level", ["debug", "info", "warning", "error", "critical"]), ("release", ["char", "word"])]
+)
+def test_a_choice_outside_its_values_lists_the_values(tmp_path, key, values):
+    f = tmp_path / "c.toml"
+    f.write_text(f'{key} = "verbose"\n')
+    one_line_error(run("serve", "--config", str(f)), key, "'verbose'", *(repr(v) for v in values))
+
+
+# --- the environment: DETOKD_<KEY>, DETOKD_CONFIG; flag > environment > file > default
+
+
+def printed(r) -> Config:
+    """The config `detokd config` printed."""
+    assert r.returncode == 0, r.stderr
+    return msgspec.convert(tomllib.loads(r.stdout), Config)
+
+
+def test_the_environment_overrides_the_file_which_overrides_the_defaults(tmp_path):
+    (tmp_path / "a.toml").write_text('max_states = 10\nlog_level = "debug"\n')
+    (tmp_path / "b.toml").write_text("max_states = 30\n")
+    env = {"DETOKD_CONFIG": str(tmp_path / "a.toml"), "DETOKD_SEND_HWM": "20"}
+    cfg = printed(run("config", env=env))
+    assert (cfg.max_states, cfg.log_level, cfg.send_hwm, cfg.linger_ms) == (10, "debug", 20, Config().linger_ms)
+    assert printed(run("config", "-c", str(tmp_path / "b.toml"), env=env)).max_states == 30  # -c beats DETOKD_CONFIG
+
+
+def test_serve_reads_DETOKD_CONFIG(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("max_states = 0\n")
+    one_line_error(run("serve", env={"DETOKD_CONFIG": str(f)}), str(f), "DETOKD_CONFIG", "max_states")
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [("DETOKD_SEND_HWM", "lots"), ("DETOKD_SEND_HWM", "2147483648"), ("DETOKD_DEBUG_OPS", "maybe"),
+     ("DETOKD_LOG_LEVEL", "loud"), ("DETOKD_WORKERS", "localhost:5555"), ("DETOKD_MAX_STATE", "5")],
+)
+def test_a_bad_environment_value_exits_2_naming_the_variable(tmp_path, variable, value):
+    one_line_error(run("serve", "--input", f"ipc://{tmp_path}/in.sock", env={variable: value}), f"environment {variable}:")
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_serve_binds_the_flags_input_over_the_environments_over_the_files(tmp_path, flag):
+    """The one setting a running detokd shows in its log: the input it bound."""
+    address = {w: f"ipc://{tmp_path}/{w}.sock" for w in ("file", "env", "flag")}
+    cfg = msgspec.structs.replace(ipc_config(tmp_path), input=address["file"])
+    args = ["--input", address["flag"]] if flag else []
+    with DetokdProcess(cfg, folder=tmp_path, args=args, env={"DETOKD_INPUT": address["env"]}) as d:
+        log = d.log()
+    assert f"serving: input {address['flag' if flag else 'env']}" in log, log
+
+
+# --- --shards and the stop signals
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_no_shards_is_refused(tmp_path, n):
+    """--shards 0 or -1 used to start one server, as if unset."""
+    one_line_error(run("serve", "--input", f"ipc://{tmp_path}/in.sock", "--shards", n, timeout=60), "--shards", n)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_sighup_is_a_drained_stop_that_exits_0_and_is_logged(tmp_path, shards):
+    """SIGHUP's default killed detokd at once, unlogged; under --shards the supervisor
+    died of it and left its shards to PR_SET_PDEATHSIG."""
+    with DetokdProcess(ipc_config(tmp_path), folder=tmp_path, args=["--shards", str(shards)]) as d:
+        assert d.stop(sig=signal.SIGHUP) == 0, d.log()
+    log = d.log()
+    if shards > 1:
+        assert "got SIGHUP: stopping 2 shards" in log, log
+    assert log.count("SIGHUP: input ") == shards, log  # each shard's drained stop, named

@@ -415,9 +415,9 @@ class Load(threading.Thread):
             sock.close(linger=0)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_signal_under_load_stops_cleanly_with_consistent_output(detokd, zctx, sig):
-    """SIGTERM or SIGINT while an engine pushes without pause: detokd stops reading,
+    """SIGTERM, SIGINT or SIGHUP while an engine pushes without pause: detokd stops reading,
     finishes the frame in hand, lets queued sends leave within linger_ms and exits 0
     in bounded time; every text a worker received is a prefix of its request's
     oracle text (no row cut, repeated or reordered)."""

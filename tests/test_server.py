@@ -229,6 +229,27 @@ def test_malformed_frames_leave_the_process_serving_exactly(detokd, peers):
     logged(d, "bad frame")
 
 
+def test_a_row_nested_deeper_than_the_decoder_goes_costs_that_row_alone(detokd, peers):
+    """A meta nested 2,000 deep (2 KB, under max_meta_bytes) fails msgspec's decode of the
+    whole frame and of each row with RecursionError: the row is found by walking the
+    bytes, answered bad_row, and every other row of its batch is decoded."""
+    d = detokd()
+    p = peers(d)
+    v = vocab("deepseek")
+    ids = v.backend.encode(TEXTS[1], add_special_tokens=False).ids
+    deep = msgspec.Raw(b"\x91" * 2000 + b"\xc0")
+    rows = [{"rid": "before", "ids": ids, "start": {}, "finish": {"reason": "length"}},
+            {"rid": "deep", "ids": ids[:2], "start": {}, "meta": deep},
+            {"rid": "after", "ids": ids, "start": {}, "finish": {"reason": "length"}}]
+    p.send({"type": "tokens", "rows": rows})
+    got = p.rows_until(0, finished(["before", "deep", "after"]))
+    for rid in ("before", "after"):
+        assert "".join(r["text"] for r in got if r["rid"] == rid) == oracle(v, [], ids, True)
+    assert [r["error"] for r in got if r["rid"] == "deep"] == ["bad_row"]
+    assert d.proc.poll() is None
+    logged(d, "1 bad row(s)")
+
+
 def test_meta_passes_through_byte_for_byte(detokd, peers):
     d = detokd()
     p = peers(d)

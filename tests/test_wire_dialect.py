@@ -14,7 +14,7 @@ METHODS = [name for name, value in vars(Dialect).items() if inspect.isfunction(v
 
 
 def test_the_protocol_is_handle_encode_and_the_stall_policy():
-    assert sorted(METHODS) == ["encode_stopped", "encode_text", "handle", "stalled"]
+    assert sorted(METHODS) == ["encode_stopped", "encode_text", "handle", "stalled", "unencodable"]
 
 
 @pytest.mark.parametrize("dialect", [NativeDialect, SglangDialect])

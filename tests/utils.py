@@ -25,12 +25,14 @@ from functools import lru_cache
 from typing import Any, Callable
 
 import msgspec
+import msgspec.inspect
 import zmq
 
 from conftest import vocab
 from detokbench.frames import CORPUS, mixed_ids
 from detokbench.waits import wait_on, wait_until  # noqa: F401  (wait_until: the tests' wait too)
 from detokd.client import SchedulerClient
+from detokd.config import Config
 from detokd.wire import native
 
 enc = msgspec.msgpack.encode
@@ -61,6 +63,16 @@ def corpus_ids() -> tuple[tuple[int, ...], ...]:
 def make_ids(rng: random.Random, n: int) -> list[int]:
     """n output ids of the DeepSeek tokenizer: runs of CORPUS with random ids sprinkled in."""
     return mixed_ids(rng, n, corpus_ids(), deepseek().size)
+
+
+def config_ranges() -> dict[str, msgspec.inspect.IntType | msgspec.inspect.FloatType]:
+    """Config's numeric keys and their Meta ranges, read from the Struct itself (so a new
+    key is covered by every test that walks them)."""
+    out = {}
+    for f in msgspec.inspect.type_info(Config).fields:
+        types = f.type.types if isinstance(f.type, msgspec.inspect.UnionType) else (f.type,)
+        out.update({f.name: t for t in types if isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType))})
+    return out
 
 
 # --------------------------------------------------------------------------- peers

@@ -477,24 +477,25 @@ class Detokenizer:
                 self.tombstones.add(rid, request.worker, r.BAD_ROW)
             self._error(rid, request.worker if request else None, r.BAD_ROW, r.NIL, request.n_ids if request else 0)
 
-    def stalled(self, worker: int, rows: list[OutRow]) -> list[OutRow]:
-        """A message to `worker` was lost to its full queue: fail the requests it held.
+    def stalled(self, worker: int, rows: list[OutRow], error: str = r.WORKER_STALLED) -> list[OutRow]:
+        """A message to `worker` was lost to its full queue (or could not be encoded:
+        `error` says which): fail the requests it held.
 
-        Their later rows are answered `worker_stalled`, so a worker that comes back
-        learns which of its requests failed instead of waiting on them forever.
-        Returns the error rows the worker is owed once it has room again (the engine
-        may send no more rows for them: the lost message held their finishing rows).
+        Their later rows are answered `error`, so a worker that comes back learns
+        which of its requests failed instead of waiting on them forever. Returns the
+        error rows the worker is owed in place of the message (the engine may send no
+        more rows for them: the lost message held their finishing rows).
         """
         owed = []
         for row in rows:
-            owed.append(error_row(row.rid, row.error or r.WORKER_STALLED, n_ids=row.n_ids))
+            owed.append(error_row(row.rid, row.error or error, n_ids=row.n_ids))
             if row.error is not None:  # ended already; its tombstone answers later rows
                 continue
             request = self.table.get(row.rid)
             if request is not None and request.worker == worker:
                 self.table.pop(row.rid)
-            self.tombstones.add(row.rid, worker, r.WORKER_STALLED)
-            self.stats.error(r.WORKER_STALLED)
+            self.tombstones.add(row.rid, worker, error)
+            self.stats.error(error)
         return owed
 
     # --- the other messages -------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..core.records import BAD_ROW, Finish, OutRow, Row, Start, StoppedRow
+from ..core.records import BAD_ROW, WORKER_STALLED, Finish, OutRow, Row, Start, StoppedRow
 from . import schema
 from .id_rows import in_vocabulary
 
@@ -44,14 +44,15 @@ GPT_OSS_CALL = 200012  # <|call|>: a stop token SGLang keeps with the gpt-oss to
 # A row's meta is its position in the batch, as opaque bytes like every meta (the core
 # neither reads nor sizes it differently); rows detokd sends on its own (an eviction
 # notice) carry nil there.
-_positions: list[msgspec.Raw] = []
 _position = msgspec.msgpack.Decoder(int | None).decode
 
 
-def position_meta(i: int) -> msgspec.Raw:
-    while len(_positions) <= i:
-        _positions.append(msgspec.Raw(msgspec.msgpack.encode(len(_positions))))
-    return _positions[i]
+def grown(positions: list[msgspec.Raw], n: int) -> list[msgspec.Raw]:
+    """`positions` holding the meta of each position below `n`, each made once (a plain
+    list: the quick path indexes it, and only an exact list's indexing is specialised)."""
+    while len(positions) < n:
+        positions.append(msgspec.Raw(msgspec.msgpack.encode(len(positions))))
+    return positions
 
 
 def _io():
@@ -66,6 +67,41 @@ def abort_reason(error: str, cause: str | None = None) -> dict:
     FINISH_ABORT.to_json() spells it, so the client gets an error, not silence."""
     message = f"detokd: {error}" if cause is None else f"detokd: {error} ({cause})"
     return {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"}
+
+
+# Per-row fields the TokenizerManager indexes for every rid of a BatchStrOutput,
+# whatever the request asked for; an abort answer fills them with empty values.
+_COUNTS = ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens", "retraction_counts")
+
+
+def aborted_output(rids: list[str], ipcs: list[str | None] | None, reasons: list[dict]) -> Any:
+    """A BatchStrOutput that aborts each of `rids`, built from nothing else the engine
+    sent: what answers a batch whose own values cannot be read or sent on. Every field
+    the TokenizerManager reads per row holds an empty value, every other one None."""
+    from array import array
+
+    cls = _io().BatchStrOutput
+    n = len(rids)
+    values = {"rids": rids, "http_worker_ipcs": ipcs, "finished_reasons": reasons,
+              "output_strs": [""] * n, "output_ids": [array("q")] * n}
+    values.update((name, [0] * n) for name in _COUNTS)
+    return cls(**{name: values.get(name) for name in schema.field_names(cls)})
+
+
+def _strings(values: Any) -> bool:
+    """Whether `values` is a list of strings: one C loop (join), not a Python one per row."""
+    if type(values) is not list:
+        return False
+    try:
+        "".join(values)
+    except TypeError:
+        return False
+    return True
+
+
+def cause_of(exc: BaseException) -> str:
+    """An exception as the abort message quotes it: short, whatever the peer put in it."""
+    return f"{type(exc).__name__}: {exc}"[:200]
 
 
 class SglangDialect:
@@ -100,9 +136,10 @@ class SglangDialect:
         # installed release's if not given.
         self.split = split
         self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
+        self.positions: list[msgspec.Raw] = []  # each position's meta, up to the largest batch within max_rows
         self.batch: Any = None  # the BatchTokenIDOutput being answered
         self.blank: Any = None  # its BatchStrOutput with empty texts, for splitting per worker
-        self.cause: str | None = None  # why the batch in hand could not be read, if it could not
+        self.cause: str | None = None  # why the batch in hand is answered with aborts, if it is
         self.texts: list[str] | None = None  # its output_strs so far: the quick path's rows
         self.quick_batch: Any = None  # the last batch the quick path answered
         self.beam_warned = False
@@ -113,12 +150,12 @@ class SglangDialect:
         try:
             msg = self.ipc.decode(frame)
         except Exception as exc:  # a frame of another schema, or not SGLang's at all
-            batch = self.ipc.unread_batch(frame)
-            if batch is not None:  # a batch whose rids read: each of its requests is answered
+            batch = self.ipc.unread_batch(frame, self.core.limits.rows)
+            if batch is not None and self._answerable(batch):  # its rids read: each of its requests is answered
                 self._unreadable(batch, exc)
                 return True
             self.stats.bad_frames += 1
-            log.warning("bad frame (%d bytes): %s", len(frame), exc)
+            log.warning("bad frame (%d bytes): %s", len(frame), cause_of(exc))
             return False
         kind = schema.kind(msg)
         if kind == "BatchTokenIDOutput":
@@ -138,11 +175,14 @@ class SglangDialect:
 
     def tokens(self, batch: Any, frame_bytes: int | None = None) -> None:
         """One scheduler step: each request's new ids become one core row."""
+        if not self._answerable(batch):
+            self.stats.bad_frames += 1
+            return
         self._answering(batch)
-        if schema.has_beam_search(batch) and not self.beam_warned:
-            self.beam_warned = True
-            log.error("a batch carries beam-search results, which detokd does not decode: they pass through as they are")
         try:
+            if not self.beam_warned and schema.has_beam_search(batch):
+                self.beam_warned = True
+                log.error("a batch carries beam-search results, which detokd does not decode: they pass through as they are")
             ids = self.ipc.ids(batch)
             if self._quick_fits(batch, ids):
                 self._quick(batch, ids)
@@ -152,6 +192,26 @@ class SglangDialect:
             self._unreadable(batch, exc)
             return
         self.core.tokens(rows, ids_at_most=frame_bytes)
+
+    def _answerable(self, batch: Any) -> bool:
+        """Whether a batch's rids (and HTTP workers) can be answered at all: at most
+        max_rows of them, checked before anything is sized by them, and strings (a
+        pickle can hold any value; msgpack's decoder has checked them). A batch that is
+        not is dropped whole, logged."""
+        rids, most = batch.rids, self.core.limits.rows
+        if rids is None:
+            return True
+        checked = self.ipc.name == "msgpack"
+        if not checked and not _strings(rids):
+            why = "its rids are not a list of strings"
+        elif len(rids) > most:
+            why = f"{len(rids)} rows, more than max_rows = {most}"
+        elif not checked and self.http_workers and not _strings([i for i in batch.http_worker_ipcs or () if i is not None]):
+            why = "its http_worker_ipcs are not strings"
+        else:
+            return True
+        log.error("a batch cannot be answered (%s): dropped, its requests get no answer", why)
+        return False
 
     def _answering(self, batch: Any) -> None:
         self.batch, self.blank, self.cause, self.texts = batch, None, None, None
@@ -163,22 +223,23 @@ class SglangDialect:
         of its requests fails with an abort naming the cause, never a success without
         its text; their later rows are aborted too (the core's tombstones)."""
         self._answering(batch)
-        self.cause = f"{type(exc).__name__}: {exc}"[:200]
+        self.cause = cause_of(exc)
         log.error("a batch of %d requests cannot be read (%s); each of them is aborted", len(batch.rids or []), self.cause)
         ipcs = batch.http_worker_ipcs or []
+        positions = grown(self.positions, len(batch.rids or []))
         for i, rid in enumerate(batch.rids or []):
             worker = 0
             if self.http_workers:
                 worker = self._worker(ipcs[i] if i < len(ipcs) else None)
                 if worker is None:
                     continue
-            self.core.fail(rid, worker, BAD_ROW, position_meta(i))
+            self.core.fail(rid, worker, BAD_ROW, positions[i])
 
     def _rows(self, batch: Any, id_rows: list[list[int]]) -> list[Row]:
         rids = batch.rids or []
         ipcs = batch.http_worker_ipcs
         rows = []
-        position_meta(len(rids))
+        grown(self.positions, len(rids))
         for i, (rid, ids) in enumerate(zip(rids, id_rows)):
             worker = 0
             if self.http_workers:
@@ -200,7 +261,7 @@ class SglangDialect:
             finish, trim = self._finish(reason, ids, batch.no_stop_trim[i])
             if trim:
                 ids = ids[:-1]
-        meta = _positions[i]
+        meta = self.positions[i]
         seq = self.core.seq_of(rid)
         if seq is not None:
             return Row(rid, ids, seq, None, finish, meta)
@@ -239,7 +300,7 @@ class SglangDialect:
         rids = batch.rids
         reasons = batch.finished_reasons
         n = len(rids)
-        position_meta(n)
+        positions = grown(self.positions, n)
         texts = [""] * n
         in_vocab = in_vocabulary(id_rows, self.vocab_size)
         pending: list[Row] = []
@@ -250,7 +311,7 @@ class SglangDialect:
                 if start:  # a start may evict a request of a later row: the core goes first
                     core.tokens(pending, ids_at_most=0)
                     pending, start = [], False
-                i = quick(rids, id_rows, reasons, _positions, texts, i, in_vocab)
+                i = quick(rids, id_rows, reasons, positions, texts, i, in_vocab)
                 if i == n:
                     break
             row = self._row(batch, i, rids[i], id_rows[i], 0)
@@ -315,6 +376,19 @@ class SglangDialect:
         """The message holding `rows` was lost to `worker`'s full queue (delivery's stall
         policy): the core fails their requests, and those of the quick path's rows the
         message held, which the core never saw as rows."""
+        return self._fail(worker, rows, WORKER_STALLED)
+
+    def unencodable(self, worker: int, rows: list[OutRow], exc: Exception) -> bytes | list[bytes]:
+        """The answer holds a value SGLang's encoder refuses (a copied field the
+        scheduler filled with something else): each request of it is aborted, in an
+        answer that copies nothing from the batch but its rids."""
+        self.cause = cause_of(exc)
+        log.error("the answer to a batch of %d requests cannot be encoded (%s); each of them is aborted",
+                  len(self.batch.rids or []), self.cause)
+        self._fail(worker, list(rows), BAD_ROW)
+        return self._aborts(rows)
+
+    def _fail(self, worker: int, rows: list[OutRow], error: str) -> list[OutRow]:
         batch = self.batch
         if self.quick_batch is batch and not self.http_workers:
             core_rows = {_position(row.meta) for row in rows}
@@ -322,7 +396,7 @@ class SglangDialect:
             for i, rid in enumerate(batch.rids):
                 if i not in core_rows:
                     rows.append(OutRow(rid, "", None, seq_of(rid) or 0))
-        return self.core.stalled(worker, rows)
+        return self.core.stalled(worker, rows, error)
 
     # --- outbound -----------------------------------------------------------------------
 
@@ -335,6 +409,8 @@ class SglangDialect:
         mine = [(i, row) for row in rows if (i := _position(row.meta)) is not None]
         if rows and not mine:
             return []
+        if self.cause is not None:
+            return self._aborts(rows)
         if not self.http_workers:
             texts, self.texts = self.texts or [""] * len(batch.rids or []), None
             aborts = {}
@@ -360,6 +436,25 @@ class SglangDialect:
             ]
             frames.append(self._encode_object(sub))
         return frames
+
+    def _aborts(self, rows: list[OutRow]) -> bytes:
+        """The answer that aborts the requests of this batch's `rows` (with one HTTP
+        worker: every request of the batch), each with its row's error word."""
+        batch = self.batch
+        rids = batch.rids or []
+        reasons: dict[int, dict] = {}
+        for row in rows:
+            i = _position(row.meta)
+            if i is not None:  # a row of another batch's request is answered from its tombstone
+                error = row.error or BAD_ROW
+                reasons[i] = abort_reason(error, self.cause if error == BAD_ROW else None)
+        if not self.http_workers:
+            for i in range(len(rids)):
+                reasons.setdefault(i, abort_reason(BAD_ROW, self.cause))
+        order = sorted(reasons)
+        ipcs = batch.http_worker_ipcs if self.http_workers else None  # (unchecked with one worker)
+        picked = None if ipcs is None else [ipcs[i] if i < len(ipcs) else None for i in order]
+        return self._encode_object(aborted_output([rids[i] for i in order], picked, [reasons[i] for i in order]))
 
     def _encode_object(self, obj: Any) -> bytes:
         """An SGLang message object, encoded as SGLang's sock_send would."""

@@ -122,6 +122,8 @@ def dialect_factory(vocab, built: schema.Schema, rel: release.Release, ipc) -> C
              "`not matched`" if rel.falsy_no_match else "`matched is None`", ipc.name)
 
     def make(core, delivery, gc_policy, stats, cfg) -> SglangDialect:
+        if ipc.name == "pickle":
+            ipc.tensor_bytes = cfg.max_frame_bytes  # what a frame's tensors may expand to
         return SglangDialect(
             core, delivery, gc_policy, stats,
             ipc=ipc, vocab_size=vocab.size, http_workers=workers > 1,
@@ -140,7 +142,7 @@ def prepare(server_args, port_args, use_pickle: bool | None = None) -> Prepared:
 
     built = schema.build()
     rel = release.detect()
-    ipc = schema.codec(use_pickle, pickled.allowances(os.environ.get("DETOKD_SGLANG_PICKLE_ALLOW", "")), built)
+    ipc = schema.codec(use_pickle, pickled.allowances(os.environ.get("DETOKD_SGLANG_PICKLE_ALLOW", "")), built=built)
     vocab, fingerprint = sglangs_vocab(server_args)
     cfg = config(port_args, vocab.name)
     return Prepared(vocab, fingerprint, cfg, dialect_factory(vocab, built, rel, ipc))

@@ -67,6 +67,7 @@ import msgspec
 from msgspec import Raw
 from msgspec.msgpack import Ext
 
+from ..wire import msgpack_scan
 from .id_rows import IdRows, ids_of, int64_rows
 
 # msgpack nil: the encoding of a None field, the default of every optional passthrough.
@@ -75,6 +76,20 @@ _EXT_TENSOR = 2
 
 FinishReason = Union[dict[str, Union[str, int, list[int], None]], None]
 _B64 = Optional[list[Optional[str]]]
+
+
+class UnreadBatch(msgspec.Struct):
+    """What is left of a BatchTokenIDOutput whose fields do not read as the schema says:
+    its rids and HTTP workers, so that each of its requests can still be answered
+    (with an abort) instead of never."""
+
+    rids: Union[list[str], None]
+    http_worker_ipcs: Union[list[Union[str, None]], None]
+
+
+_rids = msgspec.msgpack.Decoder(Union[list[str], None])
+_ipcs = msgspec.msgpack.Decoder(Union[list[Union[str, None]], None])
+_tag = msgspec.msgpack.Decoder(str)
 
 
 class SchemaMismatch(RuntimeError):
@@ -131,6 +146,11 @@ def annotations(cls: type) -> dict[str, str]:
         for name, ann in getattr(klass, "__annotations__", {}).items():
             out[name] = ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
     return out
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """A message class's fields in declaration order (a Struct's or a dataclass's)."""
+    return tuple(name for name, _ in _fields(cls))
 
 
 def _fields(cls: type) -> list[tuple[str, bool]]:
@@ -283,8 +303,21 @@ def tensor_b64(ext: Ext) -> str:
     return base64.b64encode(data[4 + n :]).decode("ascii")
 
 
-def _tensor_b64_pickled(t: Any) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+class TensorBudget:
+    """The bytes the tensors of one answer may expand to. A pickled tensor is a view:
+    a stride of 0 makes one stored element any number of elements, and a frame may name
+    one tensor many times, each costing its full size once base64'd. Beyond the budget
+    (max_frame_bytes) nothing is materialised: the answer cannot be built."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes
+
+    def b64(self, t: Any) -> str:
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.left:
+            raise ValueError(f"the batch's tensors expand past max_frame_bytes ({nbytes} bytes more, {self.left} left)")
+        self.left -= nbytes
+        return base64.b64encode(t.numpy().tobytes()).decode("ascii")
 
 
 def _b64_list(items: Any, one) -> Any:
@@ -306,20 +339,10 @@ class MsgpackCodec:
         # numpy views over those bytes, with no Ext object per row).
         self.raw_ids = msgspec.defstruct("BatchTokenIDOutput", [("decode_ids", Raw)], bases=(tok,), kw_only=True,
                                          module=__name__)
-        # A batch read for its rids alone, every other field its raw bytes: what is left of
-        # a batch whose fields do not read as the schema says, so that each of its
-        # requests can still be answered (with an abort) instead of never.
-        reads = READS["BatchTokenIDOutput"]
-        self.unread = msgspec.defstruct(
-            "BatchTokenIDOutput",
-            [(f, reads[f][1], None) if f in _BATCH else (f, Raw, NIL) for f in tok.__struct_fields__],
-            tag=True, kw_only=True, array_like=True, module=__name__,
-        )
         self._str = s.structs["BatchStrOutput"]
         self._decoder = msgspec.msgpack.Decoder(Union[(self.raw_ids, *others)])
         self._typed = msgspec.msgpack.Decoder(Union[(tok, *others)])
         self._exts = msgspec.msgpack.Decoder(list[Ext])
-        self._unread = msgspec.msgpack.Decoder(self.unread)
         self._encoder = msgspec.msgpack.Encoder()
 
     def decode(self, frame: bytes) -> Any:
@@ -333,12 +356,20 @@ class MsgpackCodec:
         except msgspec.DecodeError:
             return self._typed.decode(frame)  # raises what the schema finds first, as if read in one go
 
-    def unread_batch(self, frame: bytes) -> Any:
+    @staticmethod
+    def unread_batch(frame: bytes, most: int) -> UnreadBatch | None:
         """The rids of a BatchTokenIDOutput frame that fails `decode`, or None when even
-        they cannot be read."""
+        they cannot be read (or are more than `most`). The frame is walked, not decoded:
+        a field nested deeper than msgspec goes sinks no more than that field. rids and
+        http_worker_ipcs are the first fields of every release's batch (its base class's)."""
         try:
-            return self._unread.decode(frame)
-        except msgspec.DecodeError:
+            tag, rids, ipcs = msgpack_scan.items(frame, 0, 1024, take=3)
+            if _tag.decode(frame[slice(*tag)]) != "BatchTokenIDOutput":
+                return None
+            if msgpack_scan.header(frame, rids[0])[2] > most:
+                return None
+            return UnreadBatch(_rids.decode(frame[slice(*rids)]), _ipcs.decode(frame[slice(*ipcs)]))
+        except (msgpack_scan.Malformed, msgspec.DecodeError, ValueError):
             return None
 
     @staticmethod
@@ -350,12 +381,9 @@ class MsgpackCodec:
         s = self.schema
         fields = {name: getattr(tok, name) for name in s.copied}
         fields.update(dict.fromkeys(s.nones), output_strs=output_strs)
-        unread = type(tok) is self.unread  # its requests are all aborted: no finish reason or tensor to carry
-        if unread:
-            fields["finished_reasons"] = [None] * len(output_strs)
         for name in ("routed_experts", "indexer_topk"):
             if name in s.computed:
-                fields[name] = None if unread else _b64_list(getattr(tok, name), tensor_b64)
+                fields[name] = _b64_list(getattr(tok, name), tensor_b64)
         return self._str(**fields)
 
     def encode(self, out: Any) -> bytes:
@@ -370,8 +398,11 @@ class PickleCodec:
 
     name = "pickle"
 
-    def __init__(self, allow: frozenset[tuple[str, str]] = frozenset(), built: Schema | None = None) -> None:
-        """`allow`: globals a frame may name beyond the inbound messages and what they hold."""
+    def __init__(self, allow: frozenset[tuple[str, str]] = frozenset(), tensor_bytes: int = 64 << 20,
+                 built: Schema | None = None) -> None:
+        """`allow`: globals a frame may name beyond the inbound messages and what they
+        hold; `tensor_bytes`: what the tensors of one answer may expand to (TensorBudget)."""
+        self.tensor_bytes = tensor_bytes
         from sglang.srt.managers import io_struct
 
         from . import pickled
@@ -384,7 +415,7 @@ class PickleCodec:
         self._compact = pickled.compact
 
     @staticmethod
-    def unread_batch(frame: bytes) -> None:
+    def unread_batch(frame: bytes, most: int) -> None:
         """A pickle that does not load has no rids to read."""
         return None
 
@@ -398,9 +429,10 @@ class PickleCodec:
             if name in fields:
                 fields[name] = self._compact(name, fields[name])
         fields.update(dict.fromkeys(s.nones), output_strs=output_strs)
+        tensors = TensorBudget(self.tensor_bytes)
         for name in ("routed_experts", "indexer_topk"):
             if name in s.computed:
-                fields[name] = _b64_list(getattr(tok, name), _tensor_b64_pickled)
+                fields[name] = _b64_list(getattr(tok, name), tensors.b64)
         return self._out(**fields)
 
     def encode_str_output(self, tok: Any, output_strs: list[str]) -> bytes:
@@ -408,14 +440,15 @@ class PickleCodec:
 
 
 def codec(use_pickle: bool | None = None, allow: frozenset[tuple[str, str]] = frozenset(),
-          built: Schema | None = None) -> MsgpackCodec | PickleCodec:
+          tensor_bytes: int = 64 << 20, built: Schema | None = None) -> MsgpackCodec | PickleCodec:
     """The codec of the running SGLang (its SGLANG_USE_PICKLE_IPC), or the one asked for;
-    `allow`: see PickleCodec; `built`: the schema (the installed release's by default)."""
+    `allow`, `tensor_bytes`: see PickleCodec (a msgpack tensor's bytes are in the frame);
+    `built`: the schema (the installed release's by default)."""
     if use_pickle is None:
         from sglang.srt.environ import envs
 
         use_pickle = bool(envs.SGLANG_USE_PICKLE_IPC.get())
-    return PickleCodec(allow, built) if use_pickle else MsgpackCodec(built)
+    return PickleCodec(allow, tensor_bytes, built) if use_pickle else MsgpackCodec(built)
 
 
 def kind(obj: Any) -> str:

@@ -31,6 +31,11 @@ class Dialect(Protocol):
     def encode_text(self, rows: list[OutRow]) -> bytes | list[bytes]:
         """One worker's rows of this batch as the frame(s) to send it."""
 
+    def unencodable(self, worker: int, rows: list[OutRow], exc: Exception) -> bytes | list[bytes]:
+        """`encode_text(rows)` raised `exc` (a value the engine sent that cannot be sent
+        on): fail the requests of the rows, and return the frame(s) that tell `worker`
+        so, built from nothing the engine sent but the rids."""
+
     def encode_stopped(self, rows: list[StoppedRow]) -> bytes:
         """The feedback frame of the stop strings detokd found."""
 

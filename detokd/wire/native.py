@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Annotated, Union
 import msgspec
 from msgspec import Meta, Raw, Struct
 
+from . import msgpack_scan
+
 from ..core.records import (  # noqa: F401 (v1's rows and error words, re-exported for peers)
     BAD_IDS,
     BAD_ROW,
@@ -99,13 +101,7 @@ class Stopped(Struct, tag_field="type", tag="stopped"):
 _inbound = msgspec.msgpack.Decoder(Inbound)
 
 
-class _LooseTokens(Struct):
-    type: str
-    rows: list[Raw]
-
-
 _row = msgspec.msgpack.Decoder(Row)
-_rid_only = msgspec.msgpack.Decoder(dict[str, Raw])
 _str = msgspec.msgpack.Decoder(str)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -115,8 +111,8 @@ DecodeError = msgspec.DecodeError  # ValidationError is a subclass
 
 
 @functools.cache
-def capped(max_rows: int) -> tuple[msgspec.msgpack.Decoder, msgspec.msgpack.Decoder]:
-    """Decoders of Inbound, and of a loose tokens frame, that refuse a list of more than
+def capped(max_rows: int) -> msgspec.msgpack.Decoder:
+    """The decoder of Inbound that refuses a list of more than
     `max_rows` rows (tokens, embeddings) or rids (abort) from its length header, before
     one element is read: 60 M empty rids fit in a 57 MiB abort, 3 s to decode alone.
     Their messages are subclasses of the ones above."""
@@ -127,9 +123,21 @@ def capped(max_rows: int) -> tuple[msgspec.msgpack.Decoder, msgspec.msgpack.Deco
     CappedTokens = many("CappedTokens", Tokens, "rows", Row, tag="tokens")
     CappedEmbeddings = many("CappedEmbeddings", Embeddings, "rows", EmbeddingRow, tag="embeddings")
     CappedAbort = many("CappedAbort", Abort, "rids", str, tag="abort")
-    CappedLooseTokens = many("CappedLooseTokens", _LooseTokens, "rows", Raw)
     inbound = Union[CappedTokens, CappedEmbeddings, CappedAbort, Register, Control]
-    return msgspec.msgpack.Decoder(inbound), msgspec.msgpack.Decoder(CappedLooseTokens)
+    return msgspec.msgpack.Decoder(inbound)
+
+
+class _LooseTokens(Struct):
+    type: str
+    rows: list[Raw]
+
+
+@functools.cache
+def _loose(max_rows: int) -> msgspec.msgpack.Decoder:
+    """A tokens frame's rows as raw bytes each, at most `max_rows` (from the length header)."""
+    return msgspec.msgpack.Decoder(
+        msgspec.defstruct("CappedLooseTokens", [("rows", Annotated[list[Raw], Meta(max_length=max_rows)])], bases=(_LooseTokens,))
+    )
 
 
 def salvage_rows(frame: bytes, max_rows: int) -> tuple[list[Row], list[str]] | None:
@@ -137,32 +145,61 @@ def salvage_rows(frame: bytes, max_rows: int) -> tuple[list[Row], list[str]] | N
 
     One malformed row must not sink the rows of every other request in the batch:
     returns the rows that decode, and the rids of those that do not but still name
-    one (they get a `bad_row` error). None when the frame is not a tokens batch, or
-    has more than `max_rows` rows (dropped whole, as a frame that decodes would be).
+    one (they get a `bad_row` error). A row nested too deep for the decoder is such a
+    row: then the frame is split by msgpack_scan, which walks any depth. None when the
+    frame is not a tokens batch, or has more than `max_rows` rows (dropped whole, as
+    a frame that decodes would be).
     """
     try:
-        loose = capped(max_rows)[1].decode(frame)
+        raws = _loose(max_rows).decode(frame)
+        if raws.type != "tokens":
+            return None
+        rows = list(raws.rows)
     except DecodeError:
         return None
-    if loose.type != "tokens":
-        return None
+    except RecursionError:  # a value nested deeper than msgspec goes: walk the frame instead
+        try:
+            spans = _rows_of(frame, max_rows)
+        except (msgpack_scan.Malformed, DecodeError):
+            return None
+        if spans is None:
+            return None
+        rows = [frame[start:stop] for start, stop in spans]
     good: list[Row] = []
     bad: list[str] = []
-    for raw in loose.rows:
+    for raw in rows:
         try:
             good.append(_row.decode(raw))
-        except DecodeError:
+        except (DecodeError, RecursionError):
             rid = _rid_of(raw)
             if rid is not None:
                 bad.append(rid)
     return good, bad
 
 
-def _rid_of(raw: Raw) -> str | None:
-    try:
-        return _str.decode(_rid_only.decode(raw)["rid"])
-    except (DecodeError, KeyError):
+def _rows_of(frame: bytes, max_rows: int) -> list[tuple[int, int]] | None:
+    """Where each row of a tokens frame lies, or None when it is no tokens frame."""
+    kind, rows = None, None
+    for key_at, key_end, value_at, value_end in msgpack_scan.entries(frame, 0, 64):
+        key = _str.decode(frame[key_at:key_end])
+        if key == "type":
+            kind = _str.decode(frame[value_at:value_end])
+        elif key == "rows":
+            rows = value_at
+    if kind != "tokens" or rows is None:
         return None
+    return msgpack_scan.items(frame, rows, max_rows)
+
+
+def _rid_of(raw: bytes | Raw) -> str | None:
+    buf = memoryview(raw)
+    try:
+        for key_at, key_end, value_at, value_end in msgpack_scan.entries(buf, 0, 64):
+            if _str.decode(buf[key_at:key_end]) == "rid":
+                return _str.decode(buf[value_at:value_end])
+    except (msgpack_scan.Malformed, DecodeError):
+        pass
+    return None
 
 
 def encode_text(rows: list[OutRow]) -> bytes:
@@ -184,13 +221,18 @@ class NativeDialect:
         self.gc_policy = gc_policy
         self.stats = stats
         self.debug_ops = debug_ops
-        self.decode = capped(core.limits.rows)[0].decode  # every list of rows within max_rows
+        self.decode = capped(core.limits.rows).decode  # every list of rows within max_rows
 
     encode_text = staticmethod(encode_text)
     encode_stopped = staticmethod(encode_stopped)
 
     def stalled(self, worker: int, rows: list[OutRow]) -> list[OutRow]:
         return self.core.stalled(worker, rows)  # every row of a message is the core's
+
+    def unencodable(self, worker: int, rows: list[OutRow], exc: Exception) -> bytes:
+        log.error("%d row(s) for worker %d cannot be encoded (%s: %.200s); their requests fail with internal",
+                  len(rows), worker, type(exc).__name__, exc)
+        return encode_text(self.core.stalled(worker, rows, INTERNAL))
 
     @classmethod
     def make(cls, core: Detokenizer, delivery: Delivery, gc_policy: GcPolicy, stats: Stats, cfg: Config) -> NativeDialect:
@@ -205,14 +247,13 @@ class NativeDialect:
             msg = self.decode(frame)
         except Exception as exc:  # DecodeError; RecursionError for nesting deeper than msgspec goes
             self.stats.bad_frames += 1
-            log.warning("bad frame (%d bytes): %s", len(frame), exc)
-            try:
-                salvaged = salvage_rows(frame, self.core.limits.rows)
-            except Exception:
-                salvaged = None
+            salvaged = salvage_rows(frame, self.core.limits.rows)
             if salvaged is None:
+                log.warning("bad frame (%d bytes): %s", len(frame), exc)
                 return False
             rows, bad = salvaged
+            log.warning("tokens frame (%d bytes) with %d bad row(s), answered bad_row; %d good row(s) go on: %s",
+                        len(frame), len(bad), len(rows), exc)
             self.core.bad_rows(bad)
             msg = Tokens(rows)
         if isinstance(msg, Tokens):
