@@ -11,6 +11,7 @@ failure of one line. One server at a time.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,10 @@ def generate(fe: Frontend) -> tuple[str, str]:
     body = {"text": "Please answer. [reply 1] [step 2]", "rid": "probe", "sampling_params": {"max_new_tokens": 200}}
     resp = requests.post(fe.url + "/generate", json=body, timeout=300)
     resp.raise_for_status()
+    # The stand-in records a request once its last batch went out: it may follow the answer.
+    deadline = time.monotonic() + 60
+    while "probe" not in fe.records() and time.monotonic() < deadline:
+        time.sleep(0.05)
     return resp.json()["text"], oracle("qwen2", fe.records()["probe"])
 
 
