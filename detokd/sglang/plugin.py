@@ -68,13 +68,19 @@ def _sglang_version() -> str:
         return "?"
 
 
-def keep_sglangs(cause: str, version: str | None = None) -> None:
+def cause(exc: BaseException) -> str:
+    """An exception as one line of a log."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:400]
+
+
+def keep_sglangs(why: str) -> None:
     """SGLang's own detokenizer runs: one warning line naming the cause and the release,
     or, under DETOKD_SGLANG=require, a launch failure of one line."""
-    where = f"SGLang {version or _sglang_version()}"
+    where = f"SGLang {_sglang_version()}"
     if required():
-        raise SystemExit(f"detokd: {ENV}=require, and detokd cannot serve {where}'s detokenizer: {cause}")
-    logger.warning("detokd: keeping SGLang's own detokenizer on %s: %s", where, cause)
+        raise SystemExit(f"detokd: {ENV}=require, and detokd cannot serve {where}'s detokenizer: {why}")
+    logger.warning("detokd: keeping SGLang's own detokenizer on %s: %s", where, why)
 
 
 def _main_process() -> bool:
@@ -106,8 +112,6 @@ def register() -> None:
         release.detect()
     except Exception as e:  # noqa: BLE001
         if _main_process():
-            from detokd.sglang.process import cause
-
             keep_sglangs(cause(e))
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

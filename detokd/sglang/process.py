@@ -39,6 +39,7 @@ from ..config import Config, load
 from ..server import Server
 from ..tokenizer import Vocab, of
 from .dialect import SglangDialect
+from .plugin import cause
 from . import release, schema, vocab as sglang_vocab
 
 log = logging.getLogger("detokd.sglang")
@@ -146,12 +147,6 @@ def prepare(server_args, port_args, use_pickle: bool | None = None) -> Prepared:
     vocab, fingerprint = sglangs_vocab(server_args)
     cfg = config(port_args, vocab.name)
     return Prepared(vocab, fingerprint, cfg, dialect_factory(vocab, built, rel, ipc))
-
-
-def cause(exc: BaseException) -> str:
-    """An exception as one line of a log."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}"[:400]
 
 
 def own_lines() -> None:
