@@ -33,7 +33,7 @@ CASES = {
     "missing symbol": ("symbol:sglang.srt.managers.multi_tokenizer_mixin:_handle_output_by_index", None,
                        "_handle_output_by_index"),
     "unknown field": ("field:BatchStrOutput:draft_texts", None, "'draft_texts'"),
-    "bad DETOKD_CONFIG": (None, "max_state = 10\n", "unknown field `max_state`"),
+    "bad DETOKD_CONFIG": (None, "max_state = 10\n", "`max_state`"),
     "tokenizer mismatch": ("vocab:", None, "is not SGLang's"),
 }
 
@@ -92,7 +92,7 @@ def test_detokd_sglang_require_turns_a_fallback_into_a_launch_failure_of_one_lin
         fe.close()
     assert status != 0
     lines = [line for line in log.splitlines() if "DETOKD_SGLANG=require" in line]
-    assert len(lines) == 1 and "unknown field `max_state`" in lines[0] and f"SGLang {sglang.__version__}" in lines[0]
+    assert len(lines) == 1 and "`max_state`" in lines[0] and f"SGLang {sglang.__version__}" in lines[0]
     assert "Traceback" not in log and KEEPING not in log
 
 
