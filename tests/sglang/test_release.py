@@ -69,3 +69,33 @@ def test_tool_call_closers_are_kept_only_where_the_release_keeps_them():
 
     uses = "tool_close_token_ids" in inspect.getsource(DetokenizerManager.trim_matched_stop)
     assert (release.detect().tool_closers is not None) is uses
+
+
+def test_a_release_outside_the_window_is_served_with_a_warning_that_it_is_untested(monkeypatch, caplog):
+    """Outside the tested window the structural check decides; passed, detokd serves and
+    SGLang's log says the release is untested."""
+    import logging
+
+    from detokd.sglang import plugin
+
+    monkeypatch.setattr(release, "WINDOW", ("0.0.1",))
+    monkeypatch.setattr(plugin, "_announced", False)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.plugins"):
+        plugin._announce(1, 1)
+    (record,) = [r for r in caplog.records if "replaced SGLang's detokenizer" in r.getMessage()]
+    assert record.levelname == "WARNING" and "untested" in record.getMessage()
+    assert f"SGLang {sglang.__version__}" in record.getMessage()
+
+
+def test_under_require_a_fallback_is_a_launch_failure_of_one_line(monkeypatch, caplog):
+    from detokd.sglang import plugin
+
+    monkeypatch.setenv("DETOKD_SGLANG", "require")
+    assert plugin.enabled() and plugin.required()
+    with pytest.raises(SystemExit) as exit_:
+        plugin.keep_sglangs("SchemaMismatch: a reason")
+    message = str(exit_.value)
+    assert "\n" not in message and f"SGLang {sglang.__version__}" in message and "a reason" in message
+    monkeypatch.setenv("DETOKD_SGLANG", "1")
+    plugin.keep_sglangs("SchemaMismatch: a reason")  # a warning, not an exit
+    assert [r.levelname for r in caplog.records if "keeping SGLang's own" in r.getMessage()] == ["WARNING"]
