@@ -147,7 +147,7 @@ class Worker:
     connected: bool = False
     sent: int = 0  # messages queued (in ZMQ's queue or the backlog)
     dropped: int = 0  # messages that found the queue full
-    disconnects: int = 0  # connections that broke, each failing the rows in flight on it
+    disconnects: int = 0  # connections that broke, each failing the live requests with rows in flight on it
     backlog: deque[Queued] = field(default_factory=deque)  # frames waiting for room in ZMQ's queue, in order
     backlog_bytes: int = 0
     in_flight: deque[Sent] = field(default_factory=deque)  # the last messages ZMQ took
@@ -289,16 +289,47 @@ class Delivery:
 
     def _broken(self, w: Worker, how: str) -> None:
         """ZMQ drops the queue of a connection that ends (ZMQ_IMMEDIATE), and the socket
-        buffers go with it; no peer acknowledges a message, so the rows of the last
-        messages ZMQ took are taken as lost: their requests fail (worker_stalled) and the
-        worker is owed their error rows for when it can be reached again."""
-        rows = list({row.rid: row for sent in w.in_flight for row in sent.rows}.values())  # each rid's last row
+        buffers go with it; no peer acknowledges a message, so any of the last messages
+        ZMQ took may be lost, and on one connection a lost message loses all after it.
+
+        A request whose last row there went on (no finish, no error) continues on another
+        connection after a possible hole: it fails (worker_stalled), and the worker is
+        owed its error row. A request whose last row there ended it is over: the worker
+        has its whole text or lacks only a tail that includes the ending row, so failing
+        it could contradict a finish the worker read (every clean worker exit would).
+        It is counted as unconfirmed (detokd_worker_unconfirmed_total), never failed."""
+        last = {row.rid: row for sent in w.in_flight for row in sent.rows}  # each rid's last row
         w.in_flight.clear()
         w.in_flight_bytes = w.in_flight_rows = 0
         w.disconnects += 1
-        if rows and self.lost is not None:
-            self._keep_owed(w, self.lost(w.index, rows))
-        log.warning("worker %d %s: %d request(s) with rows in flight failed (worker_stalled)", w.index, how, len(rows))
+        going = [row for row in last.values() if row.finish is None and row.error is None]
+        ended = len(last) - len(going)
+        unconfirmed = self.stats.unconfirmed
+        unconfirmed[w.index] = unconfirmed.get(w.index, 0) + ended
+        if going and self.lost is not None:
+            self._fail_going(w, self.lost(w.index, going))
+        # A clean restart of a worker that read everything is no failure: info, not warning.
+        log.log(
+            logging.WARNING if going else logging.INFO,
+            "worker %d %s: %d live request(s) with rows in flight failed (worker_stalled); "
+            "%d ended request(s) whose last row it may not have read (unconfirmed)", w.index, how, len(going), ended,
+        )
+
+    def _fail_going(self, w: Worker, errors: list[OutRow]) -> None:
+        """The error rows of requests that failed with the connection. Those with rows
+        still in the backlog go ahead of it, so the worker hears of the failure before
+        any later row (a finish among them would read as a success); the others are owed
+        for when the worker has room, as a full queue's are."""
+        queued = {row.rid for q in w.backlog for row in q.rows}
+        ahead = [row for row in errors if row.rid in queued]
+        frames = self.encoder.encode_text(ahead) if ahead else []
+        frames = [frames] if type(frames) is bytes else frames
+        if frames:
+            for frame in reversed(frames):
+                w.backlog.appendleft(Queued(frame, ahead))
+                w.backlog_bytes += len(frame)
+            errors = [row for row in errors if row.rid not in queued]
+        self._keep_owed(w, errors)
 
     def _close_socket(self, w: Worker, linger: int) -> None:
         if w.monitor is not None:
