@@ -36,6 +36,7 @@ from typing import Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from . import logs
 from .config import Config
 from .core.bounded import BoundedMap
 from .core.outbox import Outbox
@@ -238,6 +239,7 @@ class Delivery:
         w = self.workers.get(index)
         if w is not None and w.address == address:
             return True
+        old = None if w is None else w.address
         key = self.curve.workers.get(index) if self.curve is not None else None
         try:
             sock, monitor = self._connect(address, key, worker=True)
@@ -259,7 +261,14 @@ class Delivery:
             w.socket, w.monitor, w.address = sock, monitor, address
             if w.backlog:
                 self._watch(w)
-        log.info("worker %d at %r%s", index, address, " (CURVE)" if key is not None else "")
+        # Who receives a worker's text is a security event: every change is logged, past
+        # the rate limiter (changes are few: register_max added, moves only to allowed
+        # addresses with register_replace).
+        curve = " (CURVE)" if key is not None else ""
+        if old is None:
+            log.info("worker %d at %r%s", index, address, curve, extra=logs.UNLIMITED)
+        else:
+            log.info("worker %d moved from %r to %r%s", index, old, address, curve, extra=logs.UNLIMITED)
         return True
 
     def known(self, index: int) -> bool:
