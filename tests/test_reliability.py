@@ -14,7 +14,9 @@ The peers and helpers are tests/utils.py's, shared with tests/test_metrics.py.
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +28,9 @@ import pytest
 import zmq
 
 from detokbench.frames import Hostile
-from detokd.client import SchedulerClient
+from detokd.client import SchedulerClient, shard_for
+from detokd.launch import derive_address
+from detokd.process import DetokdProcess, ipc_config
 from detokd.wire.native import Finish
 from utils import (
     SINKS,
@@ -655,3 +659,64 @@ def test_a_stalled_worker_killed_with_its_queue_full_fails_no_request_it_finishe
     cases = check_after_restart(old, new, churn.planned, port)
     assert cases["read"] and cases["failed"] and cases["silent"], cases
     assert d.stop() == 0
+
+
+# --------------------------------------------------------------------------- shard restarts
+
+
+def _rids(shard: int, prefix: str, n: int) -> list[str]:
+    """n rids of `shard` of two (shard_for), each named `prefix` and a number."""
+    return [rid for rid in (f"{prefix}{i}" for i in range(100 * n)) if shard_for(rid, 2) == shard][:n]
+
+
+def test_a_scheduler_watching_its_shards_is_told_every_request_a_shard_restart_may_have_lost(tmp_path, zctx):
+    """`detokd serve --shards 2`; shard 0 stops reading (debug_stall), 20 whole requests
+    wait in its input queue, then it is killed and the supervisor restarts it. What its
+    queue held is gone, unanswered (no detokd saw it, no worker is told). A
+    SchedulerClient with watch=True notices the broken connection: every request not
+    answered is in its lost(), as is the one live across the restart, and nothing of
+    shard 1, which answers everything exactly."""
+    rng = random.Random(34)
+    cfg = ipc_config(tmp_path, workers=1, log_level="info", debug_ops=True)
+    d = DetokdProcess(cfg, folder=tmp_path, args=["--shards", "2"])
+    sink = Sink(zctx, cfg.workers[0])
+    try:
+        d.start()
+        addrs = [derive_address(cfg.input, i) for i in range(2)]
+        sched = SchedulerClient(addrs, context=zctx, watch=True)
+        planned: dict[str, list[int]] = {}
+
+        def whole(rids: list[str]) -> None:
+            for rid in rids:
+                planned[rid] = make_ids(rng, 12)
+                sched.begin(rid, planned[rid], worker=0, finish=Finish("length"))
+                sched.flush()
+
+        (live,) = _rids(0, "live", 1)
+        sched.begin(live, make_ids(rng, 4), worker=0)
+        whole(_rids(0, "a", 3) + _rids(1, "a", 3))
+        sink.wait(lambda: all(sink.ended(rid) for rid in planned) and sink.rows(live), 20, "the answers before")
+        stall = Engine(zctx, addrs[0])
+        stall.send({"type": "control", "op": "debug_stall:60"})
+        logged(d, "debug_stall: blocking the loop")
+        queued, other = _rids(0, "q", 20), _rids(1, "o", 5)
+        whole(queued + other)
+        sink.wait(lambda: all(sink.ended(rid) for rid in other), 20, "shard 1's answers")
+        os.kill(int(re.findall(r"shard 0 started \(pid (\d+)\)", d.log())[-1]), signal.SIGKILL)
+        lost: set[str] = set()
+        wait_until(lambda: lost.update(sched.lost()) or live in lost, 20, "the broken connection noticed")
+        wait_until(lambda: d.log().count(f"serving: input {addrs[0]}") == 2, 60, "shard 0 restarted")
+        whole(_rids(0, "b", 3) + _rids(1, "b", 3))
+        sink.wait(lambda: all(sink.ended(rid) for rid in planned if rid[0] == "b"), 20, "the answers after")
+        lost.update(sched.lost())
+        stall.close()
+        sched.close(0)
+
+        unanswered = {rid for rid in planned if not sink.ended(rid)}
+        assert unanswered and unanswered <= lost, (unanswered, lost)  # lost, and never silently
+        assert live in lost and all(shard_for(rid, 2) == 0 for rid in lost), lost
+        for rid in set(planned) - unanswered:
+            assert sink.errors(rid) == [] and sink.text(rid) == expected_text(planned[rid]), rid
+        assert d.stop() == 0
+    finally:
+        d.kill()
