@@ -266,12 +266,16 @@ class SchedulerClient:
         return lost
 
     def _watch_connections(self) -> None:
-        for shard, watch in enumerate(self._watches):
-            if watch.broke():
-                gone = {rid for rid, t in self._reqs.items() if t.shard == shard}
-                for rid in gone:
-                    del self._reqs[rid]
-                self._lost |= gone | watch.take_recent()
+        for shard in range(len(self._watches)):
+            self._watch_shard(shard)
+
+    def _watch_shard(self, shard: int) -> None:
+        watch = self._watches[shard]
+        if watch.broke():
+            gone = {rid for rid, t in self._reqs.items() if t.shard == shard}
+            for rid in gone:
+                del self._reqs[rid]
+            self._lost |= gone | watch.take_recent()
 
     def take(self) -> list[tuple[int, bytes]]:
         """The queued rows as encoded `tokens` messages, (shard, frame) per shard that
@@ -288,7 +292,7 @@ class SchedulerClient:
         if not self._socks:
             raise RuntimeError("SchedulerClient is closed")
         if self._watches:
-            self._watch_connections()  # first: a connection that broke took what came before
+            self._watch_shard(shard)  # first: a connection that broke took what came before
         self._socks[shard].send(msg)
         if self._watches and rids:
             self._watches[shard].sent(rids)
