@@ -337,6 +337,8 @@ class Delivery:
             for frame in reversed(frames):
                 w.backlog.appendleft(Queued(frame, ahead))
                 w.backlog_bytes += len(frame)
+            for row in ahead:  # told now: an error owed from an earlier loss would repeat it
+                w.owed.pop(row.rid)
             errors = [row for row in errors if row.rid not in queued]
         self._keep_owed(w, errors)
 
