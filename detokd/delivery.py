@@ -17,8 +17,9 @@ the backlog, which the loop drains into ZMQ whenever the socket can take more
 
 ZMQ tells a sender nothing of what a broken connection took with it (its queue, the
 socket buffers). A socket monitor tells that it broke (`watch_connections`), and the
-rows of the last messages that entered ZMQ's queue are then taken as lost: the stall
-policy fails their requests, and the worker is owed their error rows once it is back.
+last messages that entered ZMQ's queue are then taken as possibly lost: the stall
+policy fails the requests they leave live, and the worker is told once it is back;
+those they ended are only counted (`_broken`).
 
 Frames are encoded by the wire dialect; delivery only moves bytes.
 """
