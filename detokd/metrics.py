@@ -62,7 +62,7 @@ class _StatsCollector:
         sent = CounterMetricFamily("detokd_worker_messages", "text messages queued per worker", labels=["worker"])
         dropped = CounterMetricFamily("detokd_worker_dropped", "messages lost to a full worker queue", labels=["worker"])
         disconnects = CounterMetricFamily(
-            "detokd_worker_disconnects", "connections to the worker that broke (requests with rows in flight failed)", labels=["worker"]
+            "detokd_worker_disconnects", "connections to the worker that broke (live requests with rows in flight failed)", labels=["worker"]
         )
         writable = GaugeMetricFamily("detokd_worker_writable", "1 while the worker's send queue has room", labels=["worker"])
         owed = GaugeMetricFamily("detokd_worker_owed_rows", "error rows waiting for the worker's queue to have room", labels=["worker"])
@@ -79,6 +79,13 @@ class _StatsCollector:
             backlog.add_metric([str(w)], f.backlog)
             backlog_bytes.add_metric([str(w)], f.backlog_bytes)
         yield from (sent, dropped, disconnects, writable, owed, backlog, backlog_bytes)
+        unconfirmed = CounterMetricFamily(
+            "detokd_worker_unconfirmed", "requests whose ending row (finish or error) was in flight on a connection to the "
+            "worker that broke: the worker may not have read it; never failed afterwards", labels=["worker"],
+        )
+        for w, n in sorted(s.unconfirmed.items()):
+            unconfirmed.add_metric([str(w)], n)
+        yield unconfirmed
         entries = GaugeMetricFamily("detokd_memory_entries", "entries held by each bounded memory", labels=["memory"])
         size = GaugeMetricFamily("detokd_memory_bytes", "estimated bytes held by each bounded memory", labels=["memory"])
         for name, (n, nbytes) in sorted(s.memory.items()):
