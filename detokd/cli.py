@@ -64,6 +64,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
     from .launch import StatusPortError, derive_address, supervise_shards
+    from .metrics import BuildInfo
 
     if cfg.metrics_port is not None and cfg.metrics_port + ns.shards - 1 > 65535:
         raise ConfigError("metrics_port + shards exceeds 65535")
@@ -98,7 +99,9 @@ def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
 
     logging.getLogger("detokd.launch").info("%d shards: %s", ns.shards, ", ".join(inputs))
     try:
-        return supervise_shards(argv, ns.shards, status_port=sup_port, status_host=cfg.metrics_host)
+        return supervise_shards(
+            argv, ns.shards, status_port=sup_port, status_host=cfg.metrics_host, collectors=[BuildInfo("native")]
+        )
     except StatusPortError as exc:
         raise ConfigError(str(exc)) from exc
 
