@@ -214,7 +214,9 @@ def supervise_shards(
         log.info("got %s: stopping %d shards", signal.Signals(sig).name, n)
         looping = any(s.failures > max_restarts for s in shards)
         procs = [s.proc for s in shards if s.proc is not None]
-        return _stop(procs, sig, stop_timeout, got) or int(looping)
+        rc = _stop(procs, sig, stop_timeout, got) or int(looping)
+        log.info("stopped: got %s; exit %d", signal.Signals(sig).name, rc)
+        return rc
     finally:
         if status is not None:
             status.close()
