@@ -26,11 +26,16 @@ from detokd.wire.native import (
     Register,
     Row,
     Start,
+    Stopped,
+    StoppedRow,
     Tokens,
     encode,
 )
 
 __all__ = ["SchedulerClient", "shard_for"]
+
+
+_stopped = msgspec.msgpack.Decoder(Stopped)
 
 
 def shard_for(rid: str, n: int) -> int:
@@ -99,9 +104,12 @@ class SchedulerClient:
         send_timeout: float | None = None,
         curve_server_key: bytes | None = None,
         curve_keypair: tuple[bytes, bytes] | None = None,
+        feedback: str | None = None,
     ) -> None:
         """`curve_server_key` (detokd's public key) and `curve_keypair` (this client's
-        public, secret; zmq.auth.load_certificate) connect with CURVE (docs/security.md)."""
+        public, secret; zmq.auth.load_certificate) connect with CURVE (docs/security.md).
+        `feedback`: bind a PULL socket there for detokd's `stopped` rows (`stopped()`);
+        the address is detokd's `feedback` key."""
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
             raise ValueError("SchedulerClient needs at least one detokd input address")
@@ -119,6 +127,11 @@ class SchedulerClient:
         self._n = len(self._socks)
         self._pending: list[list[Row]] = [[] for _ in self._socks]
         self._reqs: dict[str, Tracked] = {}
+        self.feedback_socket: zmq.Socket | None = None
+        self.stale_stopped = 0  # `stopped` rows about a request no longer tracked under that vid
+        if feedback is not None:
+            self.feedback_socket = self._ctx.socket(zmq.PULL)
+            self.feedback_socket.bind(feedback)
 
     @property
     def n_shards(self) -> int:
@@ -210,6 +223,29 @@ class SchedulerClient:
             raise RuntimeError("SchedulerClient is closed")
         self._socks[shard].send(msg)
 
+    def stopped(self, timeout: float = 0.0) -> list[StoppedRow]:
+        """The requests detokd stopped on a stop string since the last call, waiting up
+        to `timeout` s for the first. Stop generating each one: its worker already has
+        the finishing row, and this call queues the request's own finishing row
+        (`Finish("stop", matched)`, sent by the next flush), which frees detokd's state
+        of it; the client forgets the rid. Rows about a rid not tracked under that
+        vid (it finished or restarted meanwhile) are not returned (`stale_stopped`)."""
+        sock = self.feedback_socket
+        if sock is None:
+            raise RuntimeError("SchedulerClient has no feedback address")
+        out: list[StoppedRow] = []
+        wait = int(timeout * 1000)
+        while sock.poll(wait):
+            wait = 0
+            for row in _stopped.decode(sock.recv()).rows:
+                t = self._reqs.get(row.rid)
+                if t is None or t.vid != row.vid:
+                    self.stale_stopped += 1
+                    continue
+                self.add(row.rid, finish=Finish("stop", row.matched))
+                out.append(row)
+        return out
+
     def forget(self, rid: str) -> None:
         """Stop tracking `rid` without telling detokd (it ended some other way)."""
         self._reqs.pop(rid, None)
@@ -274,6 +310,8 @@ class SchedulerClient:
             for s in self._socks:
                 s.close(linger=int(linger * 1000))
             self._socks = []
+            if self.feedback_socket is not None:
+                self.feedback_socket.close(linger=0)
             if self._own_context:
                 self._ctx.term()
 
