@@ -158,6 +158,24 @@ def _summary(streams: int, tokens: int, wall: float, interval: float, decoded: f
     )
 
 
+def _take(msg: Text, texts: list[list[str]], n_ids: list[int], done: set[int]) -> str:
+    """Record a text message's rows per stream; stream 0's new text."""
+    delta0 = ""
+    for row in msg.rows:
+        i = int(row.rid.split("-")[1])
+        if row.error:
+            print(f"\n{row.rid}: error {row.error}", file=sys.stderr)
+            done.add(i)
+            continue
+        texts[i].append(row.text)
+        n_ids[i] = row.n_ids
+        if i == 0:
+            delta0 += row.text
+        if row.finish is not None:
+            done.add(i)
+    return delta0
+
+
 def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show: bool = True, interval: float = STEP_INTERVAL) -> int:
     name = tokenizer or Config().tokenizer
     print(f"detokd demo: loading tokenizer {name} ...", file=sys.stderr)
@@ -195,20 +213,7 @@ def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show:
                 return 1
             if not poller.poll(200):
                 continue
-            msg = _text.decode(worker.recv())
-            delta0 = ""
-            for row in msg.rows:
-                i = int(row.rid.split("-")[1])
-                if row.error:
-                    print(f"\n{row.rid}: error {row.error}", file=sys.stderr)
-                    done.add(i)
-                    continue
-                texts[i].append(row.text)
-                n_ids[i] = row.n_ids
-                if i == 0:
-                    delta0 += row.text
-                if row.finish is not None:
-                    done.add(i)
+            delta0 = _take(_text.decode(worker.recv()), texts, n_ids, done)
             got, elapsed = sum(n_ids), time.monotonic() - t0
             # A rate over less than a second is one step's burst, not a rate: none yet.
             rate = f" · {got / elapsed:,.0f} tokens/s delivered" if elapsed >= 1.0 else ""

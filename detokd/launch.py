@@ -167,12 +167,7 @@ def supervise_shards(
                 s.index, s.failures, restart_window, max_delay,
             )
 
-    status = None
-    if status_port is not None:
-        try:
-            status = StatusServer(shards, max_restarts, status_host, status_port, collectors)
-        except OSError as exc:
-            raise StatusPortError(f"cannot serve supervisor status on {status_host}:{status_port}: {exc.strerror}") from exc
+    status = None if status_port is None else _status_server(shards, max_restarts, status_host, status_port, collectors)
 
     got: list[int] = []  # signals received, handled by the loop rather than the handler
 
@@ -222,6 +217,13 @@ def supervise_shards(
             status.close()
         for sig, h in old.items():
             signal.signal(sig, h)
+
+
+def _status_server(shards: list[Shard], max_failures: int, host: str, port: int, collectors: Sequence[object]) -> StatusServer:
+    try:
+        return StatusServer(shards, max_failures, host, port, collectors)
+    except OSError as exc:
+        raise StatusPortError(f"cannot serve supervisor status on {host}:{port}: {exc.strerror}") from exc
 
 
 class StatusServer:
