@@ -29,9 +29,9 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--max-prompt-tail", type=int, metavar="N", help="prompt ids used as context for the first characters")
     sp.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])
     sp.add_argument("--log-format", choices=["text", "json"], help="text lines, or one JSON object a line")
-    sp.add_argument("--metrics-port", type=int, metavar="PORT", help="serve /health and /metrics on this port")
+    sp.add_argument("--metrics-port", type=int, metavar="PORT", help="serve /livez, /readyz, /health and /metrics on this port")
     sp.add_argument("--shards", type=int, default=1, metavar="N", help="run N detokd processes on derived addresses (input.0, input.1, ...)")
-    sp.add_argument("--supervisor-port", type=int, metavar="PORT", help="with --shards: the supervisor's /health and /status on this port (metrics_host)")
+    sp.add_argument("--supervisor-port", type=int, metavar="PORT", help="with --shards: the supervisor's /health, /status and /metrics on this port (metrics_host)")
     # Set by the supervisor on each shard it starts: the shard's number, on its log lines.
     sp.add_argument("--shard-index", type=int, help=argparse.SUPPRESS)
 
