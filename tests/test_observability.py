@@ -94,7 +94,7 @@ def test_livez_and_readyz_fail_while_the_loop_is_stuck(detokd, zctx):
     port = metrics_port(d)
     eng = Engine(zctx, d.input)  # held: closed, its LINGER 0 would drop the frame
     eng.send({"type": "control", "op": "debug_stall:3"})
-    status, body = wait_until(lambda: (lambda r: r[0] == 503 and r)(http_get(port, "/livez")), 10, "/livez 503")
+    _, body = wait_until(lambda: (lambda r: r[0] == 503 and r)(http_get(port, "/livez")), 10, "/livez 503")
     assert b"stuck" in body
     assert http_get(port, "/readyz")[0] == 503
     wait_until(lambda: http_get(port, "/livez")[0] == 200, 10, "/livez 200 after the stall")
