@@ -17,8 +17,9 @@ the backlog, which the loop drains into ZMQ whenever the socket can take more
 
 ZMQ tells a sender nothing of what a broken connection took with it (its queue, the
 socket buffers). A socket monitor tells that it broke (`watch_connections`), and the
-rows of the last messages that entered ZMQ's queue are then taken as lost: the stall
-policy fails their requests, and the worker is owed their error rows once it is back.
+last messages that entered ZMQ's queue are then taken as possibly lost: the stall
+policy fails the requests they leave live, and the worker is told once it is back;
+those they ended are only counted (`_broken`).
 
 Frames are encoded by the wire dialect; delivery only moves bytes.
 """
@@ -36,6 +37,7 @@ from typing import Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from . import logs
 from .config import Config
 from .core.bounded import BoundedMap
 from .core.outbox import Outbox
@@ -150,7 +152,7 @@ class Worker:
     connected: bool = False
     sent: int = 0  # messages queued (in ZMQ's queue or the backlog)
     dropped: int = 0  # messages that found the queue full
-    disconnects: int = 0  # connections that broke, each failing the rows in flight on it
+    disconnects: int = 0  # connections that broke, each failing the live requests with rows in flight on it
     backlog: deque[Queued] = field(default_factory=deque)  # frames waiting for room in ZMQ's queue, in order
     backlog_bytes: int = 0
     in_flight: deque[Sent] = field(default_factory=deque)  # the last messages ZMQ took
@@ -241,6 +243,7 @@ class Delivery:
         w = self.workers.get(index)
         if w is not None and w.address == address:
             return True
+        old = None if w is None else w.address
         key = self.curve.workers.get(index) if self.curve is not None else None
         try:
             sock, monitor = self._connect(address, key, worker=True)
@@ -262,7 +265,14 @@ class Delivery:
             w.socket, w.monitor, w.address = sock, monitor, address
             if w.backlog:
                 self._watch(w)
-        log.info("worker %d at %r%s", index, address, " (CURVE)" if key is not None else "")
+        # Who receives a worker's text is a security event: every change is logged, past
+        # the rate limiter (changes are few: register_max added, moves only to allowed
+        # addresses with register_replace).
+        curve = " (CURVE)" if key is not None else ""
+        if old is None:
+            log.info("worker %d at %r%s", index, address, curve, extra=logs.UNLIMITED)
+        else:
+            log.info("worker %d moved from %r to %r%s", index, old, address, curve, extra=logs.UNLIMITED)
         return True
 
     def known(self, index: int) -> bool:
@@ -292,16 +302,49 @@ class Delivery:
 
     def _broken(self, w: Worker, how: str) -> None:
         """ZMQ drops the queue of a connection that ends (ZMQ_IMMEDIATE), and the socket
-        buffers go with it; no peer acknowledges a message, so the rows of the last
-        messages ZMQ took are taken as lost: their requests fail (worker_stalled) and the
-        worker is owed their error rows for when it can be reached again."""
-        rows = list({row.rid: row for sent in w.in_flight for row in sent.rows}.values())  # each rid's last row
+        buffers go with it; no peer acknowledges a message, so any of the last messages
+        ZMQ took may be lost, and on one connection a lost message loses all after it.
+
+        A request whose last row there went on (no finish, no error) continues on another
+        connection after a possible hole: it fails (worker_stalled), and the worker is
+        owed its error row. A request whose last row there ended it is over: the worker
+        has its whole text or lacks only a tail that includes the ending row, so failing
+        it could contradict a finish the worker read (every clean worker exit would).
+        It is counted as unconfirmed (detokd_worker_unconfirmed_total), never failed."""
+        last = {row.rid: row for sent in w.in_flight for row in sent.rows}  # each rid's last row
         w.in_flight.clear()
         w.in_flight_bytes = w.in_flight_rows = 0
         w.disconnects += 1
-        if rows and self.lost is not None:
-            self._keep_owed(w, self.lost(w.index, rows))
-        log.warning("worker %d %s: %d request(s) with rows in flight failed (worker_stalled)", w.index, how, len(rows))
+        going = [row for row in last.values() if row.finish is None and row.error is None]
+        ended = len(last) - len(going)
+        unconfirmed = self.stats.unconfirmed
+        unconfirmed[w.index] = unconfirmed.get(w.index, 0) + ended
+        if going and self.lost is not None:
+            self._fail_going(w, self.lost(w.index, going))
+        # A clean restart of a worker that read everything is no failure: info, not warning.
+        log.log(
+            logging.WARNING if going else logging.INFO,
+            "worker %d %s: %d live request(s) with rows in flight failed (worker_stalled); "
+            "%d ended request(s) whose last row it may not have read (unconfirmed)", w.index, how, len(going), ended,
+        )
+
+    def _fail_going(self, w: Worker, errors: list[OutRow]) -> None:
+        """The error rows of requests that failed with the connection. Those with rows
+        still in the backlog go ahead of it, so the worker hears of the failure before
+        any later row (a finish among them would read as a success); the others are owed
+        for when the worker has room, as a full queue's are."""
+        queued = {row.rid for q in w.backlog for row in q.rows}
+        ahead = [row for row in errors if row.rid in queued]
+        frames = self.encoder.encode_text(ahead) if ahead else []
+        frames = [frames] if type(frames) is bytes else frames
+        if frames:
+            for frame in reversed(frames):
+                w.backlog.appendleft(Queued(frame, ahead))
+                w.backlog_bytes += len(frame)
+            for row in ahead:  # told now: an error owed from an earlier loss would repeat it
+                w.owed.pop(row.rid)
+            errors = [row for row in errors if row.rid not in queued]
+        self._keep_owed(w, errors)
 
     def _close_socket(self, w: Worker, linger: int) -> None:
         if w.monitor is not None:

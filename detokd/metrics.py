@@ -48,11 +48,14 @@ HELP = {
     "overloaded": "1 while RSS is above max_rss_mb (new requests refused)",
     "worker_messages": "text messages queued for each worker",
     "worker_dropped": "messages lost to a full worker queue (their requests failed)",
-    "worker_disconnects": "connections to a worker that broke, or ended when register moved it; "
-    "the requests with rows in flight on it failed (worker_stalled)",
+    "worker_disconnects": "connections to a worker that broke, or ended when register moved it; the live requests "
+    "with rows in flight on it failed (worker_stalled), the ended ones are counted in detokd_worker_unconfirmed_total",
     "worker_writable": "1 while a message would go straight into the worker's ZMQ queue",
     "worker_owed_rows": "error rows waiting for a worker's queue to have room",
     "worker_backlog_messages": "messages waiting behind the worker's ZMQ queue",
+    "worker_unconfirmed": "requests whose ending row (finish or error) was among the last messages on a connection to the "
+    "worker that broke: the worker read it or lost it with the connection, ZMQ cannot tell; never failed afterwards "
+    "(docs/reliability.md, \"Known limits\")",
     "worker_backlog_bytes": "bytes of the messages waiting behind the worker's ZMQ queue, at most send_queue_bytes",
     "memory_entries": "entries of each bounded memory: tombstones, stop_automata (the cache), "
     "stop_automata_alive (cached or held by live requests)",
@@ -157,6 +160,10 @@ class _StatsCollector:
             ):
                 fams[name].add_metric([str(w)], value)
         yield from fams.values()
+        unconfirmed = _family(CounterMetricFamily, "worker_unconfirmed", labels=["worker"])
+        for w, n in sorted(s.unconfirmed.items()):
+            unconfirmed.add_metric([str(w)], n)
+        yield unconfirmed
 
 
 class _DroppedCollector:

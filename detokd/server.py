@@ -259,6 +259,9 @@ class Server:
         old = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         self.gc_policy.start()
         stats = self.stats
+        # The heartbeat starts now: until the first turn, /health measures from here, not
+        # from Stats' creation before the seconds of start-up (it said "stuck" at once).
+        stats.last_turn = time.monotonic()
         stats.ready = True
         log.info("serving: input %s, %d worker(s), %s dialect", self.bound, len(self.delivery.workers), self.dialect.name)
         readiness.notify("READY=1")

@@ -14,7 +14,7 @@ import pytest
 
 from detokd.config import Config, load
 from detokd.process import DetokdProcess, ipc_config
-from utils import config_ranges
+from utils import config_ranges, logged
 
 DETOKD = [sys.executable, "-m", "detokd"]
 
@@ -207,8 +207,7 @@ def test_serve_binds_the_flags_input_over_the_environments_over_the_files(tmp_pa
     cfg = msgspec.structs.replace(ipc_config(tmp_path), input=address["file"])
     args = ["--input", address["flag"]] if flag else []
     with DetokdProcess(cfg, folder=tmp_path, args=args, env={"DETOKD_INPUT": address["env"]}) as d:
-        log = d.log()
-    assert f"serving: input {address['flag' if flag else 'env']}" in log, log
+        logged(d, f"serving: input {address['flag' if flag else 'env']}")  # written a moment after READY
 
 
 # --- --shards and the stop signals

@@ -927,8 +927,9 @@ def test_an_ipc_path_another_user_could_take_is_refused_at_start(tmp_path, zctx)
         shutil.rmtree(sticky)
 
 
-def test_every_register_change_and_refusal_is_counted_and_logged_or_said_suppressed(detokd, zctx, tmp_path):
-    # 10 lines per template per 10 s: a burst of registers loses lines, never the count.
+def test_every_register_change_is_logged_and_every_refusal_counted_and_logged_or_said_suppressed(detokd, zctx, tmp_path):
+    # 10 lines per template per 10 s: a burst of refusals (a peer's flood) loses lines,
+    # never the count; a change of who receives a worker's text is never rate limited.
     d = detokd(
         workers=1, args=["--metrics-port", "0"], register_enabled=True, register_replace=True,
         register_allow=[f"ipc://{tmp_path}/reg-*"],
@@ -937,23 +938,29 @@ def test_every_register_change_and_refusal_is_counted_and_logged_or_said_suppres
     a, b = Sink(zctx, f"ipc://{tmp_path}/reg-a.sock"), Sink(zctx, f"ipc://{tmp_path}/reg-b.sock")
     d.wait_ready()
     eng = Engine(zctx, d.input)
-    for i in range(16):  # worker 1 added, then moved 15 times
+    for i in range(24):  # worker 1 added, then moved 23 times: past twice the limit
         eng.send({"type": "register", "worker": 1, "address": (a, b)[i % 2].address})
     for i in range(12):
         eng.send({"type": "register", "worker": 2, "address": f"ipc://{tmp_path}/elsewhere-{i}.sock"})
     eng.rows([{"rid": "fence", "ids": [100], "start": {}, "finish": {"reason": "length"}}])
     w0.wait(lambda: w0.ended("fence"), 20, "detokd to take every register")
     m = scrape(metrics_port(d))
-    assert metric(m, "detokd_register_changes_total") == 16
+    assert metric(m, "detokd_register_changes_total") == 24
     assert metric(m, "detokd_errors_total", kind="register_refused") == 12
+
+    # Each change its own line, in order: added at a, then a -> b, b -> a, ...
+    moves = [f"INFO detokd.delivery: worker 1 at {a.address!r}"] + [
+        f"INFO detokd.delivery: worker 1 moved from {x.address!r} to {y.address!r}" for x, y in [(a, b), (b, a)] * 11 + [(a, b)]]
+    change = re.compile(r"INFO detokd\.delivery: worker 1 (?:at|moved from) .*")
+    wait_until(lambda: len(change.findall(d.log())) == 24, 30, "every change logged")
+    assert change.findall(d.log()) == moves
+    assert "similar messages suppressed in" not in "".join(line for line in d.log().splitlines() if "worker %d" in line)
 
     def said(line: str, template: str) -> int:
         """Lines of a template in the log plus the counts its suppression lines give."""
         log = d.log()
         return len(re.findall(line, log)) + sum(map(int, re.findall(rf"(\d+) similar messages suppressed in \d+ s: '{re.escape(template)}'", log)))
 
-    # worker 0's own line at start shares the template of a change.
-    wait_until(lambda: said(r"INFO detokd\.delivery: worker \d at '", "worker %d at %r%s") == 1 + 16, 30, "every change told")
     wait_until(lambda: said(r"WARNING detokd\.delivery: register of worker 2 at '[^']*' refused", "register of worker %d at %r refused: %s") == 12,
                30, "every refusal told")
 

@@ -13,8 +13,13 @@ The peers and helpers are tests/utils.py's, shared with tests/test_metrics.py.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -23,14 +28,20 @@ import pytest
 import zmq
 
 from detokbench.frames import Hostile
+from detokd.client import SchedulerClient, shard_for
+from detokd.launch import derive_address
+from detokd.process import DetokdProcess, ipc_config
+from detokd.wire.native import Finish
 from utils import (
     SINKS,
     Engine,
     Req,
     Sink,
+    WorkerProcess,
     deepseek,
     enc,
     expected_text,
+    logged,
     make_ids,
     metric,
     metrics_port,
@@ -459,3 +470,254 @@ def test_a_signal_under_load_stops_cleanly_with_consistent_output(detokd, zctx, 
                 assert text == full
             checked += 1
     assert checked > 16
+
+
+# --------------------------------------------------------------------------- worker restarts
+
+# docs/client.md's "A complete run" worker, its address an argument: it streams three
+# requests to their finish, prints their texts as JSON and exits cleanly.
+COMPLETE_RUN_WORKER = r"""
+import asyncio, json, sys
+from detokd.client import WorkerClient, run
+
+async def main():
+    async with WorkerClient(sys.argv[1]) as worker:
+        async def one(rid):
+            return rid, "".join([d async for d in worker.stream(rid)])
+        print(json.dumps(dict(await asyncio.gather(*(one(f"req-{i}") for i in range(3))))), flush=True)
+
+run(main())
+"""
+
+
+def test_a_worker_that_read_every_finish_and_exits_cleanly_is_told_nothing_failed(detokd, zctx):
+    """docs/client.md's complete run: the worker reads the three finishing rows and
+    exits. Its connection's end fails nothing (no worker_stalled, nothing owed), is
+    counted as 3 unconfirmed endings, and the next worker on the address gets no row
+    for those requests."""
+    d = detokd(workers=1, args=["--metrics-port", "0"])
+    worker = subprocess.Popen([sys.executable, "-c", COMPLETE_RUN_WORKER, d.workers[0]], stdout=subprocess.PIPE)
+    d.wait_ready()
+    port = metrics_port(d)
+    tok = deepseek().backend
+    replies = {f"req-{i}": tok.encode(t, add_special_tokens=False).ids
+               for i, t in enumerate(["Hello, world!", "日本語のテキスト 🙂", "naïve café"])}
+    sent = dict.fromkeys(replies, 0)
+    sched = SchedulerClient(d.input, context=zctx)
+    while sent:  # the docs' scheduler: two ids per request per step
+        for rid in list(sent):
+            ids, k = replies[rid], sent[rid]
+            new, last = ids[k:k + 2], k + 2 >= len(ids)
+            fin = Finish("length") if last else None
+            sched.begin(rid, new, worker=0, finish=fin) if k == 0 else sched.add(rid, new, finish=fin)
+            sent[rid] = k + len(new)
+            if last:
+                del sent[rid]
+        sched.flush()
+    out, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0 and json.loads(out) == {rid: expected_text(ids) for rid, ids in replies.items()}
+    m = wait_until(lambda: (lambda m: metric(m, "detokd_worker_disconnects_total", worker="0") == 1 and m)(scrape(port)),
+                   20, "the worker's exit seen")
+    assert metric(m, "detokd_errors_total", kind="worker_stalled") == 0
+    assert metric(m, "detokd_worker_owed_rows", worker="0") == 0
+    assert metric(m, "detokd_worker_unconfirmed_total", worker="0") == 3
+    logged(d, "INFO detokd.delivery: worker 0 disconnected: 0 live request(s) with rows in flight failed (worker_stalled); "
+              "3 ended request(s) whose last row it may not have read (unconfirmed)")
+    # The next worker: once it is connected and nothing is owed, a row owed to it would
+    # have been queued before the fence.
+    nxt = Sink(zctx, d.workers[0])
+    wait_until(lambda: (lambda m: metric(m, "detokd_worker_writable", worker="0") == 1
+                        and metric(m, "detokd_worker_owed_rows", worker="0") == 0)(scrape(port)), 20, "the next worker connected", 0.1)
+    fence, eng = Req("fence", make_ids(random.Random(31), 20)), Engine(zctx, d.input)
+    eng.rows([fence.row(20)])
+    nxt.wait(lambda: nxt.ended("fence"), 20, "the fence")
+    assert nxt.text("fence") == fence.expected()
+    assert {rid: nxt.rows(rid) for rid in replies} == dict.fromkeys(replies, [])
+    sched.close(0)
+    assert d.stop() == 0
+
+
+class Churn:
+    """An engine's steps: 8 requests at a time of 5-40 ids, rows of 1-6 ids, each
+    finished one replaced; `meta` (bytes) rides on every row, to fill queues."""
+
+    def __init__(self, eng: Engine, rng: random.Random, meta: bytes | None = None) -> None:
+        self.eng, self.rng, self.meta = eng, rng, meta
+        self.planned: dict[str, Req] = {}
+        self.live: list[Req] = []
+        self.rows = 0
+
+    def step(self, new: bool = True) -> None:
+        while new and len(self.live) < 8:
+            r = Req(f"k{len(self.planned)}", make_ids(self.rng, self.rng.randint(5, 40)))
+            self.planned[r.rid] = r
+            self.live.append(r)
+        extra = {"meta": self.meta} if self.meta is not None else {}
+        self.eng.rows([r.row(self.rng.randint(1, 6), **extra) for r in self.live])
+        self.rows += len(self.live)
+        self.live = [r for r in self.live if not r.done]
+
+    def drain(self) -> None:
+        while self.live:
+            self.step(new=False)
+
+
+def _text(rows: list[dict]) -> str:
+    return "".join(r["text"] for r in rows if r["error"] is None)
+
+
+def check_after_restart(old: WorkerProcess, new: Sink, planned: dict[str, Req], port: int) -> dict[str, list[str]]:
+    """What a worker's death may do to each request, from what the dead worker read
+    and what the next one got: a request whose finish it read is told nothing more; one
+    that goes on is failed (worker_stalled) before any finishing row reaches the next
+    worker, or streams exactly to its finish; one whose ending row died unread is told
+    nothing, and counted unconfirmed. Returns the rids of each case."""
+    read = old.finished()
+    cases: dict[str, list[str]] = {"read": [], "failed": [], "exact": [], "silent": []}
+    for rid, req in planned.items():
+        before, after = old.rows(rid), new.rows(rid)
+        ending = next((i for i, r in enumerate(after) if r["finish"] is not None or r["error"] is not None), None)
+        if rid in read:
+            assert after == [] and _text(before) == req.expected(), (rid, after)
+            cases["read"].append(rid)
+        elif ending is None:  # its ending row died unread; nothing of it came after
+            assert after == [], (rid, after)
+            cases["silent"].append(rid)
+        elif after[ending]["error"] is not None:
+            assert after[ending]["error"] == "worker_stalled", (rid, after)
+            cases["failed"].append(rid)
+        else:  # the next worker got its finish: nothing after it, and no hole before it
+            assert after[ending + 1:] == [] and _text(before) + _text(after) == req.expected(), (rid, before, after)
+            cases["exact"].append(rid)
+    m = scrape(port)
+    assert len(cases["silent"]) <= metric(m, "detokd_worker_unconfirmed_total", worker="0"), cases["silent"]
+    assert metric(m, "detokd_errors_total", kind="worker_stalled") >= len(cases["failed"])
+    return cases
+
+
+def _settle(d, eng: Engine, new: Sink, port: int) -> None:
+    """Every answer queued for the next worker, in: owed rows sent, then a fence."""
+    wait_until(lambda: (lambda m: metric(m, "detokd_worker_writable", worker="0") == 1
+                        and metric(m, "detokd_worker_owed_rows", worker="0") == 0)(scrape(port)), 20, "nothing owed", 0.1)
+    fence = Req("fence", make_ids(random.Random(0), 10))
+    eng.rows([fence.row(10)])
+    new.wait(lambda: new.ended("fence"), 20, "the fence")
+
+
+def test_a_worker_killed_mid_stream_fails_its_live_requests_and_no_finished_one(detokd, zctx):
+    """SIGKILL while requests stream to the worker: the requests it read to their finish
+    are told nothing more; the live ones fail (worker_stalled) and nothing of them
+    reaches the next worker as a success with a hole."""
+    d = detokd(workers=1, args=["--metrics-port", "0"])
+    old = WorkerProcess(d.workers[0])
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    churn = Churn(eng, random.Random(32))
+    steps = 0
+    while len(old.finished()) < 20:
+        churn.step()
+        steps += 1
+        # A step is one message to the worker; it reads them as they come, a few behind.
+        old.wait(lambda: old.messages >= steps - 3, 20, "the worker to keep up")
+    assert churn.rows < 3000  # every finish it read is within the rows detokd keeps as in flight
+    old.kill()
+    for _ in range(5):  # rows for a worker that is gone
+        churn.step()
+    wait_until(lambda: metric(scrape(port), "detokd_worker_disconnects_total", worker="0") == 1, 20, "the kill seen")
+    for _ in range(5):  # requests that start now wait in detokd's backlog for the next worker
+        churn.step()
+    new = Sink(zctx, d.workers[0])
+    churn.drain()
+    _settle(d, eng, new, port)
+    cases = check_after_restart(old, new, churn.planned, port)
+    assert len(cases["read"]) >= 20 and cases["failed"] and cases["exact"], cases
+    assert d.stop() == 0
+
+
+def test_a_stalled_worker_killed_with_its_queue_full_fails_no_request_it_finished(detokd, zctx):
+    """The worker reads 30 messages and stops; detokd's queue to it fills (ZMQ's, the
+    socket buffers, then its backlog); then it is killed and another binds. Requests it
+    read to their finish are told nothing more; the others fail before any later row,
+    or stream exactly; an ending that died unread is counted unconfirmed."""
+    d = detokd(workers=1, args=["--metrics-port", "0"])
+    old = WorkerProcess(d.workers[0], read=30)
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    churn = Churn(eng, random.Random(33), meta=b"m" * 2048)  # ~16 KB a message: the socket buffers fill in a few dozen
+    while not old.stalled:
+        churn.step()
+    while not metric(scrape(port), "detokd_worker_backlog_messages", worker="0"):
+        assert churn.rows < 20_000, "no backlog"
+        for _ in range(5):
+            churn.step()
+    old.kill()
+    wait_until(lambda: metric(scrape(port), "detokd_worker_disconnects_total", worker="0") == 1, 20, "the kill seen")
+    new = Sink(zctx, d.workers[0])
+    churn.drain()
+    _settle(d, eng, new, port)
+    cases = check_after_restart(old, new, churn.planned, port)
+    assert cases["read"] and cases["failed"] and cases["silent"], cases
+    assert d.stop() == 0
+
+
+# --------------------------------------------------------------------------- shard restarts
+
+
+def _rids(shard: int, prefix: str, n: int) -> list[str]:
+    """n rids of `shard` of two (shard_for), each named `prefix` and a number."""
+    return [rid for rid in (f"{prefix}{i}" for i in range(100 * n)) if shard_for(rid, 2) == shard][:n]
+
+
+def test_a_scheduler_watching_its_shards_is_told_every_request_a_shard_restart_may_have_lost(tmp_path, zctx):
+    """`detokd serve --shards 2`; shard 0 stops reading (debug_stall), 20 whole requests
+    wait in its input queue, then it is killed and the supervisor restarts it. What its
+    queue held is gone, unanswered (no detokd saw it, no worker is told). A
+    SchedulerClient with watch=True notices the broken connection: every request not
+    answered is in its lost(), as is the one live across the restart, and nothing of
+    shard 1, which answers everything exactly."""
+    rng = random.Random(34)
+    cfg = ipc_config(tmp_path, workers=1, log_level="info", debug_ops=True)
+    d = DetokdProcess(cfg, folder=tmp_path, args=["--shards", "2"])
+    sink = Sink(zctx, cfg.workers[0])
+    try:
+        d.start()
+        addrs = [derive_address(cfg.input, i) for i in range(2)]
+        sched = SchedulerClient(addrs, context=zctx, watch=True)
+        planned: dict[str, list[int]] = {}
+
+        def whole(rids: list[str]) -> None:
+            for rid in rids:
+                planned[rid] = make_ids(rng, 12)
+                sched.begin(rid, planned[rid], worker=0, finish=Finish("length"))
+                sched.flush()
+
+        (live,) = _rids(0, "live", 1)
+        sched.begin(live, make_ids(rng, 4), worker=0)
+        whole(_rids(0, "a", 3) + _rids(1, "a", 3))
+        sink.wait(lambda: all(sink.ended(rid) for rid in planned) and sink.rows(live), 20, "the answers before")
+        stall = Engine(zctx, addrs[0])
+        stall.send({"type": "control", "op": "debug_stall:60"})
+        logged(d, "debug_stall: blocking the loop")
+        queued, other = _rids(0, "q", 20), _rids(1, "o", 5)
+        whole(queued + other)
+        sink.wait(lambda: all(sink.ended(rid) for rid in other), 20, "shard 1's answers")
+        os.kill(int(re.findall(r"shard 0 started \(pid (\d+)\)", d.log())[-1]), signal.SIGKILL)
+        lost: set[str] = set()
+        wait_until(lambda: lost.update(sched.lost()) or live in lost, 20, "the broken connection noticed")
+        wait_until(lambda: d.log().count(f"serving: input {addrs[0]}") == 2, 60, "shard 0 restarted")
+        whole(_rids(0, "b", 3) + _rids(1, "b", 3))
+        sink.wait(lambda: all(sink.ended(rid) for rid in planned if rid[0] == "b"), 20, "the answers after")
+        lost.update(sched.lost())
+        stall.close()
+        sched.close(0)
+
+        unanswered = {rid for rid in planned if not sink.ended(rid)}
+        assert unanswered and unanswered <= lost, (unanswered, lost)  # lost, and never silently
+        assert live in lost and all(shard_for(rid, 2) == 0 for rid in lost), lost
+        for rid in set(planned) - unanswered:
+            assert sink.errors(rid) == [] and sink.text(rid) == expected_text(planned[rid]), rid
+        assert d.stop() == 0
+    finally:
+        d.kill()

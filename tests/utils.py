@@ -344,3 +344,84 @@ def out_row(
         rid, text, native.Finish(finish) if finish else None, n,
         msgspec.Raw(msgspec.msgpack.encode(meta)) if meta is not None else native.NIL, error,
     )
+
+
+# --------------------------------------------------------------------------- worker processes
+
+# A tokenizer worker in a process of its own, so that it can exit or be killed as a real
+# one is: it binds `address`, reads `read` text messages (all of them: -1) and then stops
+# reading, bound, until killed. Each message's rows leave on stdout as one JSON line,
+# flushed before the next recv: a line on stdout is a message the worker read.
+RECORDER = r"""
+import json, sys, threading, msgspec, zmq
+address, read = sys.argv[1], int(sys.argv[2])
+s = zmq.Context().socket(zmq.PULL)
+if read >= 0:  # a worker that will stall holds little: the queue fills in detokd
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+s.bind(address)
+print(json.dumps({"bound": True}), flush=True)
+n = 0
+while n != read:
+    rows = msgspec.msgpack.decode(s.recv())["rows"]
+    n += 1
+    keep = [{k: r[k] for k in ("rid", "text", "finish", "error", "n_ids")} for r in rows]
+    sys.stdout.write(json.dumps({"rows": keep}) + "\n")
+    sys.stdout.flush()
+print(json.dumps({"stalled": n}), flush=True)
+threading.Event().wait()
+"""
+
+
+class WorkerProcess:
+    """RECORDER in a subprocess, and what it read, by rid (a reader thread parses its
+    stdout). `kill()` is SIGKILL: whatever it had not read is gone with it."""
+
+    def __init__(self, address: str, read: int = -1) -> None:
+        import json
+        import subprocess
+        import sys
+
+        self.cond = threading.Condition()
+        self.by_rid: dict[str, list[dict]] = collections.defaultdict(list)
+        self.messages = 0
+        self.stalled = False
+        self.bound = False
+        self.proc = subprocess.Popen([sys.executable, "-c", RECORDER, address, str(read)], stdout=subprocess.PIPE)
+        self._json = json
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        assert self.proc.stdout is not None
+        wait_on(self.cond, lambda: self.bound, 30, f"a worker process bound at {address}")
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                msg = self._json.loads(line)
+            except ValueError:
+                continue  # a line cut by SIGKILL: that message was never wholly read
+            with self.cond:
+                self.bound = self.bound or "bound" in msg
+                self.stalled = self.stalled or "stalled" in msg
+                for row in msg.get("rows", ()):
+                    self.by_rid[row["rid"]].append(row)
+                self.messages += "rows" in msg
+                self.cond.notify_all()
+
+    def rows(self, rid: str) -> list[dict]:
+        with self.cond:
+            return list(self.by_rid.get(rid, ()))
+
+    def finished(self) -> set[str]:
+        """The rids whose finishing row this worker read."""
+        with self.cond:
+            return {rid for rid, rows in self.by_rid.items() if rows[-1]["finish"] is not None}
+
+    def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
+        return wait_on(self.cond, pred, timeout, what)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.thread.join(10)

@@ -5,16 +5,23 @@ per detokd shard. Sharding: every message about a rid goes to shard
 `crc32(utf8(rid)) % n`, so any number of scheduler processes (in any language:
 CRC-32 is zlib's) agree on a rid's shard without talking to each other, and a shard
 sees all rows of its rids.
+
+A shard that dies takes what its input queue and the socket buffers held, and ZMQ
+tells the sender nothing. With `watch=True` a socket monitor on each shard's PUSH sees
+the connection break, and `lost()` names the requests it may have cost (the live ones
+on that shard, and those among its last rows), for the engine to fail.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from detokd.wire.native import (
     NIL,
@@ -36,6 +43,10 @@ __all__ = ["SchedulerClient", "shard_for"]
 
 
 _stopped = msgspec.msgpack.Decoder(Stopped)
+# With watch=True, the rids of the last rows sent to each shard, up to this many rows:
+# what a broken connection may have taken (ZMQ's queues and the socket buffers on both
+# sides, and detokd's input queue: 1,000 messages) is taken as lost with it.
+IN_FLIGHT_ROWS = 4096
 
 
 def shard_for(rid: str, n: int) -> int:
@@ -85,6 +96,41 @@ def curve_client(sock: zmq.Socket, server_key: bytes | None, keypair: tuple[byte
     sock.curve_serverkey = server_key
 
 
+class _Watch:
+    """One shard's connection events (a socket monitor), and the rids of the last rows
+    sent on it: a connection that breaks takes an unknown part of them (ZMQ
+    acknowledges nothing), a restarted detokd forgets the rest."""
+
+    def __init__(self, monitor: zmq.Socket) -> None:
+        self.monitor = monitor
+        self.connected = False
+        self.recent: deque[Sequence[str]] = deque()
+        self.rows = 0
+
+    def sent(self, rids: Sequence[str]) -> None:
+        self.recent.append(rids)
+        self.rows += len(rids)
+        while self.rows > IN_FLIGHT_ROWS and len(self.recent) > 1:
+            self.rows -= len(self.recent.popleft())
+
+    def take_recent(self) -> set[str]:
+        rids = {rid for group in self.recent for rid in group}
+        self.recent.clear()
+        self.rows = 0
+        return rids
+
+    def broke(self) -> bool:
+        """Whether the connection broke since the last look (read without waiting)."""
+        broke = False
+        while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                self.connected, broke = False, True
+        return broke
+
+
 class SchedulerClient:
     """PUSH side of detokd's input, one socket per shard. Not thread-safe.
 
@@ -104,29 +150,35 @@ class SchedulerClient:
         send_timeout: float | None = None,
         curve_server_key: bytes | None = None,
         curve_keypair: tuple[bytes, bytes] | None = None,
+        watch: bool = False,
         feedback: str | None = None,
     ) -> None:
         """`curve_server_key` (detokd's public key) and `curve_keypair` (this client's
         public, secret; zmq.auth.load_certificate) connect with CURVE (docs/security.md).
-        `feedback`: bind a PULL socket there for detokd's `stopped` rows (`stopped()`);
-        the address is detokd's `feedback` key."""
+        `watch`: notice a shard's connection breaking (a restart), and say in `lost()`
+        which requests it may have taken rows of. `feedback`: bind a PULL socket there
+        for detokd's `stopped` rows (`stopped()`); the address is detokd's `feedback` key."""
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
             raise ValueError("SchedulerClient needs at least one detokd input address")
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.Context()
         self._socks: list[zmq.Socket] = []
+        self._watches: list[_Watch] = []
         for addr in self.addresses:
             s = self._ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.SNDHWM, sndhwm)
             if send_timeout is not None:
                 s.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))
             curve_client(s, curve_server_key, curve_keypair)
+            if watch:  # before the connect: the first event may come at once
+                self._watches.append(_Watch(s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)))
             s.connect(addr)
             self._socks.append(s)
         self._n = len(self._socks)
         self._pending: list[list[Row]] = [[] for _ in self._socks]
         self._reqs: dict[str, Tracked] = {}
+        self._lost: set[str] = set()
         self.feedback_socket: zmq.Socket | None = None
         self.stale_stopped = 0  # `stopped` rows about a request no longer tracked under that vid
         if feedback is not None:
@@ -204,8 +256,36 @@ class SchedulerClient:
 
     def flush(self) -> None:
         """Send the queued rows: one `tokens` message per shard that has any."""
-        for shard, msg in self.take():
-            self._send(shard, msg)
+        if not self._watches:
+            for shard, msg in self.take():
+                self._send(shard, msg)
+            return
+        for shard, rows in enumerate(self._pending):
+            if rows:
+                self._pending[shard] = []
+                self._send(shard, encode(Tokens(rows)), [row.rid for row in rows])
+
+    def lost(self) -> list[str]:
+        """With watch=True: the rids whose rows a shard's broken connection may have
+        taken since the last call (a shard restarted, or the link failed). Without an
+        acknowledgement nobody can tell which arrived: fail those requests. Their
+        tracking ends here (a restarted shard knows none of them; their later rows
+        would be answered unknown_rid); a rid may then start anew."""
+        self._watch_connections()
+        lost, self._lost = sorted(self._lost), set()
+        return lost
+
+    def _watch_connections(self) -> None:
+        for shard in range(len(self._watches)):
+            self._watch_shard(shard)
+
+    def _watch_shard(self, shard: int) -> None:
+        watch = self._watches[shard]
+        if watch.broke():
+            gone = {rid for rid, t in self._reqs.items() if t.shard == shard}
+            for rid in gone:
+                del self._reqs[rid]
+            self._lost |= gone | watch.take_recent()
 
     def take(self) -> list[tuple[int, bytes]]:
         """The queued rows as encoded `tokens` messages, (shard, frame) per shard that
@@ -218,10 +298,14 @@ class SchedulerClient:
                 out.append((shard, encode(Tokens(rows))))
         return out
 
-    def _send(self, shard: int, msg: bytes) -> None:
+    def _send(self, shard: int, msg: bytes, rids: Sequence[str] = ()) -> None:
         if not self._socks:
             raise RuntimeError("SchedulerClient is closed")
+        if self._watches:
+            self._watch_shard(shard)  # first: a connection that broke took what came before
         self._socks[shard].send(msg)
+        if self._watches and rids:
+            self._watches[shard].sent(rids)
 
     def stopped(self, timeout: float = 0.0) -> list[StoppedRow]:
         """The requests detokd stopped on a stop string since the last call, waiting up
@@ -297,7 +381,7 @@ class SchedulerClient:
                 )
             by_shard.setdefault(self.shard_of(r.rid), []).append(r)
         for shard, group in by_shard.items():
-            self._send(shard, encode(Embeddings(group)))
+            self._send(shard, encode(Embeddings(group)), [r.rid for r in group])
 
     def close(self, linger: float = 5.0) -> None:
         """Send what is queued, then close; waits at most `linger` s for delivery
@@ -307,6 +391,9 @@ class SchedulerClient:
         try:
             self.flush()
         finally:
+            for s, watch in zip(self._socks, self._watches):
+                s.disable_monitor()
+                watch.monitor.close(linger=0)
             for s in self._socks:
                 s.close(linger=int(linger * 1000))
             self._socks = []

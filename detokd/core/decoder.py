@@ -275,12 +275,6 @@ class ByteCodec:
             d.dirty, d.released = "", 0
         return d
 
-    def verify_tokens(self) -> list[int]:
-        """Ids whose single-token decode disagrees with the table (should be none)."""
-        ids = list(range(self.vocab.size))
-        ref = self.vocab.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
-        return [i for i, r in zip(ids, ref) if self.bytes_keep_special[i].decode("utf-8", "replace") != r]
-
 
 # --- per-token pieces (SentencePiece, WordPiece, Metaspace) ----------------------------------
 

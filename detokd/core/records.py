@@ -81,8 +81,3 @@ TOO_LARGE = "too_large"  # the row or its start is beyond a configured cap (max_
 RID_COLLISION = "rid_collision"  # a start for a live rid named another worker: both are told
 OVERLOADED = "overloaded"  # detokd's memory is above max_rss_mb, or a new stop list's above max_stop_bytes: refused
 SHUTDOWN = "shutdown"  # read while stopping, after the time shutdown gives decoding ran out
-
-ERRORS = (
-    UNKNOWN_RID, EVICTED, SEQUENCE_GAP, BAD_IDS, BAD_ROW, BAD_START, WORKER_STALLED, INTERNAL,
-    TOO_LARGE, RID_COLLISION, OVERLOADED, SHUTDOWN,
-)

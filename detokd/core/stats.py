@@ -42,6 +42,9 @@ class Stats:
         self.errors: dict[str, int] = {}
         self.live = 0
         self.workers: dict[int, WorkerFigures] = {}
+        # Worker -> requests whose ending row was in flight on a connection to it that
+        # broke: read or not, ZMQ cannot tell (delivery's `_broken`); never failed.
+        self.unconfirmed: dict[int, int] = {}
         # The bounded memories, entries and bytes: name -> (entries, bytes).
         self.memory: dict[str, tuple[int, int]] = {}
         self.step_counts = [0] * (len(BUCKETS) + 1)

@@ -28,7 +28,7 @@ from .bounded import BoundedMap
 class StopAutomaton:
     """The trie of the stop strings with failure links; shared by requests alike."""
 
-    __slots__ = ("goto", "fail", "depth", "match", "spells", "longest", "nbytes", "__weakref__")
+    __slots__ = ("goto", "fail", "depth", "match", "spells", "nbytes", "__weakref__")
 
     def __init__(self, stops: Iterable[str]) -> None:
         goto: list[dict[str, int]] = [{}]
@@ -65,7 +65,6 @@ class StopAutomaton:
                     match[nxt] = match[fail[nxt]]
                 queue.append(nxt)
         self.goto, self.fail, self.depth, self.match, self.spells = goto, fail, depth, match, spells
-        self.longest = max(depth)
         # Its memory, estimated: a state is a small dict and a slot in five lists (and
         # ints past the small-int cache); the stop strings themselves; the wide chars.
         self.nbytes = STATE_BYTES * len(goto) + WIDE_CHAR_BYTES * wide + sum(sys.getsizeof(s) for s in set(spells))

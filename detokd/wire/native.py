@@ -24,7 +24,6 @@ from ..core.records import (  # noqa: F401 (v1's rows and error words, re-export
     BAD_IDS,
     BAD_ROW,
     BAD_START,
-    ERRORS,
     EVICTED,
     INTERNAL,
     NIL,
