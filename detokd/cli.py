@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
-from . import __version__
+from . import __version__, logs
 from .config import Config, ConfigError, load, to_toml
 from .tokenizer import TokenizerError
 
 EXIT_CONFIG = 2
+EXIT_CRASH = 1
+log = logging.getLogger("detokd")
 CONFIG_HELP = "TOML config file (default: $DETOKD_CONFIG); DETOKD_<KEY> variables override it, flags override both"
 
 
@@ -25,13 +28,16 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--max-states", type=int, metavar="N", help="live request states at most (oldest evicted beyond)")
     sp.add_argument("--max-prompt-tail", type=int, metavar="N", help="prompt ids used as context for the first characters")
     sp.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])
-    sp.add_argument("--metrics-port", type=int, metavar="PORT", help="serve /health and /metrics on this port")
+    sp.add_argument("--log-format", choices=["text", "json"], help="text lines, or one JSON object a line")
+    sp.add_argument("--metrics-port", type=int, metavar="PORT", help="serve /livez, /readyz, /health and /metrics on this port")
     sp.add_argument("--shards", type=int, default=1, metavar="N", help="run N detokd processes on derived addresses (input.0, input.1, ...)")
-    sp.add_argument("--supervisor-port", type=int, metavar="PORT", help="with --shards: the supervisor's /health and /status on this port (metrics_host)")
+    sp.add_argument("--supervisor-port", type=int, metavar="PORT", help="with --shards: the supervisor's /health, /status and /metrics on this port (metrics_host)")
+    # Set by the supervisor on each shard it starts: the shard's number, on its log lines.
+    sp.add_argument("--shard-index", type=int, help=argparse.SUPPRESS)
 
 
 def _overrides(ns: argparse.Namespace) -> dict:
-    keys = ("input", "workers", "feedback", "tokenizer", "max_states", "max_prompt_tail", "log_level", "metrics_port")
+    keys = ("input", "workers", "feedback", "tokenizer", "max_states", "max_prompt_tail", "log_level", "log_format", "metrics_port")
     return {k: getattr(ns, k) for k in keys}
 
 
@@ -40,18 +46,12 @@ def flag(key: str) -> str:
     return "--worker" if key == "workers" else "--" + key.replace("_", "-")
 
 
-def _setup_logging(level: str) -> None:
-    # Through a bounded queue to stderr, rate-limited and escaped: see detokd/logs.py.
-    from . import logs
-
-    logs.setup(level)
-
-
 def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.shards < 1:
         raise ConfigError(f"--shards must be 1 or more, not {ns.shards}")
     cfg = load(ns.config, _overrides(ns), os.environ, flag)
-    _setup_logging(cfg.log_level)
+    # Through a bounded queue to stderr, rate-limited and escaped: see detokd/logs.py.
+    logs.setup(cfg.log_level, fmt=cfg.log_format, shard=ns.shard_index)
     if ns.supervisor_port is not None and ns.shards < 2:
         raise ConfigError("--supervisor-port needs --shards 2 or more")
     if ns.shards > 1:
@@ -59,11 +59,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from .server import Server
     from .wire.native import NativeDialect
 
-    return Server(cfg, NativeDialect.make).run()
+    server = Server(cfg, NativeDialect.make)
+    rc = server.run()
+    log.info("stopped: got %s; exit %d", signal.Signals(server.stop_signal).name, rc, extra=logs.UNLIMITED)
+    return rc
 
 
 def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
     from .launch import StatusPortError, derive_address, supervise_shards
+    from .metrics import BuildInfo
 
     if cfg.metrics_port is not None and cfg.metrics_port + ns.shards - 1 > 65535:
         raise ConfigError("metrics_port + shards exceeds 65535")
@@ -90,6 +94,8 @@ def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
             ("--max-states", cfg.max_states),
             ("--max-prompt-tail", cfg.max_prompt_tail),
             ("--log-level", cfg.log_level),
+            ("--log-format", cfg.log_format),
+            ("--shard-index", i),
             ("--metrics-port", None if cfg.metrics_port is None else cfg.metrics_port + i),
         ):
             if value is not None:
@@ -98,7 +104,9 @@ def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
 
     logging.getLogger("detokd.launch").info("%d shards: %s", ns.shards, ", ".join(inputs))
     try:
-        return supervise_shards(argv, ns.shards, status_port=sup_port, status_host=cfg.metrics_host)
+        return supervise_shards(
+            argv, ns.shards, status_port=sup_port, status_host=cfg.metrics_host, collectors=[BuildInfo("native")]
+        )
     except StatusPortError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -167,10 +175,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except (ConfigError, TokenizerError) as exc:
-        print(f"detokd: error: {exc}", file=sys.stderr)
+        _last_words(f"detokd: error: {exc}")
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return 130
+    except Exception:
+        if not logs.active():
+            raise
+        _last_words("detokd: stopped by an internal error; exit 1", exc_info=True)
+        return EXIT_CRASH
+
+
+def _last_words(message: str, exc_info: bool = False) -> None:
+    """Why the process stops, as its last line, after every queued log line: a record
+    under log_format json (or with a traceback), else the message itself on stderr."""
+    fmt = logs.active()
+    if fmt == "json" or (fmt and exc_info):
+        log.critical("%s", message, exc_info=exc_info, extra=logs.UNLIMITED)
+        logs.close()
+    else:
+        logs.close()
+        print(message, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # 4 byte tokens) with room to spare, and costs one decode of 8 ids per request.
     max_prompt_tail: PromptTail = 8
     log_level: LogLevel = "info"
+    # "text": a line per record, its time zoned; "json": one JSON object a line, for a
+    # log shipper (docs/deploy.md, "Logs").
+    log_format: Literal["text", "json"] = "text"
     # /health and /metrics on this port (127.0.0.1 unless metrics_host says); off when unset.
     metrics_port: Port | None = None
     metrics_host: str = "127.0.0.1"

@@ -9,12 +9,14 @@ every stream's text is checked against the reference decode (Vocab.reference).
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 import msgspec
 import zmq
@@ -88,13 +90,16 @@ class _Scheduler(threading.Thread):
 
 
 class _Screen:
-    """The live view: stream 0's text and a progress line, redrawn in place on a
-    terminal; plain appended lines elsewhere (CI logs)."""
+    """The live view. On a terminal: stream 0's text and a progress line, redrawn in
+    place. Elsewhere (a pipe, CI logs): whole lines only, stream 0's prefixed
+    `demo-0 | ` and written once complete, progress lines `[...]` between them, so
+    no line is ever cut by another."""
 
     def __init__(self, show: bool) -> None:
         self.show = show
         self.tty = sys.stdout.isatty()
         self.last = 0.0
+        self.partial = ""  # stream 0's text after its last newline, not written yet
 
     def update(self, text: str, delta: str, progress: str, force: bool = False) -> None:
         if not self.show:
@@ -106,13 +111,69 @@ class _Screen:
                 sys.stdout.write("\x1b[H\x1b[J── stream demo-0, live ──\n" + "\n".join(lines) + "\n\n" + progress + "\n")
                 sys.stdout.flush()
                 self.last = now
-        else:
-            if delta:
-                sys.stdout.write(delta)
-            if force or now - self.last >= 1.0:
-                sys.stdout.write(f"\n[{progress}]\n")
-                self.last = now
-            sys.stdout.flush()
+            return
+        *whole, self.partial = (self.partial + delta).split("\n")
+        out = [f"demo-0 | {line}\n" for line in whole]
+        if force and self.partial:
+            out.append(f"demo-0 | {self.partial}\n")
+            self.partial = ""
+        if force or now - self.last >= 1.0:
+            out.append(f"[{progress}]\n")
+            self.last = now
+        sys.stdout.write("".join(out))
+        sys.stdout.flush()
+
+
+class _Meter:
+    """detokd's own figures, read from its /metrics: tokens decoded and CPU seconds."""
+
+    def __init__(self, server: DetokdProcess) -> None:
+        m = re.search(r"health and metrics on port (\d+)", server.log())
+        if m is None:
+            raise NotReady(f"detokd logged no metrics port:\n{server.log()[-3000:]}")
+        self.url = f"http://127.0.0.1:{m.group(1)}/metrics"
+
+    def read(self) -> tuple[float, float]:
+        """(detokd_tokens_total, process_cpu_seconds_total) now."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url, timeout=5) as r:
+            body = r.read().decode()
+        values = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
+        return values["detokd_tokens_total"], values["process_cpu_seconds_total"]
+
+
+def _summary(streams: int, tokens: int, wall: float, interval: float, decoded: float, cpu: float) -> str:
+    """The figures that mean something: what was delivered in what time, what the
+    synthetic engine offered (the pacing: every stream gets a token a step), and
+    detokd's own CPU per token, the cost that decides how far one process scales
+    (the kernel counts CPU in 10 ms ticks: a short run's figure is coarse)."""
+    offered = streams / interval
+    per_token = cpu / decoded if decoded else 0.0
+    return (
+        f"{streams} streams, {tokens:,} tokens in {wall:.2f} s: {tokens / wall:,.0f} tokens/s delivered\n"
+        f"pacing: the synthetic engine offers {streams} streams x {1 / interval:.0f} steps/s = {offered:,.0f} tokens/s\n"
+        f"detokd: {decoded:,.0f} tokens decoded in {cpu:.3f} s of its CPU = {per_token * 1e6:.1f} us of CPU per token "
+        f"(one core at that cost: {1 / per_token if per_token else 0:,.0f} tokens/s)"
+    )
+
+
+def _take(msg: Text, texts: list[list[str]], n_ids: list[int], done: set[int]) -> str:
+    """Record a text message's rows per stream; stream 0's new text."""
+    delta0 = ""
+    for row in msg.rows:
+        i = int(row.rid.split("-")[1])
+        if row.error:
+            print(f"\n{row.rid}: error {row.error}", file=sys.stderr)
+            done.add(i)
+            continue
+        texts[i].append(row.text)
+        n_ids[i] = row.n_ids
+        if i == 0:
+            delta0 += row.text
+        if row.finish is not None:
+            done.add(i)
+    return delta0
 
 
 def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show: bool = True, interval: float = STEP_INTERVAL) -> int:
@@ -121,7 +182,7 @@ def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show:
     vocab = load(name)
     tail, outs = _streams(vocab, streams, steps)
     folder = tempfile.mkdtemp(prefix="detokd-demo-")
-    cfg = ipc_config(folder, tokenizer=name, log_level="warning")
+    cfg = ipc_config(folder, tokenizer=name, metrics_port=0)
     ctx = zmq.Context()
     worker = ctx.socket(zmq.PULL)
     worker.bind(cfg.workers[0])
@@ -129,21 +190,22 @@ def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show:
     server = DetokdProcess(cfg, folder=folder, popen={"start_new_session": True})
     scheduler = _Scheduler(cfg.input, tail, outs, interval)
     texts = [[] for _ in outs]
+    n_ids = [0] * len(outs)  # each stream's ids decoded so far (its last row's n_ids)
     done: set[int] = set()
     screen = _Screen(show)
-    t0 = time.monotonic()
-    first = None
     code = 0
-    received = 0
     try:
         poller = zmq.Poller()
         poller.register(worker, zmq.POLLIN)
         try:
             server.start()  # returns once detokd says it is ready (READY=1)
+            meter = _Meter(server)
         except NotReady as e:
             print(e, file=sys.stderr)
             return 1
         print(f"detokd serving on {cfg.input}; {len(outs)} streams of {steps} tokens", file=sys.stderr)
+        decoded0, cpu0 = meter.read()
+        t0 = time.monotonic()
         scheduler.start()
         while len(done) < len(outs):
             if server.returncode is not None:
@@ -151,32 +213,20 @@ def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show:
                 return 1
             if not poller.poll(200):
                 continue
-            msg = _text.decode(worker.recv())
-            first = first or time.monotonic()
-            delta0 = ""
-            for row in msg.rows:
-                i = int(row.rid.split("-")[1])
-                if row.error:
-                    print(f"\n{row.rid}: error {row.error}", file=sys.stderr)
-                    done.add(i)
-                    continue
-                texts[i].append(row.text)
-                received += 1
-                if i == 0:
-                    delta0 += row.text
-                if row.finish is not None:
-                    done.add(i)
-            elapsed = max(1e-9, time.monotonic() - first)
-            progress = f"{len(outs)} streams · {len(done)} finished · {received:,} rows · {received / elapsed:,.0f} tokens/s"
+            delta0 = _take(_text.decode(worker.recv()), texts, n_ids, done)
+            got, elapsed = sum(n_ids), time.monotonic() - t0
+            # A rate over less than a second is one step's burst, not a rate: none yet.
+            rate = f" · {got / elapsed:,.0f} tokens/s delivered" if elapsed >= 1.0 else ""
+            progress = f"{len(done)} of {len(outs)} streams finished · {got:,} tokens in {elapsed:.2f} s{rate}"
             screen.update("".join(texts[0]), delta0, progress, force=len(done) == len(outs))
         wall = time.monotonic() - t0
+        decoded, cpu = meter.read()
         bad = []
         for i, ids in enumerate(outs):
             want = vocab.reference(tail, ids)
             if "".join(texts[i]) != want:
                 bad.append(i)
-        total = sum(len(o) for o in outs)
-        print(f"\n{len(outs)} streams, {total:,} tokens in {wall:.1f}s ({total / wall:,.0f} tokens/s, paced at {1 / interval:.0f} steps/s)")
+        print("\n" + _summary(len(outs), sum(n_ids), wall, interval, decoded - decoded0, cpu - cpu0))
         if bad:
             print(f"MISMATCH: {len(bad)} of {len(outs)} streams differ from the reference decode (first: demo-{bad[0]})")
             code = 1

@@ -1,5 +1,8 @@
 """A few GET routes on a thread of their own: the plumbing of /health, /metrics, /status.
 
+HEAD of a route is its GET without the body (Content-Length still the body's): some
+load balancers and uptime checkers probe with HEAD.
+
 A route is a function returning (status, body, content type), called on the HTTP
 thread: it must only read what the loop publishes, never call into the loop.
 
@@ -204,8 +207,8 @@ class Endpoint:
             code, body, ctype = 431, b"request too long\n", "text/plain"
         elif len(words) != 3 or not words[2].startswith(b"HTTP/"):
             code, body, ctype = 400, b"bad request\n", "text/plain"
-        elif words[0] != b"GET":
-            code, body, ctype = 501, b"only GET\n", "text/plain"
+        elif words[0] not in (b"GET", b"HEAD"):
+            code, body, ctype = 501, b"only GET and HEAD\n", "text/plain"
         elif (route := self.routes.get(words[1].split(b"?")[0].decode("latin-1"))) is None:
             code, body, ctype = 404, b"not found\n", "text/plain"
         else:
@@ -216,6 +219,8 @@ class Endpoint:
                 code, body, ctype = 500, b"internal error\n", "text/plain"
         status = f"HTTP/1.0 {code} {http.HTTPStatus(code).phrase}\r\n"
         headers = f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        if words and words[0] == b"HEAD":
+            body = b""
         return (status + headers).encode("latin-1") + body
 
     def _close(self, c: _Conn) -> None:

@@ -17,6 +17,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from .http import Endpoint, Reply
 
 __all__ = ["derive_address", "supervise_shards", "die_with_parent", "Shard", "StatusServer"]
@@ -108,6 +111,7 @@ def supervise_shards(
     command: Sequence[str] | None = None,
     status_port: int | None = None,
     status_host: str = "127.0.0.1",
+    collectors: Sequence[object] = (),
 ) -> int:
     """Run `n` children `[*command, *argv_for_shard(i)]` until SIGTERM/SIGINT/SIGHUP.
 
@@ -118,8 +122,9 @@ def supervise_shards(
     with more than `max_restarts` consecutive failures is crash-looping: it is still
     retried (at `max_delay`) and reported, and no other shard is ever touched for it.
 
-    With `status_port`, /health (200, or 503 naming the crash-looping shards) and
-    /status (JSON, one entry per shard) are served on `status_host`:`status_port`.
+    With `status_port`, /health (200, or 503 naming the crash-looping shards),
+    /status (JSON, one entry per shard) and /metrics (Prometheus: the shards, this
+    process, and `collectors`) are served on `status_host`:`status_port`.
 
     SIGTERM/SIGINT/SIGHUP are forwarded to the children, once each, which get `stop_timeout`
     s before SIGKILL; so is a SIGTERM if the supervisor itself fails. Returns 0 when
@@ -162,12 +167,7 @@ def supervise_shards(
                 s.index, s.failures, restart_window, max_delay,
             )
 
-    status = None
-    if status_port is not None:
-        try:
-            status = StatusServer(shards, max_restarts, status_host, status_port)
-        except OSError as exc:
-            raise StatusPortError(f"cannot serve supervisor status on {status_host}:{status_port}: {exc.strerror}") from exc
+    status = None if status_port is None else _status_server(shards, max_restarts, status_host, status_port, collectors)
 
     got: list[int] = []  # signals received, handled by the loop rather than the handler
 
@@ -209,7 +209,9 @@ def supervise_shards(
         log.info("got %s: stopping %d shards", signal.Signals(sig).name, n)
         looping = any(s.failures > max_restarts for s in shards)
         procs = [s.proc for s in shards if s.proc is not None]
-        return _stop(procs, sig, stop_timeout, got) or int(looping)
+        rc = _stop(procs, sig, stop_timeout, got) or int(looping)
+        log.info("stopped: got %s; exit %d", signal.Signals(sig).name, rc)
+        return rc
     finally:
         if status is not None:
             status.close()
@@ -217,15 +219,22 @@ def supervise_shards(
             signal.signal(sig, h)
 
 
+def _status_server(shards: list[Shard], max_failures: int, host: str, port: int, collectors: Sequence[object]) -> StatusServer:
+    try:
+        return StatusServer(shards, max_failures, host, port, collectors)
+    except OSError as exc:
+        raise StatusPortError(f"cannot serve supervisor status on {host}:{port}: {exc.strerror}") from exc
+
+
 class StatusServer:
-    """The supervisor's /health and /status, on a thread of their own.
+    """The supervisor's /health, /status and /metrics, on a thread of their own.
 
     /health is 503 while a shard is crash-looping: an alert or a readiness signal,
     not a liveness probe (restarting the supervisor restarts its healthy shards too).
     Each shard's own loop health is its /health on metrics_port + i.
     """
 
-    def __init__(self, shards: list[Shard], max_failures: int, host: str, port: int) -> None:
+    def __init__(self, shards: list[Shard], max_failures: int, host: str, port: int, collectors: Sequence[object] = ()) -> None:
 
         def states() -> list[dict]:
             now = time.monotonic()
@@ -244,7 +253,17 @@ class StatusServer:
             body = {"shards": states(), "http_dropped": self.endpoint.dropped}
             return 200, json.dumps(body).encode() + b"\n", "application/json"
 
-        self.endpoint = Endpoint(host, port, {"/health": health, "/status": status}, "detokd-supervisor")
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_ShardCollector(states))
+        ProcessCollector(registry=registry)
+        for c in collectors:
+            registry.register(c)
+
+        def metrics() -> Reply:
+            return 200, generate_latest(registry), "text/plain; version=0.0.4"
+
+        routes = {"/health": health, "/status": status, "/metrics": metrics}
+        self.endpoint = Endpoint(host, port, routes, "detokd-supervisor")
         self.port = self.endpoint.port
 
     def start(self) -> None:
@@ -253,6 +272,27 @@ class StatusServer:
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+class _ShardCollector:
+    """The supervisor's view of its shards; the help strings are docs/deploy.md's."""
+
+    def __init__(self, states: Callable[[], list[dict]]) -> None:
+        self.states = states
+
+    def collect(self):
+        states = self.states()
+        up = GaugeMetricFamily("detokd_supervisor_shards_up", "shards whose process is running", value=sum(st["state"] == "running" for st in states))
+        restarts = CounterMetricFamily(
+            "detokd_supervisor_restarts", "times the supervisor started a shard again after it exited or failed to start", labels=["shard"]
+        )
+        looping = GaugeMetricFamily(
+            "detokd_supervisor_crash_looping", "1 while the shard has failed more than max_restarts times in a row", labels=["shard"]
+        )
+        for st in states:
+            restarts.add_metric([str(st["shard"])], st["restarts"])
+            looping.add_metric([str(st["shard"])], 1 if st["crash_looping"] else 0)
+        yield from (up, restarts, looping)
 
 
 def _stop(

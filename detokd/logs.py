@@ -10,11 +10,17 @@ On the way in, every record passes the rate limiter (per message template, bound
 rate and length: a flood of hostile frames costs a few lines) and the escaping
 formatter (control characters in a message come out as visible escapes, so a rid or
 a control op holding "\\n...CRITICAL..." cannot forge a line).
+
+Two formats: text (a line starting with an ISO 8601 time and its zone), and json
+(one object a line, for a log shipper: JSON's own escaping keeps every line one
+record). Under `serve --shards` each line names its shard.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
+import json
 import logging
 import os
 import queue
@@ -26,9 +32,14 @@ from typing import Callable
 
 from .core.bounded import BoundedMap
 
-__all__ = ["setup", "dropped", "escape", "report_suppressed", "RateLimitFilter", "EscapingFormatter", "FORMAT"]
+__all__ = [
+    "setup", "dropped", "escape", "report_suppressed", "RateLimitFilter", "EscapingFormatter", "JsonFormatter", "FORMAT",
+]
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# A record's `extra=` keys that become fields of its JSON object: what the line is about.
+FIELDS = ("rid", "worker", "error")
+RID_CHARS = 64  # of a rid field at most: rids are peer-chosen, up to max_rid_len long
 QUEUE_SIZE = 10000  # records waiting for the writer at most; beyond, dropped and counted
 DRAIN_TIMEOUT = 1.0  # s the writer gets at exit to write what is queued
 # `extra=` of a record the rate limiter lets by without taking its lock: detokd's own
@@ -37,7 +48,7 @@ UNLIMITED = {"_detokd_limited": True}
 
 _lock = threading.Lock()
 _dropped = 0
-_installed: list[tuple[logging.Handler, "_Writer"]] = []
+_installed: list[tuple[logging.Handler, "_Writer", str]] = []
 
 
 def dropped() -> int:
@@ -61,6 +72,11 @@ def escape(text: str) -> str:
     return text.translate(_ESCAPES)
 
 
+def iso_time(created: float) -> str:
+    """A record's time in ISO 8601 with the local zone's offset, to the millisecond."""
+    return datetime.datetime.fromtimestamp(created).astimezone().isoformat(timespec="milliseconds")
+
+
 class EscapingFormatter(logging.Formatter):
     """Formats a record's message on one line, control characters escaped.
 
@@ -68,6 +84,9 @@ class EscapingFormatter(logging.Formatter):
     spaces and escaped within the line: still readable, and no line of it can pass
     for a record of its own (records start at column 0 with a timestamp).
     """
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        return iso_time(record.created)
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         record.message = escape(record.message)
@@ -78,6 +97,36 @@ class EscapingFormatter(logging.Formatter):
 
     def formatStack(self, stack_info: str) -> str:  # noqa: N802
         return _indent(super().formatStack(stack_info))
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time (with its zone), level, logger, message, pid, shard
+    (under --shards), the FIELDS the call passed in `extra=`, and exc (a traceback).
+
+    json.dumps escapes every control and non-ASCII character, so no string a peer
+    chose can end the line or forge another record.
+    """
+
+    def __init__(self, shard: int | None = None) -> None:
+        super().__init__()
+        self.shard = shard
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": iso_time(record.created), "level": record.levelname, "logger": record.name,
+            "message": record.getMessage(), "pid": record.process,
+        }
+        if self.shard is not None:
+            out["shard"] = self.shard
+        for key in FIELDS:
+            value = getattr(record, key, None)
+            if value is not None:
+                out[key] = value[:RID_CHARS] if isinstance(value, str) else value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        elif record.stack_info:
+            out["exc"] = self.formatStack(record.stack_info)
+        return json.dumps(out, default=repr)
 
 
 def _indent(text: str) -> str:
@@ -230,8 +279,11 @@ class _Writer:
         self.thread.join(timeout)
 
 
-def setup(level: str | int = "info", stream=None, queue_size: int = QUEUE_SIZE) -> None:
-    """Route every logger through the bounded queue to `stream` (default stderr).
+def setup(
+    level: str | int = "info", stream=None, queue_size: int = QUEUE_SIZE, *, fmt: str = "text", shard: int | None = None
+) -> None:
+    """Route every logger through the bounded queue to `stream` (default stderr), as
+    `fmt` "text" or "json"; `shard` names the shard on every line.
 
     Replaces the handlers of the root logger (so detokd.* and third-party loggers
     alike); calling it again replaces the previous setup. Warnings go through it too.
@@ -243,7 +295,11 @@ def setup(level: str | int = "info", stream=None, queue_size: int = QUEUE_SIZE) 
     stream = sys.stderr if stream is None else stream
     q: queue.Queue = queue.Queue(queue_size)
     handler = _QueueHandler(q)
-    handler.setFormatter(EscapingFormatter(FORMAT))
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(shard))
+    else:
+        where = "" if shard is None else f"[shard {shard}] "
+        handler.setFormatter(EscapingFormatter(FORMAT.replace("%(name)s", where + "%(name)s")))
     # On the handler, not the "detokd" logger: a logger's filters do not see the
     # records of its children, a handler's filters see every record it gets.
     handler.addFilter(RateLimitFilter())
@@ -251,7 +307,12 @@ def setup(level: str | int = "info", stream=None, queue_size: int = QUEUE_SIZE) 
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
     logging.captureWarnings(True)
-    _installed.append((handler, writer))
+    _installed.append((handler, writer, fmt))
+
+
+def active() -> str | None:
+    """The format setup() routes the logs in ("text", "json"), or None before it."""
+    return _installed[-1][2] if _installed else None
 
 
 def close() -> None:
@@ -263,7 +324,7 @@ def close() -> None:
 def _shutdown() -> None:
     """Give the writer a bounded time to write what is queued (at exit, or on a new setup)."""
     while _installed:
-        handler, writer = _installed.pop()
+        handler, writer, _ = _installed.pop()
         logging.getLogger().removeHandler(handler)
         writer.stop(DRAIN_TIMEOUT)
 

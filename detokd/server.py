@@ -154,6 +154,7 @@ class Server:
         )
         self.gc_policy = GcPolicy(self.stats)
         self.dialect: Dialect = dialect(self.core, self.delivery, self.gc_policy, self.stats, cfg)
+        self.stats.dialect = self.dialect.name
         self.delivery.attach(self.dialect, lost=self.dialect.stalled, live=self.core.table.__contains__)
         self._limit_log_rates()
         self.stop_requested_at: float | None = None  # when the first STOP_SIGNAL came
@@ -326,6 +327,7 @@ class Server:
         """The first signal: unbind the input, so that new frames stay with their senders
         (a PUSH queues them for the next detokd) while those queued here are answered.
         Returns when decoding them must end: a share of the grace after the signal."""
+        self.stats.stopping = True  # /readyz fails first: no new traffic is sent here
         try:
             self.input.unbind(self.endpoint)
         except zmq.ZMQError as exc:  # it still reads only what is queued, then closes

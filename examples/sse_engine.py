@@ -10,6 +10,8 @@ Three parts, as in a real deployment, here in one process except detokd:
 - a fake scheduler (SchedulerClient): "generates" each reply by tokenizing a fixed
   text (the prompt echoed, then a multilingual paragraph) with the same tokenizer
   detokd serves, and sends the ids a few per step, like an engine's decode loop;
+  the request's OpenAI `stop` strings go to detokd, which watches for them, and a
+  request detokd stopped (its `stopped` row, on the feedback socket) stops generating;
 - a tokenizer worker (WorkerClient): an HTTP server, standard library only, that
   streams each request's text deltas as `data: {...}` events, then `data: [DONE]`.
 
@@ -66,6 +68,7 @@ class _Gen:
     ids: list[int]  # the whole reply, known up front: this model is fake
     prompt_tail: list[int]
     finish: Finish
+    stop: list[str]
     sent: int = 0
 
 
@@ -82,7 +85,7 @@ class FakeScheduler:
     running: dict[str, _Gen] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def submit(self, rid: str, prompt: str, max_tokens: int | None = None) -> list[int]:
+    def submit(self, rid: str, prompt: str, max_tokens: int | None = None, stop: list[str] = ()) -> list[int]:
         enc = self.tokenizer.encode
         ids = enc(reply_for(prompt), add_special_tokens=False).ids
         eos = self.tokenizer.token_to_id("<｜end▁of▁sentence｜>")
@@ -93,7 +96,7 @@ class FakeScheduler:
             # finished it (matched is an int: detokd does not render it).
             ids, finish = ids + [eos], Finish("stop", eos)
         tail = enc(prompt, add_special_tokens=False).ids[-PROMPT_TAIL:]
-        self.running[rid] = _Gen(rid, ids, tail, finish)
+        self.running[rid] = _Gen(rid, ids, tail, finish, list(stop))
         self.wake.set()
         return ids
 
@@ -107,12 +110,17 @@ class FakeScheduler:
             if not self.running:
                 self.wake.clear()
                 await self.wake.wait()
+            for row in c.stopped():  # the client queued each one's finishing row
+                g = self.running.pop(row.rid, None)
+                if g is not None:
+                    log.info("%s: detokd found stop %r; generation stopped after %d of %d ids",
+                             row.rid, row.matched, g.sent, len(g.ids))
             for g in list(self.running.values()):
                 new = g.ids[g.sent : g.sent + self.rng.randint(1, self.max_per_step)]
                 done = g.sent + len(new) >= len(g.ids)
                 fin = g.finish if done else None
                 if g.sent == 0:
-                    c.begin(g.rid, new, prompt_tail=g.prompt_tail, finish=fin)
+                    c.begin(g.rid, new, prompt_tail=g.prompt_tail, stop=g.stop, finish=fin)
                 else:
                     c.add(g.rid, new, finish=fin)
                 g.sent += len(new)
@@ -223,13 +231,17 @@ class App:
             max_tokens = req.get("max_tokens")
             if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
                 raise TypeError("max_tokens must be an integer")
+            stop = req.get("stop") or []
+            stop = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
+                raise TypeError("stop must be a string or a list of at most 4 non-empty strings")
         except (ValueError, TypeError, AttributeError) as e:
             raise HttpError(400, f"bad request body: {e}") from e
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         # Open the stream before the scheduler can send anything for this rid.
         stream = self.worker.stream(rid)
-        self.scheduler.submit(rid, prompt, max_tokens)
+        self.scheduler.submit(rid, prompt, max_tokens, stop)
 
         def chunk(text: str, reason: str | None) -> dict:
             return {
@@ -270,13 +282,13 @@ class App:
 
 async def amain(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="detokd-sse-"))
-    cfg = ipc_config(tmp, tokenizer=TOKENIZER)
+    cfg = ipc_config(tmp, tokenizer=TOKENIZER, feedback=True)
     inp, wad = cfg.input, cfg.workers[0]
     # Own process group: a terminal's Ctrl-C reaches detokd through us, once. And it
     # dies with us, even if we are SIGKILLed.
     detokd = DetokdProcess(cfg, folder=tmp, popen={"process_group": 0, "preexec_fn": die_with_parent}).spawn()
     print(f"detokd pid {detokd.pid}", flush=True)
-    scheduler_client = SchedulerClient(inp)
+    scheduler_client = SchedulerClient(inp, feedback=cfg.feedback)  # binds it: detokd connects
     worker = WorkerClient(wad)
     from tokenizers import Tokenizer
 

@@ -14,7 +14,7 @@ import pytest
 
 from detokd.config import Config, load
 from detokd.process import DetokdProcess, ipc_config
-from utils import config_ranges
+from utils import config_ranges, logged
 
 DETOKD = [sys.executable, "-m", "detokd"]
 
@@ -207,8 +207,7 @@ def test_serve_binds_the_flags_input_over_the_environments_over_the_files(tmp_pa
     cfg = msgspec.structs.replace(ipc_config(tmp_path), input=address["file"])
     args = ["--input", address["flag"]] if flag else []
     with DetokdProcess(cfg, folder=tmp_path, args=args, env={"DETOKD_INPUT": address["env"]}) as d:
-        log = d.log()
-    assert f"serving: input {address['flag' if flag else 'env']}" in log, log
+        logged(d, f"serving: input {address['flag' if flag else 'env']}")  # written a moment after READY
 
 
 # --- --shards and the stop signals
@@ -230,3 +229,45 @@ def test_sighup_is_a_drained_stop_that_exits_0_and_is_logged(tmp_path, shards):
     if shards > 1:
         assert "got SIGHUP: stopping 2 shards" in log, log
     assert log.count("SIGHUP: input ") == shards, log  # each shard's drained stop, named
+
+
+def test_the_demo_piped_writes_whole_lines_and_figures_that_agree():
+    """Piped (not a terminal), the demo writes whole lines: stream 0's text line by
+    line (`demo-0 | `, exactly the reference decode), progress lines between them.
+    The figures agree: the summary's rate is its tokens over its seconds, the last
+    progress line counts every token, no progress rate is a first frame's burst (it
+    stays near the pacing), the pacing is labelled as the engine's offer, and
+    detokd's CPU per token is its CPU seconds over the tokens its metrics counted."""
+    import re
+
+    from detokd.demo import _streams
+    from detokd.tokenizer import load as load_tokenizer
+
+    streams, steps = 4, 120
+    r = run("demo", "--streams", str(streams), "--steps", str(steps), timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert out.endswith("\n")
+    lines = out.splitlines()
+    v = load_tokenizer("deepseek")
+    tail, outs = _streams(v, streams, steps)
+    want = v.reference(tail, outs[0]).split("\n")
+    if want[-1] == "":
+        want.pop()
+    assert [line[len("demo-0 | "):] for line in lines if line.startswith("demo-0 | ")] == want
+    progress = [line for line in lines if line.startswith("[")]
+    assert progress and all(re.fullmatch(r"\[\d+ of 4 streams finished · [\d,]+ tokens in [\d.]+ s( · [\d,]+ tokens/s delivered)?\]", p) for p in progress), progress
+    total = streams * steps
+    summary = re.search(r"^4 streams, ([\d,]+) tokens in ([\d.]+) s: ([\d,]+) tokens/s delivered$", out, re.M)
+    tokens, seconds, rate = int(summary.group(1).replace(",", "")), float(summary.group(2)), int(summary.group(3).replace(",", ""))
+    assert tokens == total
+    assert abs(rate - tokens / seconds) <= 0.01 * rate + 1
+    assert re.search(r"^pacing: the synthetic engine offers 4 streams x 50 steps/s = 200 tokens/s$", out, re.M)
+    last = re.search(r"([\d,]+) tokens in", progress[-1])
+    assert int(last.group(1).replace(",", "")) == total
+    live = [int(m.replace(",", "")) for p in progress for m in re.findall(r"([\d,]+) tokens/s delivered", p)]
+    assert live and all(x <= 200 * 1.5 for x in live), live  # a paced run cannot deliver far above the pace
+    cpu = re.search(r"^detokd: ([\d,]+) tokens decoded in ([\d.]+) s of its CPU = ([\d.]+) us of CPU per token", out, re.M)
+    decoded, cpu_s, per_token = int(cpu.group(1).replace(",", "")), float(cpu.group(2)), float(cpu.group(3))
+    assert decoded == total  # detokd's own count agrees with what the worker got
+    assert abs(per_token - cpu_s / decoded * 1e6) <= 0.06 + 0.001 * per_token

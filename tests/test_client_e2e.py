@@ -125,3 +125,71 @@ def test_with_two_shards_rids_spread_over_the_derived_inputs_and_text_is_exact(d
     for rid, ids in reqs.items():
         assert got[rid] == v.reference([], ids), rid
     assert d.stop() == 0, d.log()[-3000:]
+
+
+def test_stopped_reaches_the_client_which_finishes_the_request_so_both_forget_it(detokd, zctx) -> None:
+    """detokd finds a stop string: SchedulerClient.stopped() returns the row, the worker
+    already has the text up to the stop, and after the next flush (the finishing row
+    stopped() queued) neither the client nor detokd holds the request any more."""
+    from utils import Sink, metric, metrics_port, scrape, wait_until
+
+    d = detokd(feedback=True, args=["--metrics-port", "0"])
+    sink = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    port = metrics_port(d)
+    ids = encode("Hello, world! This is a test of streaming detokenization.")
+    with SchedulerClient(d.input, feedback=d.feedback) as sched:
+        sched.begin("s1", ids[:1], stop=["world"])
+        sched.begin("other", ids[:2], stop=["world"], vid=3)
+        sched.flush()
+        got, k = [], 1
+        while not got:  # one step at a time, as an engine would, until detokd says stop
+            assert k < len(ids), "no stopped row though the ids hold the stop string"
+            sched.add("s1", ids[k:k + 1])
+            sched.flush()
+            k += 1
+            got = sched.stopped(timeout=0.5 if k > 4 else 0.0)
+        [row] = got
+        assert (row.rid, row.vid, row.matched) == ("s1", 0, "world")
+        assert row.n_ids == len(encode("Hello, world"))
+        assert sched.seq_of("s1") is None and len(sched) == 1  # forgotten; "other" is live
+        sink.wait(lambda: sink.ended("s1"), 10, "the worker's finishing row")
+        assert sink.text("s1") == "Hello, " and sink.rows("s1")[-1]["finish"] == {"reason": "stop", "matched": "world"}
+        sched.flush()  # the finishing row stopped() queued
+        sched.add("other", [], finish=native.Finish("length"))
+        sched.flush()
+        sink.wait(lambda: sink.ended("other"), 10, "the other request's end")
+        m = wait_until(lambda: (lambda m: metric(m, "detokd_live_requests") == 0 and m)(scrape(port)), 10, "no live request")
+        assert metric(m, "detokd_stops_detected_total") == 1
+        assert len(sched) == 0
+    assert d.stop() == 0
+
+
+def test_the_scheduler_example_in_client_md_streams_the_text_its_comments_say(detokd, zctx) -> None:
+    """docs/client.md's first example, run as written against a real detokd (its
+    address swapped in): each row's text is the one its `# text "..."` comment names."""
+    import re
+
+    from utils import Sink
+
+    doc = (Path(__file__).parent.parent / "docs" / "client.md").read_text()
+    code = doc.split("## Scheduler side", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    said = [json_str(m) for m in re.findall(r'# text ("(?:[^"\\]|\\.)*")', code)]
+    assert len(said) == 3, code
+    d = detokd()
+    sink = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    code = code.replace('"ipc:///run/engine/detokd.in"', repr(d.input))
+    env = {"prompt_ids": encode("Please greet the world.")}
+    exec(code, env)  # noqa: S102 (the docs' own example)
+    sink.wait(lambda: sink.ended("req-1"), 10, "the example's request to end")
+    env["sched"].close()
+    assert [r["text"] for r in sink.rows("req-1")] == said
+    assert sink.rows("req-1")[-1]["finish"]["reason"] == "stop"
+    assert d.stop() == 0
+
+
+def json_str(quoted: str) -> str:
+    import json
+
+    return json.loads(quoted)

@@ -157,3 +157,36 @@ def test_register_adds_a_worker_and_moves_one_that_rebound(rig, tmp_path) -> Non
     r.bind(1)
     r.step([start("m", 1)])
     assert [x.rid for x in r.messages(1, 1)[0]] == ["m"]
+
+
+class Refusing(native.NativeDialect):
+    """The native dialect, but a message holding a rid that begins "poison" cannot be
+    encoded: a stand-in for a value the encoder refuses (msgspec encodes every value the
+    native core makes, so only a bug reaches this path)."""
+
+    def encode_text(self, rows):
+        if any(row.rid.startswith("poison") for row in rows):
+            raise ValueError("cannot encode")
+        return super().encode_text(rows)
+
+
+def test_a_message_that_cannot_be_encoded_fails_its_own_requests_and_no_other(rig):
+    r = rig()
+    dialect = Refusing(r.core, r.delivery, None, r.stats)
+    r.delivery.attach(dialect, lost=dialect.stalled, live=r.core.table.__contains__)
+    w0, w1 = r.bind(0), r.bind(1)
+    wait_until(lambda: all(r.delivery.has_room(w) for w in r.delivery.workers.values()), 5, "both workers connected")
+    finish = native.Finish("length")
+    r.step([
+        native.Row("good", IDS, 0, native.Start(worker=0), None),
+        native.Row("poison", IDS[:2], 0, native.Start(worker=0), None),
+        native.Row("other", IDS, 0, native.Start(worker=1), finish),
+    ])
+    (failed,) = r.messages(0, 1)
+    assert [(row.rid, row.text, row.error) for row in failed] == [("good", "", "internal"), ("poison", "", "internal")]
+    (served,) = r.messages(1, 1)
+    assert [(row.rid, row.text, row.finish) for row in served] == [("other", vocab("deepseek").backend.decode(IDS), finish)]
+    r.step([native.Row("good", IDS[:1], len(IDS), None, finish)])  # its later rows get the same error
+    (later,) = r.messages(0, 1)
+    assert [(row.rid, row.error) for row in later] == [("good", "internal")]
+    assert r.stats.errors["internal"] == 3

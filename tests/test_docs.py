@@ -46,7 +46,7 @@ def test_the_docs_quote_the_shutdown_grace():
 
 # --- every key documented once, under the names the CLI and the environment give it
 
-SERVE_ONLY = {"help", "config", "shards", "supervisor_port"}  # serve's flags that are no key
+SERVE_ONLY = {"help", "config", "shards", "supervisor_port", "shard_index"}  # serve's flags that are no key
 SIZES = {"MiB": 1 << 20, "KiB": 1 << 10}
 
 

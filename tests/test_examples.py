@@ -156,3 +156,43 @@ def test_a_killed_sse_example_takes_its_detokd_along(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_sse_example_passes_openai_stop_to_detokd_and_stops_generating_on_stopped(tmp_path: Path) -> None:
+    """OpenAI `stop` reaches detokd: the reply ends before the stop string, with
+    finish_reason stop; the fake engine hears `stopped` and generates no further
+    (it logs how many of the reply's ids it had sent: fewer than all). The default
+    step, 20 ms, leaves the reply ~1 s of generation after the stop."""
+    with open(tmp_path / "example.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "examples" / "sse_engine.py"), "--port", "0"],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+        )
+    lines = _Lines(proc.stdout)
+    detokd_pid = None
+    try:
+        detokd_pid = int(lines.wait_for("detokd pid").split()[-1])
+        port = int(lines.wait_for("serving on http://127.0.0.1:").split(":")[2].split("/")[0])
+        deltas, events = _sse(port, {"prompt": "hi", "stream": True, "stop": ["said:", "never there"]})
+        assert "".join(deltas) == "You "
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "stop": "marche"}))
+        out = json.loads(conn.getresponse().read())
+        conn.close()
+        assert out["choices"][0]["text"].endswith("Ça ") and out["choices"][0]["finish_reason"] == "stop"
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            if detokd_pid is not None and alive(detokd_pid):
+                os.kill(detokd_pid, signal.SIGKILL)
+    err = (tmp_path / "example.log").read_text()
+    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    import re
+
+    # "marche" comes near the reply's end, which may be sent before `stopped` is read.
+    [(sent, total)] = re.findall(r"detokd found stop 'said:'; generation stopped after (\d+) of (\d+) ids", err)
+    assert int(sent) < int(total), (sent, total)

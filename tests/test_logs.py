@@ -9,6 +9,7 @@ bounded number of stderr bytes.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import random
@@ -25,7 +26,7 @@ from utils import Engine, Req, Sink, http_get, make_ids, metrics_port, wait_unti
 
 F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
 PAGE = 4096
-LINE_START = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ")
+LINE_START = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d [A-Z]+ (\[shard \d+\] )?\S+: ")  # ISO 8601, zoned
 
 
 def _unread(fd: int) -> int:
@@ -247,3 +248,64 @@ def test_a_suppressed_spell_is_said_even_if_its_template_never_logs_again() -> N
         assert seen[-1].getMessage() == "3 similar messages suppressed in 0 s: 'register of %r refused'" and seen[-1].levelno == logging.WARNING
     finally:
         logger.removeHandler(handler)
+
+
+ZONED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d$")
+
+
+def test_json_logs_under_shards_are_one_object_a_line_with_shard_and_request_fields(detokd, zctx) -> None:
+    """--log-format json --shards 2: every line the supervisor and the shards write
+    parses as one JSON object with a zoned time, level, logger, message and pid; a
+    shard's lines name their shard; a line about one request carries its rid, worker
+    and error word as fields (the rid holding a forged record stays inside its string);
+    each process's last line says why it stopped."""
+    from detokd.launch import derive_address
+
+    d = detokd(args=["--shards", "2", "--log-format", "json"])
+    d.wait_ready()
+    eng = Engine(zctx, derive_address(d.input, 1))
+    eng.rows([{"rid": f"rid{FORGED}", "ids": [1], "start": {"worker": 7}}])  # worker 7 has no address: bad_start
+    wait_until(lambda: "bad_start" in d.log(), 20, "the bad start logged")
+    assert d.stop() == 0
+    records = [json.loads(line) for line in d.log().splitlines()]  # a line that is not JSON fails here
+    for rec in records:
+        assert {"time", "level", "logger", "message", "pid"} <= set(rec), rec
+        assert ZONED.match(rec["time"]), rec["time"]
+    by_pid: dict[int, list[dict]] = {}
+    for rec in records:
+        by_pid.setdefault(rec["pid"], []).append(rec)
+    supervisor = [p for p, recs in by_pid.items() if all("shard" not in r for r in recs)]
+    assert supervisor == [d.pid]
+    assert sorted({recs[0]["shard"] for p, recs in by_pid.items() if p != d.pid}) == [0, 1]
+    assert all(len({r.get("shard") for r in recs}) == 1 for recs in by_pid.values())  # a process names one shard
+    for pid, recs in by_pid.items():
+        assert recs[-1]["message"].startswith("stopped: got SIGTERM; exit 0"), (pid, recs[-1])
+    [bad] = [r for r in records if "rid" in r]
+    assert (bad["rid"], bad["worker"], bad["error"], bad["shard"]) == (f"rid{FORGED}", 7, "bad_start", 1)
+
+
+def test_text_logs_name_the_shard_and_end_saying_why(detokd) -> None:
+    d = detokd(args=["--shards", "2"])
+    d.wait_ready()
+    assert d.stop() == 0
+    lines = d.log().splitlines()
+    assert all(LINE_START.match(line) for line in lines), lines
+    assert any(" [shard 1] detokd." in line for line in lines)
+    assert lines[-1].endswith("stopped: got SIGTERM; exit 0")
+
+
+def test_a_config_error_is_the_last_json_line(tmp_path: Path) -> None:
+    """An error found once the logs are set up (a port in use) is the last line, in
+    JSON too; the exit code is 2."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "detokd", "serve", "--log-format", "json", "--metrics-port", str(port),
+             "--input", f"ipc://{tmp_path}/in.sock", "--worker", f"ipc://{tmp_path}/w0.sock"],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert r.returncode == 2, r.stderr
+    last = json.loads(r.stderr.splitlines()[-1])
+    assert last["level"] == "CRITICAL" and last["message"].startswith("detokd: error: cannot serve metrics"), last

@@ -33,6 +33,8 @@ from detokd.wire.native import (
     Register,
     Row,
     Start,
+    Stopped,
+    StoppedRow,
     Tokens,
     encode,
 )
@@ -40,6 +42,7 @@ from detokd.wire.native import (
 __all__ = ["SchedulerClient", "shard_for"]
 
 
+_stopped = msgspec.msgpack.Decoder(Stopped)
 # With watch=True, the rids of the last rows sent to each shard, up to this many rows:
 # what a broken connection may have taken (ZMQ's queues and the socket buffers on both
 # sides, and detokd's input queue: 1,000 messages) is taken as lost with it.
@@ -148,11 +151,13 @@ class SchedulerClient:
         curve_server_key: bytes | None = None,
         curve_keypair: tuple[bytes, bytes] | None = None,
         watch: bool = False,
+        feedback: str | None = None,
     ) -> None:
         """`curve_server_key` (detokd's public key) and `curve_keypair` (this client's
         public, secret; zmq.auth.load_certificate) connect with CURVE (docs/security.md).
         `watch`: notice a shard's connection breaking (a restart), and say in `lost()`
-        which requests it may have taken rows of."""
+        which requests it may have taken rows of. `feedback`: bind a PULL socket there
+        for detokd's `stopped` rows (`stopped()`); the address is detokd's `feedback` key."""
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
             raise ValueError("SchedulerClient needs at least one detokd input address")
@@ -174,6 +179,11 @@ class SchedulerClient:
         self._pending: list[list[Row]] = [[] for _ in self._socks]
         self._reqs: dict[str, Tracked] = {}
         self._lost: set[str] = set()
+        self.feedback_socket: zmq.Socket | None = None
+        self.stale_stopped = 0  # `stopped` rows about a request no longer tracked under that vid
+        if feedback is not None:
+            self.feedback_socket = self._ctx.socket(zmq.PULL)
+            self.feedback_socket.bind(feedback)
 
     @property
     def n_shards(self) -> int:
@@ -297,6 +307,29 @@ class SchedulerClient:
         if self._watches and rids:
             self._watches[shard].sent(rids)
 
+    def stopped(self, timeout: float = 0.0) -> list[StoppedRow]:
+        """The requests detokd stopped on a stop string since the last call, waiting up
+        to `timeout` s for the first. Stop generating each one: its worker already has
+        the finishing row, and this call queues the request's own finishing row
+        (`Finish("stop", matched)`, sent by the next flush), which frees detokd's state
+        of it; the client forgets the rid. Rows about a rid not tracked under that
+        vid (it finished or restarted meanwhile) are not returned (`stale_stopped`)."""
+        sock = self.feedback_socket
+        if sock is None:
+            raise RuntimeError("SchedulerClient has no feedback address")
+        out: list[StoppedRow] = []
+        wait = int(timeout * 1000)
+        while sock.poll(wait):
+            wait = 0
+            for row in _stopped.decode(sock.recv()).rows:
+                t = self._reqs.get(row.rid)
+                if t is None or t.vid != row.vid:
+                    self.stale_stopped += 1
+                    continue
+                self.add(row.rid, finish=Finish("stop", row.matched))
+                out.append(row)
+        return out
+
     def forget(self, rid: str) -> None:
         """Stop tracking `rid` without telling detokd (it ended some other way)."""
         self._reqs.pop(rid, None)
@@ -364,6 +397,8 @@ class SchedulerClient:
             for s in self._socks:
                 s.close(linger=int(linger * 1000))
             self._socks = []
+            if self.feedback_socket is not None:
+                self.feedback_socket.close(linger=0)
             if self._own_context:
                 self._ctx.term()
 

@@ -55,6 +55,12 @@ class Limits:
     held_text_bytes: int = 16 << 20
 
 
+def _about(rid: str, worker: int | None, error: str) -> dict:
+    """A log record's `extra=`: the request, worker and error word a line is about
+    (fields of its JSON line; detokd.logs cuts a rid to 64 characters)."""
+    return {"rid": rid[:64], "worker": worker, "error": error}
+
+
 def _over_budget(rows: list[Row], budget: int) -> int | None:
     """The index of the first row whose ids take the frame past `budget`, or None."""
     total = 0
@@ -315,7 +321,7 @@ class Detokenizer:
         rid = row.rid
         self.tombstones.discard(rid)
         if not self.outbox.known(start.worker):
-            log.warning("rid %r names worker %d, which has no address", rid, start.worker)
+            log.warning("rid %r names worker %d, which has no address", rid, start.worker, extra=_about(rid, start.worker, r.BAD_START))
             self._error(rid, None, r.BAD_START, row.meta, 0)
             return None
         tail = start.prompt_tail[-self.max_tail :] if self.max_tail > 0 else []
@@ -374,7 +380,7 @@ class Detokenizer:
         dialect may place the row by it: SGLang's batch position); a rid beyond the
         cap gets no row at all: it would be echoed to every worker."""
         rid = row.rid
-        log.warning("row of rid %r beyond the cap on %s: too_large", rid[:64], why)
+        log.warning("row of rid %r beyond the cap on %s: too_large", rid[:64], why, extra=_about(rid, None, r.TOO_LARGE))
         if request is not None:
             self.table.pop(rid)
         if why == "rid":
@@ -400,7 +406,10 @@ class Detokenizer:
         row carries only its own request's state: the newcomer's n_ids is 0."""
         rid, other = row.rid, row.start.worker
         meta = row.meta if meta is None else meta
-        log.warning("rid %r started for worker %d while live for worker %d: rid_collision", rid, other, request.worker)
+        log.warning(
+            "rid %r started for worker %d while live for worker %d: rid_collision", rid, other, request.worker,
+            extra=_about(rid, other, r.RID_COLLISION),
+        )
         self.table.pop(rid)
         self.tombstones.discard(rid)
         self._error(rid, request.worker, r.RID_COLLISION, r.NIL, request.n_ids)
@@ -503,7 +512,7 @@ class Detokenizer:
     def too_large_embedding(self, rid: str, worker: int) -> None:
         """An embeddings row beyond max_rid_len (no row, as in `_too_large`) or
         max_meta_bytes (a `too_large` row to its worker, meta not echoed)."""
-        log.warning("embeddings row of rid %r beyond the caps: too_large", rid[:64])
+        log.warning("embeddings row of rid %r beyond the caps: too_large", rid[:64], extra=_about(rid, worker, r.TOO_LARGE))
         if len(rid) > self.limits.rid_len or not self.outbox.known(worker):
             self.stats.error(r.TOO_LARGE)
         else:

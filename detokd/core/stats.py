@@ -51,6 +51,8 @@ class Stats:
         self.step_sum = 0.0
         self.last_turn = time.monotonic()
         self.ready = False  # set once the tokenizer is loaded and every socket bound
+        self.stopping = False  # set once a stop signal unbound the input (/readyz fails)
+        self.dialect = ""  # the wire dialect's name, for detokd_build_info
         self.overloaded = False  # RSS above max_rss_mb: new requests refused
         self.overload_transitions = 0
         self.feedback_dropped = 0  # stopped rows lost to a full feedback queue
