@@ -83,11 +83,16 @@ class Standin:
             port_args=port_args, is_rank_zero=True, skip_tokenizer_init=False,
             metrics_enabled=False, enable_scripted_runtime=False,
         )
-        self.streamer = SchedulerOutputStreamer(
+        kwargs = dict(
             send_to_detokenizer=self.channels.send_to_detokenizer, tree_cache=None, server_args=server_args,
             is_generation=True, spec_algorithm=SpeculativeAlgorithm.NONE,
             disaggregation_mode=DisaggregationMode.NULL, enable_hicache_storage=lambda: False,
         )
+        if "ps" in getattr(SchedulerOutputStreamer, "__dataclass_fields__", {}):  # 0.5.20: the ranks as a field of its own
+            from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+
+            kwargs["ps"] = ParallelState.trivial()
+        self.streamer = SchedulerOutputStreamer(**kwargs)
         self.max_req_len = self.model_config.context_len
         self.running: dict[str, Any] = {}
         self.replies: dict[str, tuple[list[int], int]] = {}
@@ -209,11 +214,15 @@ def run_standin_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_r
 
     import psutil
     from sglang.srt.plugins import load_plugins
-    from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
+    from sglang.srt import runtime_context as rc
 
     load_plugins()
-    publish(server_args, role="scheduler", ranks=SpawnRanks(
-        world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank), dp_rank=dp_rank, gpu_id=gpu_id))
+    if hasattr(rc, "SpawnRanks"):  # 0.5.21 and newer publish the scheduler's ranks
+        rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(
+            world_rank=rc.spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank), dp_rank=dp_rank,
+            gpu_id=gpu_id))
+    else:
+        rc.publish(server_args, role="scheduler")
     parent = psutil.Process().parent()
     try:
         standin = Standin(server_args, port_args)
