@@ -208,8 +208,12 @@ class Standin:
                 setattr(lp, f"output_{kind}_logprobs_{name}", [])
 
 
-def run_standin_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, *_, **__):
-    """sglang's run_scheduler_process, with the Standin as the Scheduler."""
+def run_standin_scheduler(server_args, port_args, gpu_id, tp_rank, *rest, **__):
+    """sglang's run_scheduler_process, with the Standin as the Scheduler. Its arguments
+    after tp_rank end in pp_rank, dp_rank, pipe_writer (0.5.20 has attn_cp_rank,
+    moe_dp_rank and moe_ep_rank before them): the pipe is the first one that sends."""
+    at = next(i for i, arg in enumerate(rest) if hasattr(arg, "send"))
+    pp_rank, dp_rank, pipe_writer = rest[at - 2], rest[at - 1], rest[at]
     import signal
 
     import psutil
