@@ -265,6 +265,16 @@ def test_detokds_lines_in_sglangs_log_say_they_are_detokds_and_what_to_do_about_
     assert any("replaced SGLang's detokenizer" in line for line in ours)
 
 
-@pytest.mark.parametrize("key", keys("detokd"), ids=key_id)
+def killed_keys():
+    """Every detokd case; the router layout that needs two HTTP workers (SGLang 0.5.22 and
+    older) is an expected failure: a SIGKILLed detokenizer has no say in what SGLang does
+    next, and there SGLang's server outlived it by 120 s on 0.5.20 (docs/sglang.md,
+    Releases). strict: the day it passes, the test says so."""
+    gone = pytest.mark.xfail(strict=True, reason="SGLang's own reaction to a SIGKILLed detokenizer behind its "
+                             "router with --tokenizer-worker-num 2: its server stays up (0.5.20)")
+    return [pytest.param(key, marks=gone) if key[4] and ROUTER_EXTRA else key for key in keys("detokd")]
+
+
+@pytest.mark.parametrize("key", killed_keys(), ids=key_id)
 def test_killing_detokd_makes_sglangs_server_exit(served, key):
     assert served[key].exit_after_kill is not None
