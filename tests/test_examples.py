@@ -7,6 +7,7 @@ reply against the oracle, Vocab.reference of the tokenizer the example serves.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -80,6 +81,28 @@ def _sse(port: int, body: dict) -> tuple[list[str], list[dict]]:
     return deltas, events
 
 
+@contextlib.contextmanager
+def sse_example(tmp_path: Path, *args: str):
+    """The example running on a free port, as (its process, its port, its detokd's pid);
+    whatever the test does, neither outlives the block. Its stderr: tmp_path/example.log."""
+    with open(tmp_path / "example.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "examples" / "sse_engine.py"), "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+        )
+    lines = _Lines(proc.stdout)
+    detokd_pid = None
+    try:
+        detokd_pid = int(lines.wait_for("detokd pid").split()[-1])
+        yield proc, int(lines.wait_for("serving on http://127.0.0.1:").split(":")[2].split("/")[0]), detokd_pid
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            if detokd_pid is not None and alive(detokd_pid):
+                os.kill(detokd_pid, signal.SIGKILL)
+
+
 def test_the_sse_example_streams_every_reply_exactly_and_stops_detokd_with_it(tmp_path: Path) -> None:
     import importlib.util
 
@@ -92,17 +115,7 @@ def test_the_sse_example_streams_every_reply_exactly_and_stops_detokd_with_it(tm
         del sys.modules["sse_engine"]
     v = vocab("deepseek")
 
-    with open(tmp_path / "example.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(REPO / "examples" / "sse_engine.py"), "--port", "0", "--step-ms", "2"],
-            stdout=subprocess.PIPE, stderr=log, text=True,
-        )
-    lines = _Lines(proc.stdout)
-    detokd_pid = None
-    try:
-        detokd_pid = int(lines.wait_for("detokd pid").split()[-1])
-        url = lines.wait_for("serving on http://127.0.0.1:")
-        port = int(url.split(":")[2].split("/")[0])
+    with sse_example(tmp_path, "--step-ms", "2") as (proc, port, detokd_pid):
         for prompt in ["hi", "héllo 世界 🙂, naïve?"]:
             ids = encode(example.reply_for(prompt))
             tail = encode(prompt)[-example.PROMPT_TAIL:]
@@ -121,12 +134,6 @@ def test_the_sse_example_streams_every_reply_exactly_and_stops_detokd_with_it(tm
         conn.close()
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            if detokd_pid is not None and alive(detokd_pid):
-                os.kill(detokd_pid, signal.SIGKILL)
     err = (tmp_path / "example.log").read_text()
     assert rc == 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
@@ -163,16 +170,7 @@ def test_the_sse_example_passes_openai_stop_to_detokd_and_stops_generating_on_st
     finish_reason stop; the fake engine hears `stopped` and generates no further
     (it logs how many of the reply's ids it had sent: fewer than all). The default
     step, 20 ms, leaves the reply ~1 s of generation after the stop."""
-    with open(tmp_path / "example.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(REPO / "examples" / "sse_engine.py"), "--port", "0"],
-            stdout=subprocess.PIPE, stderr=log, text=True,
-        )
-    lines = _Lines(proc.stdout)
-    detokd_pid = None
-    try:
-        detokd_pid = int(lines.wait_for("detokd pid").split()[-1])
-        port = int(lines.wait_for("serving on http://127.0.0.1:").split(":")[2].split("/")[0])
+    with sse_example(tmp_path) as (proc, port, _):
         deltas, events = _sse(port, {"prompt": "hi", "stream": True, "stop": ["said:", "never there"]})
         assert "".join(deltas) == "You "
         assert events[-1]["choices"][0]["finish_reason"] == "stop"
@@ -183,12 +181,6 @@ def test_the_sse_example_passes_openai_stop_to_detokd_and_stops_generating_on_st
         assert out["choices"][0]["text"].endswith("Ça ") and out["choices"][0]["finish_reason"] == "stop"
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            if detokd_pid is not None and alive(detokd_pid):
-                os.kill(detokd_pid, signal.SIGKILL)
     err = (tmp_path / "example.log").read_text()
     assert rc == 0 and "Traceback" not in err, err[-3000:]
     import re
