@@ -63,18 +63,23 @@ def generate(fe: Frontend) -> tuple[str, str]:
     return resp.json()["text"], oracle("qwen2", fe.records()["probe"])
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sglang_serves_with_its_own_detokenizer_and_one_line_says_why(case, plugin_path, tmp_path_factory):  # noqa: F811
-    break_spec, config, names = CASES[case]
-    root = tmp_path_factory.mktemp("fallback")
-    fe = serve(root, plugin_path, case.replace(" ", "-"), break_spec, config)
+def served_once(fe: Frontend) -> tuple[str, str, list[str], str]:
+    """Once the server is ready: what a client got and the oracle's text, its detokenizer
+    processes' titles and its log; the server is closed however that ends."""
     try:
         fe.wait_ready()
         got, want = generate(fe)
         titles = [" ".join(p.cmdline()) for p in fe.detokenizer_processes()]
-        log = fe.log_tail(1 << 20)
+        return got, want, titles, fe.log_tail(1 << 20)
     finally:
         fe.close()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sglang_serves_with_its_own_detokenizer_and_one_line_says_why(case, plugin_path, tmp_path_factory):  # noqa: F811
+    break_spec, config, names = CASES[case]
+    root = tmp_path_factory.mktemp("fallback")
+    got, want, titles, log = served_once(serve(root, plugin_path, case.replace(" ", "-"), break_spec, config))
     assert got == want
     assert len(titles) == 1 and "(detokd)" not in titles[0], titles
     (line,) = [line for line in log.splitlines() if KEEPING in line]
@@ -105,13 +110,7 @@ def test_with_tmpdir_a_private_folder_detokd_serves_without_the_world_writable_w
     private.mkdir(mode=0o700)
     fe = Frontend(model_folder(root, "qwen2"), detokenizer="detokd", encoding="pickle", plugin_path=plugin_path,
                   log_dir=root, env={"TMPDIR": str(private)}, tag="-tmpdir")
-    try:
-        fe.wait_ready()
-        got, want = generate(fe)
-        titles = [" ".join(p.cmdline()) for p in fe.detokenizer_processes()]
-        log = fe.log_tail(1 << 20)
-    finally:
-        fe.close()
+    got, want, titles, log = served_once(fe)
     assert got == want and len(titles) == 1 and "(detokd)" in titles[0], titles
     assert "replaced SGLang's detokenizer" in log and str(private) in log  # its addresses were there
     assert "writable by every user" not in log
