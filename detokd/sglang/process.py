@@ -18,7 +18,7 @@ Started by the plugin with a `verdict` pipe, the process first decides (`prepare
 it imports every SGLang module and symbol it uses, builds the schema from the installed
 release's classes and detects how that release behaves (detokd.sglang.schema, .release),
 reads and validates DETOKD_CONFIG, loads SGLang's tokenizer and checks detokd's tables
-against it (detokd.sglang.vocab). Only then does it tell the plugin whether it serves,
+against it (detokd.sglang.vocab), tries the metrics port. Only then does it tell the plugin whether it serves,
 and only once it serves does it bind. Any failure before that is a refusal naming its
 cause: SGLang's addresses stay free for SGLang's own detokenizer, which the plugin then
 starts; nothing detokd does there can take SGLang down.
@@ -29,13 +29,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import stat
-
 from dataclasses import dataclass
 from typing import Callable
 
 from .. import __version__, sockets
-from ..config import Config, load
+from ..config import Config, ConfigError, load
 from ..server import Server
 from ..tokenizer import Vocab, of
 from .dialect import SglangDialect
@@ -76,6 +76,20 @@ def config(port_args, tokenizer_path: str) -> Config:
         "metrics_port": int(os.environ["DETOKD_METRICS_PORT"]) if os.environ.get("DETOKD_METRICS_PORT") else None,
     }
     return load(os.environ.get("DETOKD_CONFIG") or None, overrides)
+
+
+def metrics_port_free(cfg: Config) -> None:
+    """The metrics port binds once the verdict is sent, when a failure would take SGLang's
+    server down: so it is tried first, and let go for the server to bind a moment later
+    (another process taking it in between is the one failure left)."""
+    if not cfg.metrics_port:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+        try:
+            probe.bind((cfg.metrics_host, cfg.metrics_port))
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
 
 
 def take_reserved_path(address: str) -> None:
@@ -138,7 +152,7 @@ def prepare(server_args, port_args, use_pickle: bool | None = None) -> Prepared:
     """Everything detokd's process needs, decided before it tells the plugin it serves:
     the schema from the installed classes, the release's behaviour (every SGLang symbol
     either uses, imported), the IPC codec, SGLang's tokenizer checked, DETOKD_CONFIG
-    read and validated. Raises what it cannot do."""
+    read and validated, the metrics port free. Raises what it cannot do."""
     from . import pickled
 
     built = schema.build()
@@ -146,6 +160,7 @@ def prepare(server_args, port_args, use_pickle: bool | None = None) -> Prepared:
     ipc = schema.codec(use_pickle, pickled.allowances(os.environ.get("DETOKD_SGLANG_PICKLE_ALLOW", "")), built=built)
     vocab, fingerprint = sglangs_vocab(server_args)
     cfg = config(port_args, vocab.name)
+    metrics_port_free(cfg)
     return Prepared(vocab, fingerprint, cfg, dialect_factory(vocab, built, rel, ipc))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -28,8 +29,10 @@ CHILD_TIMEOUT = 480
 pytestmark = pytest.mark.timeout(1800)
 
 
-def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None, router: bool = False) -> dict:
+def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None, router: bool = False,
+              extra_env: dict[str, str] | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("DETOKD_SGLANG", "DETOKD_SGLANG_ROUTER", "SGLANG_PLUGINS")}
+    env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_path), str(ROOT)])
     env["HF_HUB_OFFLINE"] = "1"
     if detokd_sglang is not None:
@@ -84,15 +87,20 @@ def children(plugin_path, tmp_path_factory) -> dict[str, Future]:
         "two processes, router": (["launch", qwen2, "--model-path", qwen2, "--detokenizer-worker-num", "2"], "1"),
         "orphan": (["orphan", qwen2, "--model-path", qwen2], "1"),
     }
+    # A port another process listens on, for the whole module: detokd's metrics port.
+    taken = socket.create_server(("127.0.0.1", 0))
+    cases["metrics port taken"] = (["launch", qwen2, "--model-path", qwen2], "1")
+    envs = {"metrics port taken": {"DETOKD_METRICS_PORT": str(taken.getsockname()[1])}}
     pool = ThreadPoolExecutor(2)
     futures = {}
     for case, (args, detokd_sglang) in cases.items():
         if args[0] != "loader":
             args = [*args, "--device", "cpu"]
         futures[case] = pool.submit(run_child, plugin_path, *args, detokd_sglang=detokd_sglang,
-                                    router=case.endswith("router"))
+                                    router=case.endswith("router"), extra_env=envs.get(case))
     yield futures
     pool.shutdown(cancel_futures=True)
+    taken.close()
 
 
 def test_the_entry_point_names_the_plugins_register_function():
@@ -181,6 +189,16 @@ def test_a_tokenizer_detokd_cannot_decode_as_sglang_does_keeps_sglangs_own_with_
     assert result["sglangs_own"] is True
     (warning,) = [w for w in warnings_of(result) if "detokd" in w]
     assert "keeping SGLang's own detokenizer" in warning and "fast (tokenizers) backend" in warning
+    assert_answers_and_dies_seen(result)
+
+
+def test_a_metrics_port_in_use_keeps_sglangs_own_with_a_warning_not_a_dead_server(children):
+    """detokd binds its metrics port after it told SGLang it serves, when failing would end
+    SGLang's server: so it tries the port before."""
+    result = children["metrics port taken"].result()
+    assert result["sglangs_own"] is True
+    (warning,) = [w for w in warnings_of(result) if "detokd" in w]
+    assert "keeping SGLang's own detokenizer" in warning and "cannot serve metrics on 127.0.0.1:" in warning
     assert_answers_and_dies_seen(result)
 
 
