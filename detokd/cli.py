@@ -4,7 +4,6 @@ and exit codes live here; each command's work lives in its own module."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -15,7 +14,7 @@ from .tokenizer import TokenizerError
 
 EXIT_CONFIG = 2
 EXIT_CRASH = 1
-log = logging.getLogger("detokd")
+log = logs.get(__name__)
 CONFIG_HELP = "TOML config file (default: $DETOKD_CONFIG); DETOKD_<KEY> variables override it, flags override both"
 
 
@@ -83,7 +82,7 @@ def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
             args += ["--config", ns.config]
         return args + _shard_flags(cfg, inputs[i], i)
 
-    logging.getLogger("detokd.launch").info("%d shards: %s", ns.shards, ", ".join(inputs))
+    log.info("%d shards: %s", ns.shards, ", ".join(inputs))
     try:
         return Supervisor(
             argv, ns.shards, status_port=sup_port, status_host=cfg.metrics_host, collectors=[BuildInfo("native")]

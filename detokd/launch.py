@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import select
 import signal
 import socket
@@ -22,11 +21,12 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from . import logs
 from .http import Endpoint, Reply
 
 __all__ = ["derive_address", "Supervisor", "Backoff", "supervise_shards", "die_with_parent", "Shard", "StatusServer", "EXIT_STARTUP"]
 
-log = logging.getLogger("detokd.launch")
+log = logs.get(__name__)
 
 _POLL = 0.05  # s between looks at the stopping children: bounds how late a second signal is passed on
 
