@@ -1,6 +1,6 @@
 """`python -m detokbench baselines`: one baseline of detokbench.baselines behind detokd's wire.
 
-Server (the same harness as detokd, PROTOCOL.md v1, the subset the benchmark uses):
+Server (the same harness as detokd, docs/protocol.md v1, the subset the benchmark uses):
 
     python -m detokbench baselines --algo naive|sglang|decodestream|floor \\
         --input ipc:///tmp/x/in --worker ipc:///tmp/x/w0 --tokenizer deepseek
@@ -72,7 +72,7 @@ class Server:
         if old is not None:
             old.close(linger=1000)
         s = push(self.ctx, address, hwm=self.hwm)
-        s.setsockopt(zmq.LINGER, -1)  # ZMQ's default, as before: queued text still goes out
+        s.setsockopt(zmq.LINGER, -1)  # ZMQ's default: queued text still goes out
         self.pushes[index] = s
 
     def send(self, by_worker: dict[int, list[OutRow]]) -> None:

@@ -80,7 +80,7 @@ class Endpoint:
     def start(self) -> None:
         # Each syscall of this thread gives the GIL up, and taking it back from a busy loop
         # waits out the switch interval: at CPython's 5 ms, /health under a saturated loop
-        # took 10-135 ms (a CI run failed on it); at 1 ms, 1-9 ms. The loop pays for the
+        # takes 10-135 ms, past the 100 ms a probe allows; at 1 ms, 1-9 ms. The loop pays for the
         # shorter interval only while another thread wants the GIL.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
         self.thread.start()

@@ -42,7 +42,7 @@ class Vocab:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def reference(self, tail: list[int], out: list[int], skip_special_tokens: bool = True) -> str:
-        """PROTOCOL.md's text of output ids `out` after prompt ids `tail`: what
+        """docs/protocol.md's text of output ids `out` after prompt ids `tail`: what
         streaming must add up to, `decode(tail + out)[len(decode(tail)):]`. The one
         oracle of detokd's self-check, the demo, the benchmarks and the tests."""
         full = self.decode(list(tail) + list(out), skip_special_tokens)

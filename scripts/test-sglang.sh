@@ -5,7 +5,9 @@
 # processes in ~1 s instead of ~8 s without torch), so each release gets a virtualenv of
 # its own, .venv-sglang-RELEASE, made on first use by scripts/install-sglang.sh.
 #   bash scripts/test-sglang.sh                    # CI: every release of the window (below)
+#   bash scripts/test-sglang.sh --prepare          # only build the window's environments
 #   bash scripts/test-sglang.sh 0.5.20 [pytest args]   # one release; default: -q tests/sglang
+# DETOKD_SGLANG_PREPARED=1 skips the environments' check (scripts/test.sh has just built them).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
@@ -29,6 +31,7 @@ BETWEEN="tests/sglang/test_schema.py tests/sglang/test_release.py tests/sglang/t
 prepare() {  # RELEASE -> the python of its venv, with SGLang and detokd installed
   local release="$1" venv="${DETOKD_SGLANG_VENV:-.venv-sglang-$1}"
   local py="$venv/bin/python" log
+  if [ -n "${DETOKD_SGLANG_PREPARED:-}" ] && [ -x "$py" ]; then echo "$py"; return; fi
   [ -x "$py" ] || python -m venv "$venv"
   PYTHON="$py" bash scripts/install-sglang.sh "$release" >&2
   # detokd as a user installs it beside SGLang (no --no-deps): what pip says SGLang's
@@ -61,8 +64,15 @@ if [[ "${1:-}" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
   py="$(prepare "$release")"
   run "$py" "$release" "$@"; exit
 fi
-[ $# -eq 0 ] || { echo "usage: $0 [RELEASE [pytest args]]" >&2; exit 2; }
 unset DETOKD_SGLANG_VENV  # one release's venv; each release of the window has its own
+if [ "${1:-}" = "--prepare" ] && [ $# -eq 1 ]; then
+  for release in $WINDOW; do
+    start=$SECONDS; prepare "$release" >/dev/null
+    echo "== SGLang $release: environment ready in $((SECONDS - start)) s"
+  done
+  exit
+fi
+[ $# -eq 0 ] || { echo "usage: $0 [--prepare | RELEASE [pytest args]]" >&2; exit 2; }
 failed=()
 for release in $WINDOW; do
   start=$SECONDS

@@ -51,7 +51,7 @@ def window_codec(name: str) -> WindowCodec:
 
 
 def oracle(v: Vocab, tail: list[int], out: list[int], skip: bool) -> str:
-    """PROTOCOL.md's text semantics, through the tokenizer's own decode (Vocab.reference;
+    """docs/protocol.md's text semantics, through the tokenizer's own decode (Vocab.reference;
     tests/test_tokenizer.py holds Vocab.decode to transformers' decode)."""
     return v.reference(tail, out, skip)
 

@@ -95,7 +95,7 @@ def test_floor_flushes_incomplete_character(tok):
 
 
 def test_bench_frames_are_protocol_messages(tok):
-    """The benchmark's pre-encoded frames, filled in for a step, decode as PROTOCOL.md
+    """The benchmark's pre-encoded frames, filled in for a step, decode as docs/protocol.md
     `tokens` messages with that step's seq and meta in every row."""
     from detokd.client import shard_for
     from detokd.wire import native

@@ -215,7 +215,7 @@ def test_serve_binds_the_flags_input_over_the_environments_over_the_files(tmp_pa
 
 @pytest.mark.parametrize("n", ["0", "-1"])
 def test_no_shards_is_refused(tmp_path, n):
-    """--shards 0 or -1 used to start one server, as if unset."""
+    """--shards 0 or -1 is refused, not taken for unset (one server)."""
     one_line_error(run("serve", "--input", f"ipc://{tmp_path}/in.sock", "--shards", n, timeout=60), "--shards", n)
 
 

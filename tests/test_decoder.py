@@ -1,6 +1,6 @@
 """Exact incremental decoding (issue "Exact incremental decoding").
 
-The specification is PROTOCOL.md's text semantics. For any prompt tail, any output ids
+The specification is docs/protocol.md's text semantics. For any prompt tail, any output ids
 and any split of them into steps, a decoder's step texts followed by finish() concatenate
 to `decode(tail + out)[len(decode(tail)):]`, computed by transformers' own decode (the
 `oracle` of conftest), with skip_special_tokens either way; and text once emitted is never

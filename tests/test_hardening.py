@@ -612,8 +612,8 @@ def test_slow_http_clients_cannot_take_detokd_down(tmp_path, zctx):
     """Under LimitNOFILE=1024, 1,024 clients dribble a request that never ends into the
     metrics port and come back whenever they are cut off. /health answers 200 every time
     among them, detokd holds at most 64 of them (its fds show it), and a scheduler that
-    connects then is served exactly. Before, each held a thread and an fd until the fds
-    ran out: /health stopped answering and the scheduler's connection aborted detokd
+    connects then is served exactly. A thread and an fd per client would run the fds
+    out: /health would stop answering and the scheduler's connection abort detokd
     inside libzmq ("Too many open files", exit -6)."""
     from detokd.http import MAX_CONNECTIONS
 
@@ -650,9 +650,9 @@ def test_slow_http_clients_cannot_take_detokd_down(tmp_path, zctx):
 
 def test_slow_http_clients_cannot_take_the_supervisor_down(tmp_path):
     """The same flood on the supervisor's status port (LimitNOFILE=1024): /health and
-    /status answer among it, and a shard killed then is restarted. Before, the status
-    port's threads took every fd, and the restart's Popen failed (EMFILE in os.pipe):
-    the supervisor died, and with it every shard."""
+    /status answer among it, and a shard killed then is restarted. A port that took an
+    fd per client would leave the restart's Popen none (EMFILE in os.pipe): the
+    supervisor would die, and with it every shard."""
     from test_launch import SLEEPER, SUPERVISOR, Supervised, _get, _pid
 
     sup = Supervised([PY, "-c", SUPERVISOR, str(tmp_path), "2", SLEEPER, "5", "5"], tmp_path / "supervisor.log")
@@ -997,7 +997,7 @@ def _exit_code(d, within: float) -> int:
 
 def test_frames_queued_when_sigterm_comes_are_all_answered_exactly(detokd, zctx):
     """900 finishing requests wait in detokd's input while the loop is stalled; SIGTERM
-    comes. Before, the loop ended after the frame in hand: 0 answered, no error, exit 0."""
+    comes: every one is answered, not only the frame in hand."""
     d = detokd(workers=1, debug_ops=True)
     w = Sink(zctx, d.workers[0])
     d.wait_ready()
@@ -1132,12 +1132,10 @@ sys.exit(cli.main(sys.argv[1:]))
 
 @pytest.mark.parametrize("signals", [1, 2], ids=["one-sigterm", "two-sigterms-2ms-apart"])
 def test_signals_while_the_loop_holds_the_log_filters_lock_end_the_process_within_the_grace(tmp_path, zctx, signals):
-    """Before, the grace timer's log call waited for ever on the plain lock the loop
-    held, and a second signal's handler, which logged too, nested inside the loop's own
-    log call and waited on it as well: SIGTERM and shutdown_grace_s were ignored (a
-    storm of thousands escaped by RecursionError; two signals, as the supervisor sent,
-    did not). Now the handler only sets a flag and the grace watch's last words have a
-    bounded time and pass by the filter's lock: one SIGTERM ends the process when the
+    """The loop holds the log filter's plain lock. A grace timer whose log call waited
+    on it, or a signal handler that logged, would wait for ever, and SIGTERM and
+    shutdown_grace_s would be ignored. The handler only sets a flag and the grace
+    watch's last words have a bounded time and pass by the filter's lock: one SIGTERM ends the process when the
     grace is over, a second at once, both with status 3 and said."""
     cfg = ipc_config(tmp_path, shutdown_grace_s=2.0, log_level="info")
     d = DetokdProcess(cfg, folder=tmp_path, command=[PY, "-c", HOLDS_THE_LOG_LOCK])
@@ -1235,7 +1233,7 @@ def test_a_stream_false_requests_held_text_is_capped_and_freed(detokd, zctx):
     assert [r["text"] for r in w.rows("small")] == ["", oracle(v, [], small, True)]
     assert w.rows("big")[0]["text"] == "" and not w.rows("big")[0]["error"]  # 8 MiB held
     assert w.errors("big") == ["too_large"] * 29  # 16 MiB and more > max_held_text_bytes; then its tombstone
-    assert grown < 64, grown  # one row's text at a time; it held 251 MB; 28 MB measured now
+    assert grown < 64, grown  # one row's text at a time; 28 MB measured; without the cap, 251 MB
     assert metric(scrape(metrics_port(d)), "detokd_errors_total", kind="too_large") == 29
 
 
@@ -1273,9 +1271,9 @@ def test_above_max_rss_a_live_request_whose_held_text_grows_is_failed(detokd, zc
 
 def test_the_feedback_queue_is_bounded_in_bytes_and_its_drops_are_counted(detokd, zctx):
     # The scheduler binds its feedback address and does not read `stopped` (4,000 rows of
-    # 1,000-character rids a message, 4 MB; 120 MB in all). The feedback socket queued
-    # 1,000 messages of any size; now it queues as a worker's does: send_hwm messages and
-    # a backlog of send_queue_bytes, the rest lost and counted.
+    # 1,000-character rids a message, 4 MB; 120 MB in all). The feedback socket queues
+    # as a worker's does: send_hwm messages and a backlog of send_queue_bytes, the rest
+    # lost and counted.
     d = detokd(workers=1, feedback=True, args=["--metrics-port", "0"], send_hwm=4, send_queue_bytes=8 << 20)
     w = Sink(zctx, d.workers[0])
     scheduler = Sink(zctx, d.feedback, read=False, rcvhwm=1)
@@ -1298,7 +1296,7 @@ def test_the_feedback_queue_is_bounded_in_bytes_and_its_drops_are_counted(detokd
     dropped = metric(m, "detokd_feedback_dropped_total")
     assert dropped > 0 and dropped % per == 0
     assert (8 << 20) - (5 << 20) < metric(m, "detokd_feedback_backlog_bytes") <= 8 << 20  # full: one more message would not fit
-    assert grown < 80, grown  # ~40 MB measured (ZMQ's 4, the backlog, buffers, the allocator); it held 175 MB
+    assert grown < 80, grown  # ~40 MB measured (ZMQ's 4, the backlog, buffers, the allocator); 1,000 messages held 175 MB
     logged(d, "feedback queue full")
     # The scheduler reads: what was queued arrives, and with what was lost it is every row.
     scheduler.sock.setsockopt(zmq.RCVTIMEO, 20000)

@@ -193,7 +193,7 @@ def test_supervisor_restarts_a_dead_shard_and_stops_cleanly(tmp_path: Path, stop
 
 def test_a_crash_looping_shard_backs_off_and_is_reported_while_the_healthy_ones_keep_running(tmp_path: Path) -> None:
     """Shard 1 exits at once, every time (max_restarts 2, delays 0.05 s doubling up to
-    0.4 s). The old supervisor stopped every shard after the third exit; now shard 0
+    0.4 s). Shard 0
     keeps its one process throughout, shard 1's restart delays double and cap, and
     the supervisor's /health says 503 naming shard 1 (its /status says why)."""
     sup = _supervise(tmp_path, 2, ONE_CRASHES, max_restarts=2)
@@ -373,9 +373,9 @@ def _lingerers(d: Path) -> None:
 
 def test_a_shard_that_cannot_be_spawned_backs_off_while_the_supervisor_and_its_siblings_live_on(tmp_path: Path) -> None:
     """Shard 1's executable loses its execute bit and shard 1 is killed: every restart
-    fails in Popen (EACCES). Before, the supervisor died of it (exit 1) and the kernel's
-    PR_SET_PDEATHSIG hit each shard with SIGTERM once per exiting supervisor thread.
-    Now each failed spawn is one more backoff; shard 0 keeps its process; shard 1 runs
+    fails in Popen (EACCES). Each failed spawn is one more backoff, never the
+    supervisor's exit (which would leave the shards to PR_SET_PDEATHSIG, a SIGTERM per
+    exiting supervisor thread); shard 0 keeps its process; shard 1 runs
     again once it can; on SIGTERM each shard gets one SIGTERM and ends its own way."""
     _lingerers(tmp_path)
     sup = Supervised([sys.executable, "-c", EXEC_SUPERVISOR, str(tmp_path)], tmp_path / "supervisor.log")
@@ -422,8 +422,8 @@ def argv(i):
 def test_a_supervisor_that_fails_stops_each_shard_with_one_sigterm_and_its_linger(tmp_path: Path) -> None:
     """The supervisor's own loop raises (here: building shard 1's restart): it stops its
     shards as a signal would, one SIGTERM each and their whole linger, before it exits
-    1. Before, its exit left them to PR_SET_PDEATHSIG, once per exiting thread: a second
-    SIGTERM ~2 ms later, which a shard reads as "exit now, skip the linger"."""
+    1. PR_SET_PDEATHSIG would send one per exiting thread: a second SIGTERM ~2 ms
+    later, which a shard reads as "exit now, skip the linger"."""
     assert BROKEN_SUPERVISOR != EXEC_SUPERVISOR and "def argv" in BROKEN_SUPERVISOR
     _lingerers(tmp_path)
     sup = Supervised([sys.executable, "-c", BROKEN_SUPERVISOR, str(tmp_path)], tmp_path / "supervisor.log")

@@ -50,7 +50,7 @@ def _health(port: int) -> int:
 def test_detokd_keeps_serving_rows_while_nobody_reads_its_stderr(tmp_path: Path, zctx) -> None:  # noqa: F811
     """stderr is a one-page pipe the test never reads. A flood of frames that each
     log a warning (four message templates, long peer strings) fills it: the pipe is
-    seen full. The old loop then blocked in write() for good; now requests sent
+    seen full. stderr is written by a thread of its own, never the loop: requests sent
     after it are served exactly and /health stays 200."""
     rng = random.Random(5)
     first, later = Req("first", make_ids(rng, 50)), Req("later", make_ids(rng, 50))
@@ -185,8 +185,8 @@ def _threads(pid: int) -> int:
 
 def test_300_reset_scrapes_write_a_bounded_number_of_stderr_bytes(detokd) -> None:
     """300 clients send GET /metrics and reset the connection at once (SO_LINGER 0).
-    Each request error used to print its traceback to stderr (~1.5 KB each); now
-    they go through the rate-limited logger: a few short lines in all."""
+    Their request errors go through the rate-limited logger, not a traceback each to
+    stderr (~1.5 KB): a few short lines in all."""
     d = detokd(args=["--metrics-port", "0"])
     d.wait_ready()
     port = metrics_port(d)

@@ -91,9 +91,9 @@ sys.exit(cli.main(sys.argv[2:]))
 
 def test_health_is_200_the_moment_detokd_says_ready(tmp_path):
     """READY=1 and the first /health after it: the loop has not turned yet, and the
-    seconds start-up took (the tokenizer) are no stall. Before, the heartbeat dated from
-    before start-up, so /health said "loop stuck for 1.8s" (6-8 s under load) until the
-    first turn, whenever a supervisor asked in between."""
+    seconds start-up took (the tokenizer) are no stall: the heartbeat starts with the
+    loop. One dated from before start-up would say "loop stuck for 1.8s" (6-8 s under
+    load) to a supervisor that asks before the first turn."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,6 +1,6 @@
 """Stop strings (issue "Stop strings"): StopScanner and trim_engine_stop.
 
-The rules (PROTOCOL.md "Stop strings", docs/stop-strings.md): the stop that ends the text
+The rules (docs/protocol.md "Stop strings", docs/stop-strings.md): the stop that ends the text
 is the first to complete, and of those completing on the same character the longer; the
 text ends just before it, or just after it with no_stop_trim. While no stop has completed,
 the scanner holds back exactly the longest tail of the text that is a proper prefix of

@@ -1,4 +1,4 @@
-"""detokd.wire.native: PROTOCOL.md v1 frames in and out.
+"""detokd.wire.native: docs/protocol.md v1 frames in and out.
 
 Frames are built as plain dicts through msgspec.msgpack (what a peer in any language
 sends), decoded by the dialect, and compared with the records they must become.

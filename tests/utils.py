@@ -50,7 +50,7 @@ def deepseek():
 
 
 def expected_text(ids: list[int], skip_special_tokens: bool = True) -> str:
-    """PROTOCOL.md's text of a request with no prompt tail, under the Start defaults:
+    """docs/protocol.md's text of a request with no prompt tail, under the Start defaults:
     Vocab.reference, the tokenizer's own decode."""
     return deepseek().reference([], ids, skip_special_tokens)
 

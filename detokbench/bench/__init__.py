@@ -4,7 +4,7 @@
          ^                                                          |
          +---------------------- ack of each whole step ------------+
 
-* The scheduler PUSHes one `tokens` message per step (PROTOCOL.md v1) to the
+* The scheduler PUSHes one `tokens` message per step (docs/protocol.md v1) to the
   implementation under test, over ipc:// sockets in a temporary folder. B streams,
   each one row per step with `--ids-per-row` new ids (4: speculative decoding).
 * The worker PULLs the `text` messages, counts the rows of each step (the step number

@@ -4,7 +4,7 @@ The corpus is real text in several scripts, concatenated and tokenized with the
 tokenizer under test; each stream starts at its own offset into that id sequence
 (wrapping around), where no character is split across the prompt boundary.
 
-Frames are PROTOCOL.md v1 `tokens` messages encoded from detokd.wire.native's
+Frames are docs/protocol.md v1 `tokens` messages encoded from detokd.wire.native's
 Structs before the timed run. All rows of one step share `seq` (step x ids per row)
 and `meta` (step number, send time), so each step's frame is encoded once with a
 placeholder in both places, and a step's values go in with one bytes.join

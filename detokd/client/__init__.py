@@ -1,4 +1,4 @@
-"""Engine-side helpers for talking to detokd (PROTOCOL.md v1).
+"""Engine-side helpers for talking to detokd (docs/protocol.md v1).
 
 `SchedulerClient` (detokd.client.scheduler) is what an engine's scheduler uses: it
 batches one step's rows, tracks each rid's `seq` and sends one `tokens` message per

@@ -1,6 +1,6 @@
 """Incremental decoding: token ids in, exact text out, O(new ids) per step.
 
-The text of a request is `decode(tail + out)[len(decode(tail)):]` (PROTOCOL.md).
+The text of a request is `decode(tail + out)[len(decode(tail)):]` (docs/protocol.md).
 Every decoder here decodes the whole sequence tail + out *incrementally* and drops
 the first `len(decode(tail))` characters of what it commits, so the prompt's own
 text can never leak into the output, also when the prompt ends mid-character.

@@ -1,6 +1,6 @@
 """The core's records: a request's rows in, its output rows out.
 
-The core consumes `Row`s and produces `OutRow`s whatever wire they came on. PROTOCOL.md
+The core consumes `Row`s and produces `OutRow`s whatever wire they came on. docs/protocol.md
 v1 was designed around these shapes, so the native dialect decodes its frames straight
 into them (detokd.wire.native adds only the envelopes); another dialect builds them
 from its own messages. `meta` is opaque to the core: it comes back, untouched, on the
@@ -18,7 +18,7 @@ NIL = Raw(b"\xc0")  # MessagePack nil, the default of every opaque field
 
 
 # Schedulers encode Start and Row (detokd.client): keys at their default are left
-# out, as PROTOCOL.md allows, which halves a one-id row and its decode.
+# out, as docs/protocol.md allows, which halves a one-id row and its decode.
 class Start(Struct, frozen=True, gc=False, omit_defaults=True):
     worker: int = 0
     vid: int = 0
@@ -67,7 +67,7 @@ def error_row(rid: str, error: str, *, n_ids: int = 0, meta: Raw = NIL) -> OutRo
     return OutRow(rid, "", None, n_ids, meta, error)
 
 
-# Error words of OutRow.error. The first four are PROTOCOL.md's; the rest are
+# Error words of OutRow.error. The first four are docs/protocol.md's; the rest are
 # detokd's documented extensions (docs/protocol.md).
 UNKNOWN_RID = "unknown_rid"
 EVICTED = "evicted"

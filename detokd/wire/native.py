@@ -1,4 +1,4 @@
-"""The native dialect: PROTOCOL.md v1 (docs/protocol.md) over ZMQ.
+"""The native dialect: docs/protocol.md v1 over ZMQ.
 
 One ZMQ frame holds one MessagePack map; `type` tags the message. Unknown keys are
 ignored and missing optional keys take their defaults, so older and newer peers

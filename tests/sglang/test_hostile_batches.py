@@ -140,8 +140,8 @@ def _hostile_batch(proc, case: str, field: str, value):
 
 
 def test_a_batch_of_more_rows_than_max_rows_is_dropped_whole_and_the_process_goes_on(proc):
-    """3 M rids made detokd keep a position per rid for good; now a batch beyond
-    max_rows (65,536 by default) is refused before anything is sized by it."""
+    """A batch beyond max_rows (65,536 by default) is refused before anything is
+    sized by it: 3 M rids must not leave a position per rid behind."""
     many = [f"m{i}" for i in range(70_000)]
     hostile = _hostile_batch(proc, "many", "rids", lambda n: many[:n])
     for name in ("http_worker_ipcs", "finished_reasons", "decoded_texts", "decode_ids", "read_offsets", "output_ids",
