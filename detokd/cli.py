@@ -4,32 +4,27 @@ and exit codes live here; each command's work lives in its own module."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
 
 from . import __version__, logs
-from .config import Config, ConfigError, load, to_toml
+from .config import Config, ConfigError, env_name, flags, load, to_toml
 from .tokenizer import TokenizerError
 
 EXIT_CONFIG = 2
 EXIT_CRASH = 1
-log = logging.getLogger("detokd")
+log = logs.get(__name__)
 CONFIG_HELP = "TOML config file (default: $DETOKD_CONFIG); DETOKD_<KEY> variables override it, flags override both"
 
 
 def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
-    sp.add_argument("--input", metavar="ADDR", help="address to bind the PULL socket for schedulers (tcp://, ipc://)")
-    sp.add_argument("--worker", metavar="ADDR", action="append", dest="workers", help="a worker's address; repeat for workers 0, 1, ...")
-    sp.add_argument("--feedback", metavar="ADDR", help="the scheduler's address for `stopped` messages")
-    sp.add_argument("--tokenizer", metavar="SPEC", help="tokenizer folder, tokenizer.json, or packaged name (default: deepseek)")
-    sp.add_argument("--max-states", type=int, metavar="N", help="live request states at most (oldest evicted beyond)")
-    sp.add_argument("--max-prompt-tail", type=int, metavar="N", help="prompt ids used as context for the first characters")
-    sp.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"])
-    sp.add_argument("--log-format", choices=["text", "json"], help="text lines, or one JSON object a line")
-    sp.add_argument("--metrics-port", type=int, metavar="PORT", help="serve /livez, /readyz, /health and /metrics on this port")
+    for key, f in flags().items():  # one flag per key that has one, as Config declares it
+        sp.add_argument(
+            f.name, dest=key, metavar=f.metavar, choices=f.choices, type=f.type,
+            action="append" if f.repeat else "store", help=f"{f.help} (${env_name(key)})",
+        )
     sp.add_argument("--shards", type=int, default=1, metavar="N", help="run N detokd processes on derived addresses (input.0, input.1, ...)")
     sp.add_argument("--supervisor-port", type=int, metavar="PORT", help="with --shards: the supervisor's /health, /status and /metrics on this port (metrics_host)")
     # Set by the supervisor on each shard it starts: the shard's number, on its log lines.
@@ -37,13 +32,12 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
 
 
 def _overrides(ns: argparse.Namespace) -> dict:
-    keys = ("input", "workers", "feedback", "tokenizer", "max_states", "max_prompt_tail", "log_level", "log_format", "metrics_port")
-    return {k: getattr(ns, k) for k in keys}
+    return {key: getattr(ns, key) for key in flags()}
 
 
 def flag(key: str) -> str:
     """The flag that sets a key (every key in _overrides has one)."""
-    return "--worker" if key == "workers" else "--" + key.replace("_", "-")
+    return flags()[key].name
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -66,7 +60,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
-    from .launch import StatusPortError, derive_address, supervise_shards
+    from .launch import StatusPortError, Supervisor, derive_address
     from .metrics import BuildInfo
 
     if cfg.metrics_port is not None and cfg.metrics_port + ns.shards - 1 > 65535:
@@ -83,32 +77,30 @@ def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
         raise ConfigError(f"--shards: {exc}") from exc
 
     def argv(i: int) -> list[str]:
-        args = ["serve", "--input", inputs[i]]
+        args = ["serve", "--shard-index", str(i)]
         if ns.config:
             args += ["--config", ns.config]
-        for w in cfg.workers:
-            args += ["--worker", w]
-        for flag, value in (
-            ("--feedback", cfg.feedback),
-            ("--tokenizer", cfg.tokenizer),
-            ("--max-states", cfg.max_states),
-            ("--max-prompt-tail", cfg.max_prompt_tail),
-            ("--log-level", cfg.log_level),
-            ("--log-format", cfg.log_format),
-            ("--shard-index", i),
-            ("--metrics-port", None if cfg.metrics_port is None else cfg.metrics_port + i),
-        ):
-            if value is not None:
-                args += [flag, str(value)]
-        return args
+        return args + _shard_flags(cfg, inputs[i], i)
 
-    logging.getLogger("detokd.launch").info("%d shards: %s", ns.shards, ", ".join(inputs))
+    log.info("%d shards: %s", ns.shards, ", ".join(inputs))
     try:
-        return supervise_shards(
+        return Supervisor(
             argv, ns.shards, status_port=sup_port, status_host=cfg.metrics_host, collectors=[BuildInfo("native")]
-        )
+        ).run()
     except StatusPortError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def _shard_flags(cfg: Config, address: str, i: int) -> list[str]:
+    """Shard i's flags: the supervisor's settings, its own input and metrics port."""
+    own = {"input": address, "metrics_port": None if cfg.metrics_port is None else cfg.metrics_port + i}
+    args = []
+    for key, f in flags().items():
+        value = own[key] if key in own else getattr(cfg, key)
+        for v in value if f.repeat else [value]:
+            if v is not None:
+                args += [f.name, str(v)]
+    return args
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:

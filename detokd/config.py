@@ -15,6 +15,7 @@ import functools
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Callable, Mapping
 from typing import Annotated, Literal
 
@@ -49,6 +50,25 @@ Seconds = Annotated[float, Meta(gt=0, le=DAY_S)]
 PlaintextSocket = Annotated[str, Meta(pattern=r"^(worker\.(0|[1-9][0-9]*)|feedback|register)$")]
 
 
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """A key's `detokd serve` flag, declared on its field (`flag(...)`) and read back by
+    flags(): the CLI builds its arguments, its overrides and each shard's command line
+    from these, so a key with a flag is written once, here."""
+
+    name: str  # --max-states; a list key's flag is repeated, once per item
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None  # a choice key's values, from its Literal
+    type: type | None = None  # int for an integer key; else the text itself
+    repeat: bool = False  # a list key: the flag once per item
+
+
+def flag(help: str, metavar: str | None = None, name: str | None = None) -> Meta:
+    """The Meta that gives a key a flag: `--<key>` with dashes unless `name` says."""
+    return Meta(extra={"flag": (name, help, metavar)})
+
+
 def runtime_dir() -> str:
     """The private folder of the default ipc sockets: $XDG_RUNTIME_DIR/detokd (a per-user
     tmpfs the session manager made 0700), else /tmp/detokd-<uid>. A fixed /tmp path
@@ -65,27 +85,29 @@ def default_address(name: str) -> str:
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Address detokd binds its PULL socket on; schedulers PUSH-connect to it.
-    input: Address = msgspec.field(default_factory=lambda: default_address("input"))
+    input: Annotated[Address, flag("address to bind the PULL socket for schedulers (tcp://, ipc://)", "ADDR")] = msgspec.field(default_factory=lambda: default_address("input"))
     # Worker w receives its requests' text at workers[w] (it binds, detokd connects).
-    workers: Annotated[list[Address], Meta(min_length=1)] = msgspec.field(
+    workers: Annotated[
+        list[Address], Meta(min_length=1), flag("a worker's address; repeat for workers 0, 1, ...", "ADDR", "--worker")
+    ] = msgspec.field(
         default_factory=lambda: [default_address("worker-0")]
     )
     # Where the scheduler listens for `stopped` messages; none when unset.
-    feedback: Address | None = None
+    feedback: Annotated[Address | None, flag("the scheduler's address for `stopped` messages", "ADDR")] = None
     # A folder with tokenizer.json, a tokenizer.json file, or a packaged name.
-    tokenizer: str = zoo.DEFAULT
+    tokenizer: Annotated[str, flag(f"tokenizer folder, tokenizer.json, or packaged name; default {zoo.DEFAULT}", "SPEC")] = zoo.DEFAULT
     # Live request states at most; the oldest is evicted (its worker told) beyond.
-    max_states: Cap = 65536
+    max_states: Annotated[Cap, flag("live request states at most (oldest evicted beyond)", "N")] = 65536
     # Prompt ids used as context for the first characters. 8 covers every family's
     # need (a leading space, a character cut across the prompt boundary is at most
     # 4 byte tokens) with room to spare, and costs one decode of 8 ids per request.
-    max_prompt_tail: PromptTail = 8
-    log_level: LogLevel = "info"
+    max_prompt_tail: Annotated[PromptTail, flag("prompt ids used as context for the first characters", "N")] = 8
+    log_level: Annotated[LogLevel, flag("the least severe records logged")] = "info"
     # "text": a line per record, its time zoned; "json": one JSON object a line, for a
     # log shipper (docs/deploy.md, "Logs").
-    log_format: Literal["text", "json"] = "text"
+    log_format: Annotated[Literal["text", "json"], flag("text lines, or one JSON object a line")] = "text"
     # /health and /metrics on this port (127.0.0.1 unless metrics_host says); off when unset.
-    metrics_port: Port | None = None
+    metrics_port: Annotated[Port | None, flag("serve /livez, /readyz, /health and /metrics on this port", "PORT")] = None
     metrics_host: str = "127.0.0.1"
     # /health turns 503 once the loop has not turned for this long.
     health_timeout: Seconds = 5.0
@@ -280,11 +302,37 @@ def field_types() -> dict[str, mi.Type]:
     """Each key's type as msgspec sees it, an optional one's without its None."""
     out = {}
     for f in mi.type_info(Config).fields:
-        t = f.type
+        t = f.type.type if isinstance(f.type, mi.Metadata) else f.type
         if isinstance(t, mi.UnionType):
             t = next(u for u in t.types if not isinstance(u, mi.NoneType))
         out[f.name] = t
     return out
+
+
+@functools.cache
+def flags() -> dict[str, Flag]:
+    """The keys that have a `detokd serve` flag, in Config's order, each with its flag."""
+    out = {}
+    for f in mi.type_info(Config).fields:
+        if not isinstance(f.type, mi.Metadata) or "flag" not in (f.type.extra or {}):
+            continue
+        name, help, metavar = f.type.extra["flag"]
+        t = field_types()[f.name]
+        out[f.name] = Flag(
+            name or "--" + f.name.replace("_", "-"), help, metavar,
+            choices=_literal_values(f.name) if isinstance(t, mi.LiteralType) else None,
+            type=int if isinstance(t, mi.IntType) else None,
+            repeat=isinstance(t, mi.ListType),
+        )
+    return out
+
+
+def _literal_values(key: str) -> tuple[str, ...]:
+    """A choice key's values in the order written (msgspec.inspect sorts them)."""
+    hint = typing.get_type_hints(Config, include_extras=True)[key]
+    while typing.get_origin(hint) is Annotated:
+        hint = typing.get_args(hint)[0]
+    return typing.get_args(hint)
 
 
 @functools.cache

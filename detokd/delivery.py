@@ -45,7 +45,7 @@ from .core.records import OutRow, StoppedRow
 from .core.stats import Stats, WorkerFigures
 from .sockets import Curve, ipc_folder_problem, register_address_problem
 
-log = logging.getLogger("detokd.delivery")
+log = logs.get(__name__)
 
 FEEDBACK = -1  # the feedback queue's index among the backlogged: no worker's
 # Rows taken as lost when a worker's connection breaks: those of the last messages ZMQ

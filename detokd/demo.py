@@ -176,6 +176,16 @@ def _take(msg: Text, texts: list[list[str]], n_ids: list[int], done: set[int]) -
     return delta0
 
 
+def _verdict(vocab, tail: list[int], outs: list[list[int]], texts: list[list[str]]) -> int:
+    """Every stream's text against the reference decode, said in one line; 1 if any differs."""
+    bad = [i for i, ids in enumerate(outs) if "".join(texts[i]) != vocab.reference(tail, ids)]
+    if bad:
+        print(f"MISMATCH: {len(bad)} of {len(outs)} streams differ from the reference decode (first: demo-{bad[0]})")
+        return 1
+    print(f"all {len(outs)} streams match the reference decode exactly")
+    return 0
+
+
 def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show: bool = True, interval: float = STEP_INTERVAL) -> int:
     name = tokenizer or Config().tokenizer
     print(f"detokd demo: loading tokenizer {name} ...", file=sys.stderr)
@@ -221,17 +231,8 @@ def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show:
             screen.update("".join(texts[0]), delta0, progress, force=len(done) == len(outs))
         wall = time.monotonic() - t0
         decoded, cpu = meter.read()
-        bad = []
-        for i, ids in enumerate(outs):
-            want = vocab.reference(tail, ids)
-            if "".join(texts[i]) != want:
-                bad.append(i)
         print("\n" + _summary(len(outs), sum(n_ids), wall, interval, decoded - decoded0, cpu - cpu0))
-        if bad:
-            print(f"MISMATCH: {len(bad)} of {len(outs)} streams differ from the reference decode (first: demo-{bad[0]})")
-            code = 1
-        else:
-            print(f"all {len(outs)} streams match the reference decode exactly")
+        code = _verdict(vocab, tail, outs, texts)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping", file=sys.stderr)
         code = 130

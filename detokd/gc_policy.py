@@ -24,12 +24,12 @@ cancel the starts and it stays near zero while the young generation grows.)
 from __future__ import annotations
 
 import gc
-import logging
 import time
 
+from . import logs
 from .core.stats import Stats
 
-log = logging.getLogger("detokd.gc_policy")
+log = logs.get(__name__)
 
 INTERVAL = 1.0  # seconds between collections of the young generations, at the most
 STARTS = 128  # requests started since the last collection that make one: ~500 young objects

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import http
-import logging
 import selectors
 import socket
 import sys
@@ -30,12 +29,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from .logs import RateLimitFilter
+from . import logs
 
-log = logging.getLogger("detokd.http")
-# What clients do chooses what this logs: limited here too, so it stays bounded even
-# without logs.setup (detokd as a library).
-log.addFilter(RateLimitFilter())
+log = logs.get(__name__)  # what clients do chooses what this logs
 
 Reply = tuple[int, bytes, str]
 

@@ -28,18 +28,20 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from typing import Callable
 
-from .core.bounded import BoundedMap
-
 __all__ = [
-    "setup", "dropped", "escape", "report_suppressed", "RateLimitFilter", "EscapingFormatter", "JsonFormatter", "FORMAT",
+    "get", "setup", "dropped", "escape", "report_suppressed", "RateLimitFilter", "EscapingFormatter", "JsonFormatter", "FORMAT",
 ]
 
+# detokd's floor: every module gets its logger here (get), the core too, so this module
+# imports nothing of detokd (tests/test_layers.py).
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # A record's `extra=` keys that become fields of its JSON object: what the line is about.
 FIELDS = ("rid", "worker", "error")
 RID_CHARS = 64  # of a rid field at most: rids are peer-chosen, up to max_rid_len long
+TEMPLATES = 1000  # message templates a rate limiter tracks at most (detokd's are far fewer)
 QUEUE_SIZE = 10000  # records waiting for the writer at most; beyond, dropped and counted
 DRAIN_TIMEOUT = 1.0  # s the writer gets at exit to write what is queued
 # `extra=` of a record the rate limiter lets by without taking its lock: detokd's own
@@ -161,7 +163,7 @@ class RateLimitFilter(logging.Filter):
         self.period = period
         self.max_len = max_len
         self.clock = clock
-        self.windows: BoundedMap[str, _Window] = BoundedMap(1000)  # template -> its window (templates are few)
+        self.windows: OrderedDict[str, _Window] = OrderedDict()  # template -> its window, oldest first
         # The loop and the HTTP threads log at once. A plain lock: no signal handler of
         # detokd's logs (server.py's only sets a flag), so none can nest inside it.
         self.lock = threading.Lock()
@@ -175,8 +177,9 @@ class RateLimitFilter(logging.Filter):
             now = self.clock()
             w = self.windows.get(key)
             if w is None:
-                w = _Window(now)
-                self.windows.put(key, w)
+                if len(self.windows) >= TEMPLATES:
+                    self.windows.popitem(last=False)
+                w = self.windows[key] = _Window(now)
             suppressed = 0
             if now - w.start >= self.period:
                 suppressed = w.suppressed
@@ -213,6 +216,20 @@ class RateLimitFilter(logging.Filter):
 
 
 _filters: weakref.WeakSet[RateLimitFilter] = weakref.WeakSet()
+
+
+def get(name: str) -> logging.Logger:
+    """The logger of module `name` (its __name__), with a rate limiter of its own.
+
+    What peers send chooses what detokd logs (rids, control ops, worker numbers,
+    addresses): each message template gets a bounded rate and length at the logger,
+    so the bound holds wherever the records go, through setup()'s handler or another
+    program's (SGLang's detokenizer process, an engine using detokd.client). Calling
+    it again returns the same logger, still with one limiter."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
+        logger.addFilter(RateLimitFilter())
+    return logger
 _reported = 0.0
 
 

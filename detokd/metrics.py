@@ -8,7 +8,6 @@ for `health_timeout` seconds).
 
 from __future__ import annotations
 
-import logging
 import time
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -18,7 +17,7 @@ from . import logs
 from .core.stats import BUCKETS, Stats
 from .http import Endpoint, Reply
 
-log = logging.getLogger("detokd.metrics")
+log = logs.get(__name__)
 
 
 # Each family's help: exactly what it counts, word for word docs/deploy.md's "what it

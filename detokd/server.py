@@ -30,12 +30,11 @@ from .core.records import INTERNAL, SHUTDOWN
 from .core.stats import Stats
 from .delivery import Delivery, RegisterPolicy
 from .gc_policy import GcPolicy
-from .logs import RateLimitFilter
 from .metrics import MetricsServer
 from .tokenizer import Vocab, load
 from .wire.dialect import Dialect, DialectFactory
 
-log = logging.getLogger("detokd.server")
+log = logs.get(__name__)
 
 POLL_MS = 100  # the loop turns at least this often, so /health sees it alive when idle
 MAX_FRAMES_PER_TURN = 256  # then send owed rows and refresh metrics before reading on
@@ -156,7 +155,6 @@ class Server:
         self.dialect: Dialect = dialect(self.core, self.delivery, self.gc_policy, self.stats, cfg)
         self.stats.dialect = self.dialect.name
         self.delivery.attach(self.dialect, lost=self.dialect.stalled, live=self.core.table.__contains__)
-        self._limit_log_rates()
         self.stop_requested_at: float | None = None  # when the first STOP_SIGNAL came
         self.stop_signal = signal.SIGTERM  # which one it was
         self.stopping_notified = False
@@ -233,16 +231,6 @@ class Server:
             )
         except (ValueError, zmq.ZMQError) as exc:
             raise ConfigError(str(exc)) from exc
-
-    def _limit_log_rates(self) -> None:
-        # What peers send chooses what these log (rids, ops, worker numbers): each
-        # message template gets a bounded rate and a bounded length. logs.setup (the
-        # CLI) limits every record at its handler; these hold where another program
-        # owns the logging (SGLang's detokenizer process).
-        for name in ("detokd.server", "detokd.core", "detokd.delivery", "detokd.auth", type(self.dialect).__module__):  # a dialect logs as its module
-            logger = logging.getLogger(name)
-            if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
-                logger.addFilter(RateLimitFilter())
 
     def _on_signal(self, signum: int, _frame) -> None:
         """A STOP_SIGNAL: the loop takes no new frames, answers the queued ones, exits.

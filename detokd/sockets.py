@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import logging
 import os
 import re
 import socket
@@ -26,9 +25,10 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.auth
 
+from . import logs
 from .config import ConfigError, runtime_dir
 
-log = logging.getLogger("detokd.sockets")
+log = logs.get(__name__)
 
 PROBE_TIMEOUT = 1.0  # s a connect to an existing ipc path may take before it counts as held
 
@@ -317,7 +317,7 @@ class HandshakeWatch:
         self.thread.join(2)
 
 
-log_auth = logging.getLogger("detokd.auth")  # rate limited by the server with its other loggers
+log_auth = logs.get("detokd.auth")  # security events under a name of their own, which operators filter on
 
 
 def start_authenticator(ctx: zmq.Context, clients: str | None, refused: Callable[[], None] = lambda: None,

@@ -9,14 +9,13 @@ string, and what kind of decoder the tokenizer runs.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import zoo
+from . import logs, zoo
 
-log = logging.getLogger("detokd.tokenizer")
+log = logs.get(__name__)
 
 
 class TokenizerError(RuntimeError):

@@ -9,11 +9,13 @@ import tomllib
 from pathlib import Path
 
 import msgspec
+import msgspec.inspect as mi
 import pytest
 
 from detokd import cli
 from detokd.cli import build_parser
-from detokd.config import CONFIG_ENV, Config, env_name, from_env, to_toml
+from detokd.config import CONFIG_ENV, Config, env_name, field_types, from_env, to_toml
+from detokd.config import flags as config_flags
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -88,12 +90,24 @@ def serve_flags() -> dict[str, str]:
     return {a.dest: max(a.option_strings, key=len) for a in serve._actions if a.dest not in SERVE_ONLY}
 
 
-def test_every_flag_sets_a_key_and_the_readme_names_it():
+def test_every_flag_is_a_keys_as_config_declares_it_and_the_readme_names_it():
+    declared = {key: f.name for key, f in config_flags().items()}
     flags = serve_flags()
-    assert set(flags) == set(cli._overrides(build_parser().parse_args(["serve"])))
+    assert flags == declared
+    assert set(cli._overrides(build_parser().parse_args(["serve"]))) == set(declared)
     assert {key: cli.flag(key) for key in flags} == flags
     documented = {key: f for key, (f, _) in readme_keys().items() if f}
-    assert {key: f.split()[0].strip("`") for key, f in documented.items()} == flags
+    assert {key: f.split()[0].strip("`") for key, f in documented.items()} == declared
+
+
+def test_a_choice_flag_takes_the_keys_values_and_a_number_flag_a_number():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    actions = {a.dest: a for a in serve._actions}
+    for key, t in field_types().items():
+        if key in config_flags():
+            want = list(t.values) if isinstance(t, mi.LiteralType) else None
+            assert sorted(actions[key].choices or []) == sorted(want or []), key
+            assert (actions[key].type is int) == isinstance(t, mi.IntType), key
 
 
 def sample() -> Config:

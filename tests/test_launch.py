@@ -264,69 +264,50 @@ def test_shards_die_with_a_killed_supervisor(tmp_path: Path) -> None:
             sup.kill()
 
 
-DETOKD_SUPERVISOR = r"""
-import logging, sys
-from detokd import logs
-from detokd.launch import derive_address, supervise_shards
-logs.setup("info")
-base, worker = sys.argv[1:3]
-rc = supervise_shards(
-    lambda i: ["serve", "--input", derive_address(base, i), "--worker", worker, "--tokenizer", "deepseek"],
-    2, restart_delay=0.05, max_delay=2.0, max_restarts=2, status_port=0,
-)
-sys.exit(rc)
-"""
-
-
-def test_real_shards_a_shard_that_cannot_bind_crash_loops_while_its_sibling_serves_every_row(tmp_path: Path, zctx) -> None:  # noqa: F811
-    """Two real `detokd serve` shards on tcp ports P and P+1, P+1 held by the test:
-    shard 1 exits (cannot bind) again and again. Shard 0 serves requests before and
-    after shard 1 is reported crash-looping, with the same process throughout."""
-    from utils import Engine, Req, Sink, make_ids
-
-    holder = socket.socket()
-    for _ in range(20):  # a free pair of ports: P for shard 0, P+1 held here for shard 1
+def _held_port_pair() -> tuple[socket.socket, int]:
+    """A listening socket on port P+1 and P, free: shard 0's input port and shard 1's, taken."""
+    for _ in range(20):
+        holder = socket.socket()
         holder.bind(("127.0.0.1", 0))
-        base_port = holder.getsockname()[1] - 1
+        base = holder.getsockname()[1] - 1
         with socket.socket() as probe:
             try:
-                probe.bind(("127.0.0.1", base_port))
-                break
+                probe.bind(("127.0.0.1", base))
             except OSError:
                 holder.close()
-                holder = socket.socket()
-    holder.listen()
-    rng = random.Random(3)
-    before, after = Req("before", make_ids(rng, 60)), Req("after", make_ids(rng, 60))
-    expected = before.expected(), after.expected()  # the oracle loads now, not while shards start
-    worker = f"ipc://{tmp_path}/w0.sock"
-    sink = Sink(zctx, worker)
-    sup = Supervised([sys.executable, "-c", DETOKD_SUPERVISOR, f"tcp://127.0.0.1:{base_port}", worker], tmp_path / "sup.log")
+                continue
+        holder.listen()
+        return holder, base
+    raise AssertionError("no free pair of ports")
+
+
+def test_real_shards_a_shard_that_cannot_bind_stops_the_supervisor_with_exit_2_naming_it(tmp_path: Path) -> None:
+    """`detokd serve --shards 2` on tcp ports P and P+1, P+1 held by the test: shard 1
+    exits 2 (cannot bind input: a config error only that shard sees). Every restart
+    would fail alike, so, as uvicorn does with a start-up failure, the supervisor stops
+    shard 0 and exits 2 with one line naming shard 1. Before, shard 1 was restarted for
+    ever and the supervisor never exited."""
+    holder, base = _held_port_pair()
+    sup = Supervised(
+        [sys.executable, "-m", "detokd", "serve", "--shards", "2", "--input", f"tcp://127.0.0.1:{base}",
+         "--worker", f"ipc://{tmp_path}/w0.sock"],
+        tmp_path / "sup.log",
+    )
     try:
-        port = sup.status_port()
-        _wait(lambda: "serving: input tcp://127.0.0.1:%d" % base_port in sup.output(), 60, "shard 0 serving")
-        eng = Engine(zctx, f"tcp://127.0.0.1:{base_port}")
-        eng.rows([before.row(60)])
-        sink.wait(lambda: sink.ended("before"), 20, "the first request's text")
-        pid0 = _status(port)[0]["pid"]
-        code, body = _wait(lambda: (lambda r: r[0] == 503 and r)(_get(port, "/health")), 60, "/health 503")
-        assert b"shard 1 crash-looping" in body and b"last exit 2" in body, body  # 2: the bind config error
-        eng.rows([after.row(30, finish=False)])
-        eng.rows([after.row(30)])
-        sink.wait(lambda: sink.ended("after"), 20, "the second request's text")
-        s0, s1 = _status(port)
-        assert (s0["pid"], s0["restarts"], s0["state"]) == (pid0, 0, "running")
-        assert s1["crash_looping"]
-        assert (sink.text("before"), sink.text("after")) == expected
-        sup.send_signal(signal.SIGTERM)
-        out, _ = sup.communicate(timeout=30)
+        out, _ = sup.communicate(timeout=60)
     finally:
         if sup.poll() is None:
             sup.kill()
         holder.close()
-    assert "cannot bind input" in out
-    assert sup.returncode == 1, out
+    assert sup.returncode == 2, out
+    pid0 = int(re.search(r"shard 0 started \(pid (\d+)\)", out).group(1))
+    fatal = [line for line in out.splitlines() if "exited with 2" in line]
+    assert len(fatal) == 1 and "shard 1 (pid" in fatal[0] and "config cannot be used" in fatal[0], out
+    assert f"cannot bind input tcp://127.0.0.1:{base + 1}" in out  # the shard's own line says why
+    assert out.count("shard 1 started") == 1 and "restart in" not in out, out  # never restarted
     assert not alive(pid0)
+
+
 
 
 @pytest.mark.parametrize(
@@ -457,3 +438,35 @@ def test_a_supervisor_that_fails_stops_each_shard_with_one_sigterm_and_its_linge
     assert sup.returncode == 1 and "supervisor failed: stopping its shards" in out and "no argv for shard 1" in out, out
     assert (tmp_path / f"terms.{pid0}").read_text() == "TERM\n"
     assert (tmp_path / f"lingered.{pid0}").exists() and not alive(pid0)
+
+
+# Shard 1 exits 2 (a config it cannot use) once shard 0 runs; shard 0 is a LINGERER.
+ONE_BAD_CONFIG = r"""
+import os, sys, time
+if sys.argv[2] == "1":
+    while not os.path.exists(os.path.join(sys.argv[1], "pid.0")):
+        time.sleep(0.01)
+    sys.exit(2)
+""" + LINGERER
+
+
+def test_a_shard_that_exits_2_stops_its_siblings_and_the_supervisor_exits_2(tmp_path: Path) -> None:
+    """Exit 2 is a shard's word for a config it cannot use: fatal, not a crash to retry.
+    Shard 1 is never restarted; shard 0 gets one SIGTERM and its whole linger; the
+    supervisor says why in one line and exits 2, its status port closed."""
+    sup = _supervise(tmp_path, 2, ONE_BAD_CONFIG)
+    try:
+        port = sup.status_port()
+        out, _ = sup.communicate(timeout=30)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert sup.returncode == 2 and "supervisor rc 2" in out, out
+    pid0 = _pid(tmp_path, 0)
+    fatal = [line for line in out.splitlines() if "exited with 2" in line]
+    assert len(fatal) == 1 and re.search(r"shard 1 \(pid \d+\) exited with 2: its config cannot be used", fatal[0]), out
+    assert out.count("shard 1 started") == 1 and "restart in" not in out, out
+    assert (tmp_path / f"terms.{pid0}").read_text() == "TERM\n" and (tmp_path / f"lingered.{pid0}").exists()
+    assert not alive(pid0)
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)

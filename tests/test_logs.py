@@ -309,3 +309,36 @@ def test_a_config_error_is_the_last_json_line(tmp_path: Path) -> None:
     assert r.returncode == 2, r.stderr
     last = json.loads(r.stderr.splitlines()[-1])
     assert last["level"] == "CRITICAL" and last["message"].startswith("detokd: error: cannot serve metrics"), last
+
+
+def test_every_module_logs_through_logs_get_and_its_logger_is_rate_limited_without_setup() -> None:
+    """One factory names and limits every logger: no module writes a logger name by hand
+    (one deliberate exception: detokd.auth, the security events' name), and a logger
+    from logs.get drops a flood of one template even where another program owns the
+    logging (no logs.setup: here, a plain handler of the test's)."""
+    from detokd import logs
+    from detokd.logs import RateLimitFilter
+
+    package = Path(logs.__file__).parent
+    named = sorted(
+        f"{p.relative_to(package)}: {line.strip()}"
+        for p in package.rglob("*.py")
+        for line in p.read_text().splitlines()
+        if re.search(r"getLogger\(\s*['\"]detokd|logs\.get\(\s*['\"](?!detokd\.auth['\"])", line)
+    )
+    assert not named, named
+    logger = logs.get("detokd.test-get")
+    assert logs.get("detokd.test-get") is logger
+    assert sum(isinstance(f, RateLimitFilter) for f in logger.filters) == 1  # attached once
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        for i in range(50):
+            logger.warning("unknown control op %r", f"op-{i}")
+    finally:
+        logger.removeHandler(handler)
+    assert len(seen) == 10, [r.getMessage() for r in seen]

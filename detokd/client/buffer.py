@@ -15,15 +15,15 @@ detokd sends errors for rids it cannot place to every worker (`ignored_errors`).
 
 from __future__ import annotations
 
-import logging
 from typing import Union
 
+from detokd import logs
 from detokd.core.bounded import BoundedMap
 from detokd.wire.native import EmbeddingRow, OutRow
 
 __all__ = ["Buffer", "Item", "ends"]
 
-log = logging.getLogger("detokd.client")
+log = logs.get(__name__)
 
 Item = Union[OutRow, EmbeddingRow]
 

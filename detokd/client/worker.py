@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Union
@@ -20,12 +19,13 @@ import zmq.asyncio
 
 from detokd.wire.native import NIL, EmbeddingRow, Embeddings, Finish, OutRow, Register, Text, encode
 
+from .. import logs
 from .buffer import Buffer, Item
 from .scheduler import curve_client
 
 __all__ = ["DetokdError", "WorkerClosed", "WorkerClient", "RequestStream"]
 
-log = logging.getLogger("detokd.client")
+log = logs.get(__name__)
 
 
 class DetokdError(Exception):

@@ -7,7 +7,7 @@ caller can tell whoever owned them.
 
 A utility shared by the whole package, not a part of the core's logic: it lives in
 core/ because the core needs it (table.py, stops.py) and the core imports nothing of
-detokd outside core/ but the tokenizer (tests/test_layers.py); delivery, logs and
+detokd outside core/ but the tokenizer and logs (tests/test_layers.py); delivery and
 the client import it from here.
 
 Eviction is O(1) per entry: an OrderedDict's popitem(last=False) unlinks the head of

@@ -29,13 +29,13 @@ path for a tokenizer whose tables do not verify.
 from __future__ import annotations
 
 import codecs
-import logging
 import random
 from typing import Protocol
 
+from .. import logs
 from ..tokenizer import Vocab
 
-log = logging.getLogger("detokd.core.decoder")
+log = logs.get(__name__)
 
 REPLACEMENT = "\ufffd"
 PENDING_BYTES = 3  # the most bytes of an unfinished UTF-8 character

@@ -9,11 +9,11 @@ the engine's finishing row frees the state.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from msgspec import Raw
 
+from .. import logs
 from . import records as r
 from .decoder import Codec, RunTooLong
 from .outbox import Outbox
@@ -23,7 +23,7 @@ from .stats import Stats
 from .stops import StopAutomata, StopScanner
 from .table import RequestTable, Tombstones
 
-log = logging.getLogger("detokd.core")
+log = logs.get(__name__)
 
 
 @dataclass(frozen=True)

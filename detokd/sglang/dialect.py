@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..core.records import BAD_ROW, WORKER_STALLED, Finish, OutRow, Row, Start, StoppedRow
+from .. import logs
 from . import schema
 from .id_rows import in_vocabulary
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from ..gc_policy import GcPolicy
     from ..core.stats import Stats
 
-log = logging.getLogger("detokd.sglang.dialect")
+log = logs.get(__name__)
 
 GPT_OSS_CALL = 200012  # <|call|>: a stop token SGLang keeps with the gpt-oss tool parser
 

@@ -34,7 +34,7 @@ import stat
 from dataclasses import dataclass
 from typing import Callable
 
-from .. import __version__, sockets
+from .. import __version__, logs, sockets
 from ..config import Config, ConfigError, load
 from ..server import Server
 from ..tokenizer import Vocab, of
@@ -42,7 +42,7 @@ from .dialect import SglangDialect
 from .plugin import cause
 from . import release, schema, vocab as sglang_vocab
 
-log = logging.getLogger("detokd.sglang")
+log = logs.get(__name__)
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ never decoded.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from typing import TYPE_CHECKING, Annotated, Union
 
 import msgspec
 from msgspec import Meta, Raw, Struct
 
+from .. import logs
 from . import msgpack_scan
 
 from ..core.records import (  # noqa: F401 (v1's rows and error words, re-exported for peers)
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from ..gc_policy import GcPolicy
     from ..core.stats import Stats
 
-log = logging.getLogger("detokd.wire.native")
+log = logs.get(__name__)
 
 
 class Tokens(Struct, tag_field="type", tag="tokens"):
