@@ -32,13 +32,14 @@ HELP = {
     "aborts": "requests the engine aborted",
     "evictions": "requests evicted to stay within max_states",
     "gc_collected": "objects the periodic collection freed (cycles)",
-    "gc_collections": "collections of the young generations, between batches: once 128 requests have started or a second has passed",
+    "gc_collections": "collections of the young generations, between batches: once 128 requests have started "
+    "or a second has passed",
     "gc_seconds": "seconds the loop paused in the collections of detokd_gc_collections_total",
     "clamped_ids": "out-of-vocabulary ids decoded as id 0 (SGLang dialect, SGLang's rule)",
     "overload_transitions": "times the RSS guard turned on or off",
     "register_changes": "register messages that added a worker or moved one (each also logged)",
-    "curve_refused": "CURVE handshakes the input refused: a client key not in curve_clients, or a client that does not speak "
-    "CURVE with detokd's public key (ZMQ reconnects, so one client counts again at every attempt)",
+    "curve_refused": "CURVE handshakes the input refused: a client key not in curve_clients, or a client that does "
+    "not speak CURVE with detokd's public key (ZMQ reconnects, so one client counts again at every attempt)",
     "errors": "error rows sent, by error word (docs/protocol.md); also register_refused, bad_register, "
     "and internal for a frame whose handling failed as a whole",
     "feedback_dropped": "stopped rows lost to a full feedback queue (the scheduler generates on until its own stop)",
@@ -52,9 +53,9 @@ HELP = {
     "worker_writable": "1 while a message would go straight into the worker's ZMQ queue",
     "worker_owed_rows": "error rows waiting for a worker's queue to have room",
     "worker_backlog_messages": "messages waiting behind the worker's ZMQ queue",
-    "worker_unconfirmed": "requests whose ending row (finish or error) was among the last messages on a connection to the "
-    "worker that broke: the worker read it or lost it with the connection, ZMQ cannot tell; never failed afterwards "
-    "(docs/reliability.md, \"Known limits\")",
+    "worker_unconfirmed": "requests whose ending row (finish or error) was among the last messages on a connection "
+    "to the worker that broke: the worker read it or lost it with the connection, ZMQ cannot tell; never failed "
+    "afterwards (docs/reliability.md, \"Known limits\")",
     "worker_backlog_bytes": "bytes of the messages waiting behind the worker's ZMQ queue, at most send_queue_bytes",
     "memory_entries": "entries of each bounded memory: tombstones, stop_automata (the cache), "
     "stop_automata_alive (cached or held by live requests)",
@@ -62,7 +63,8 @@ HELP = {
     "step_seconds": "seconds to handle one inbound message that decoded, from decode to send",
     "loop_idle_seconds": "time since the loop last turned",
     "log_records_dropped": "log records lost to a full queue to stderr (stderr not read)",
-    "http_dropped": "connections to this port closed unanswered: full (64 were open), deadline (no whole request within 5 s)",
+    "http_dropped": "connections to this port closed unanswered: full (64 were open), deadline (no whole request "
+    "within 5 s)",
     "build_info": "always 1; the labels name the running versions and the wire dialect",
 }
 
@@ -79,7 +81,12 @@ def build_labels(dialect: str) -> dict[str, str]:
 
     from . import __version__
 
-    return {"version": __version__, "python": platform.python_version(), "tokenizers": tokenizers.__version__, "dialect": dialect}
+    return {
+        "version": __version__,
+        "python": platform.python_version(),
+        "tokenizers": tokenizers.__version__,
+        "dialect": dialect,
+    }
 
 
 def build_info(dialect: str) -> GaugeMetricFamily:
@@ -110,7 +117,8 @@ class _StatsCollector:
             ("frames", s.frames), ("bad_frames", s.bad_frames), ("rows", s.rows), ("tokens", s.tokens),
             ("requests_started", s.started), ("stops_detected", s.stops), ("aborts", s.aborts),
             ("evictions", s.evictions), ("gc_collected", s.gc_collected), ("gc_collections", s.gc_collections),
-            ("gc_seconds", s.gc_seconds), ("clamped_ids", s.clamped_ids), ("overload_transitions", s.overload_transitions),
+            ("gc_seconds", s.gc_seconds), ("clamped_ids", s.clamped_ids),
+            ("overload_transitions", s.overload_transitions),
             ("feedback_dropped", s.feedback_dropped), ("register_changes", s.register_changes),
             ("curve_refused", s.curve_refused),
         ):
@@ -132,7 +140,7 @@ class _StatsCollector:
         yield size
         counts = list(s.step_counts)
         cumulative, buckets = 0, []
-        for bound, n in zip(BUCKETS, counts):
+        for bound, n in zip(BUCKETS, counts, strict=False):  # counts ends with the +Inf bucket, added below
             cumulative += n
             buckets.append((repr(bound), cumulative))
         buckets.append(("+Inf", cumulative + counts[-1]))

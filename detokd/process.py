@@ -12,13 +12,13 @@ same signal (a systemd Type=notify unit) or on /health turning from "starting" t
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import itertools
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -120,17 +120,20 @@ class DetokdProcess:
             raise
 
     def _wait_ready(self, timeout: float) -> None:
+        proc, notify = self.proc, self._notify
+        if proc is None or notify is None:
+            raise RuntimeError("wait_ready before spawn")
         deadline = time.monotonic() + timeout
         ready = 0
         while ready < self.shards:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NotReady(f"detokd not ready within {timeout:.0f} s:\n{self.log()}")
-            if self.proc.poll() is not None:
-                raise NotReady(f"detokd exited with {self.proc.returncode} before it was ready:\n{self.log()}")
-            self._notify.settimeout(min(left, 0.2))  # a bounded wait, so an early exit is seen
+            if proc.poll() is not None:
+                raise NotReady(f"detokd exited with {proc.returncode} before it was ready:\n{self.log()}")
+            notify.settimeout(min(left, 0.2))  # a bounded wait, so an early exit is seen
             try:
-                message = self._notify.recv(4096)
+                message = notify.recv(4096)
             except TimeoutError:
                 continue
             ready += b"READY=1" in message.split(b"\n")
@@ -180,6 +183,8 @@ class DetokdProcess:
 
     @property
     def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("detokd is not spawned")
         return self.proc.pid
 
     @property

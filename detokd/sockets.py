@@ -12,14 +12,15 @@
 from __future__ import annotations
 
 import errno
+import inspect
 import ipaddress
 import os
 import re
 import socket
 import stat
+import struct
 import threading
 from collections.abc import Callable
-import struct
 from dataclasses import dataclass, field
 
 import zmq
@@ -107,7 +108,8 @@ def claim_ipc(address: str, what: str = "input") -> None:
             raise ConfigError(f"{what} {address}: cannot check {path}: {exc.strerror}") from exc
         return
     else:
-        raise ConfigError(f"{what} {address} is held by another process (a connect to {path} succeeded); not taking it over")
+        raise ConfigError(
+            f"{what} {address} is held by another process (a connect to {path} succeeded); not taking it over")
     finally:
         probe.close()
     log.debug("removing stale socket %r", path)
@@ -151,7 +153,8 @@ def ipc_folder_problem(address: str) -> tuple[str, bool] | None:
     except FileNotFoundError:
         return f"{folder} is writable by every user: another user could bind {path} first", False
     if owner != os.getuid():
-        return f"{path} in {folder}, which every user can write, belongs to uid {owner}, not to this user ({os.getuid()})", True
+        return f"{path} in {folder}, which every user can write, belongs to uid {owner}, not to this user " \
+            f"({os.getuid()})", True
     return None  # ours, and the sticky bit keeps it ours while it is there
 
 
@@ -220,11 +223,12 @@ def register_address_problem(address: str) -> str | None:
     if not sep or not _PORT.fullmatch(port) or int(port) > 65535:
         return "a tcp address needs a port 1-65535"
     bracketed = host.startswith("[") and host.endswith("]")
+    bare = host[1:-1] if bracketed else host
     try:
-        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+        ip = ipaddress.ip_address(bare)
     except ValueError:
         return "a tcp host must be an IP address (a name could resolve anywhere; no interface names)"
-    if bracketed != (ip.version == 6) or getattr(ip, "scope_id", None) or str(ip) != (host[1:-1] if bracketed else host):
+    if bracketed != (ip.version == 6) or getattr(ip, "scope_id", None) or str(ip) != bare:
         return "a tcp host must be an IP address in its canonical form (IPv6 in brackets, no %scope)"
     return None
 
@@ -306,7 +310,8 @@ class HandshakeWatch:
                 if event["event"] == zmq.EVENT_MONITOR_STOPPED:
                     break
                 self.refused()
-                log_auth.warning("CURVE handshake failed (event %d): the client does not speak CURVE with detokd's key", event["event"])
+                log_auth.warning("CURVE handshake failed (event %d): the client does not speak CURVE with detokd's key",
+                                 event["event"])
         except zmq.ZMQError:
             pass
         finally:
@@ -320,6 +325,31 @@ class HandshakeWatch:
 log_auth = logs.get("detokd.auth")  # security events under a name of their own, which operators filter on
 
 
+# The private pyzmq method detokd's authenticator overrides to see each ZAP verdict, and
+# the arguments it is called with.
+ZAP_REPLY = "_send_zap_reply"
+_ZAP_REPLY_PARAMS = ["self", "request_id", "status_code", "status_text", "user_id"]
+
+
+def check_zap_reply() -> None:
+    """ConfigError unless this pyzmq's Authenticator answers every ZAP request through
+    `_send_zap_reply(request_id, status_code, status_text, user_id)`, which detokd's
+    authenticator overrides to count and log refusals: a pyzmq that renames or reshapes
+    it fails start-up naming it, instead of refusals going uncounted or a TypeError at
+    the first one."""
+    from zmq.auth.base import Authenticator
+
+    where = f"pyzmq {zmq.__version__}: zmq.auth.base.Authenticator"
+    reply = getattr(Authenticator, ZAP_REPLY, None)
+    if not callable(reply):
+        raise ConfigError(f"{where} has no {ZAP_REPLY}, through which detokd counts CURVE refusals")
+    params = list(inspect.signature(reply).parameters)
+    if params != _ZAP_REPLY_PARAMS:
+        raise ConfigError(f"{where}.{ZAP_REPLY} takes {params}, not the {_ZAP_REPLY_PARAMS} detokd overrides")
+    if ZAP_REPLY not in inspect.getsource(Authenticator.handle_zap_message):
+        raise ConfigError(f"{where}.handle_zap_message does not answer through {ZAP_REPLY}, which detokd overrides")
+
+
 def start_authenticator(ctx: zmq.Context, clients: str | None, refused: Callable[[], None] = lambda: None,
                         watch: zmq.Socket | None = None):
     """ZAP handler of the input: only the public keys in folder `clients`, or any
@@ -327,6 +357,8 @@ def start_authenticator(ctx: zmq.Context, clients: str | None, refused: Callable
     `refused()` is called, and a warning logged, for each handshake it turns away,
     and for each that fails on socket `watch` (the input) before it is asked."""
     from zmq.auth.thread import ThreadAuthenticator
+
+    check_zap_reply()
 
     class Authenticator(ThreadAuthenticator):
         watcher: HandshakeWatch | None = None

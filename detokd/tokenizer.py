@@ -12,8 +12,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from . import logs, zoo
+
+if TYPE_CHECKING:  # types only: importing transformers costs seconds
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 log = logs.get(__name__)
 
@@ -25,8 +30,8 @@ class TokenizerError(RuntimeError):
 @dataclass(frozen=True, eq=False)
 class Vocab:
     name: str
-    hf: object  # transformers' fast tokenizer: the oracle's decode
-    backend: object  # its tokenizers.Tokenizer
+    hf: PreTrainedTokenizerBase  # transformers' fast tokenizer: the oracle's decode
+    backend: Tokenizer  # its tokenizers.Tokenizer
     size: int  # ids in [0, size) are in the vocabulary
     special: frozenset[int]
     tokens: tuple[str | None, ...]  # id -> token string as the decoder sees it
@@ -37,7 +42,7 @@ class Vocab:
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         """The reference text of `ids`, exactly as transformers' fast `decode` gives it."""
         if self.cleanup:
-            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+            return cast(str, self.hf.decode(ids, skip_special_tokens=skip_special_tokens))  # one row: one str
         # Same result without transformers' Python overhead (no clean-up to apply).
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -48,7 +53,7 @@ class Vocab:
         full = self.decode(list(tail) + list(out), skip_special_tokens)
         return full[len(self.decode(list(tail), skip_special_tokens)) :] if tail else full
 
-    def decoder_types(self) -> list[str]:
+    def decoder_types(self) -> list[str | None]:
         d = self.decoder
         if d is None:
             return []

@@ -2,7 +2,8 @@
 `detokd serve` does with the ipc path it is told to bind (real `detokd serve` processes
 against real Unix sockets held by the test). The other cases of the live-socket check (a
 path that is not a socket, one held by a ZMQ socket, a stale one) and the process-level
-register tests are in tests/test_hardening.py.
+register tests are in tests/test_hardening.py. And the private pyzmq method detokd's
+CURVE authenticator overrides, checked before it starts.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
+import zmq.auth.base
 
-from detokd.config import to_toml
+from detokd.config import ConfigError, to_toml
 from detokd.process import ipc_config
-from detokd.sockets import register_address_problem
+from detokd.sockets import ZAP_REPLY, check_zap_reply, register_address_problem, start_authenticator
 
 PLAIN = ["tcp://127.0.0.1:5560", "tcp://10.0.0.5:1", "tcp://[::1]:65535", "tcp://[fd00::1]:5560", "ipc:///run/engine/w-1.sock"]
 
@@ -85,3 +88,22 @@ def test_an_input_path_whose_holder_never_accepts_is_refused_within_a_second_and
     assert Path(path).is_socket()  # the holder's socket is still there
     assert elapsed < 20, elapsed  # the imports (~3 s) and the 1 s deadline, not a wait for ever
     holder.close()
+
+
+def test_the_pyzmq_method_the_authenticator_overrides_is_there_as_it_is_overridden():
+    """Fails on a pyzmq upgrade that renames or reshapes it, as detokd's start-up would."""
+    check_zap_reply()
+
+
+@pytest.mark.parametrize("change", ["removed", "reshaped"])
+def test_a_pyzmq_without_it_fails_the_authenticators_start_naming_it(monkeypatch, change):
+    if change == "removed":
+        monkeypatch.delattr(zmq.auth.base.Authenticator, ZAP_REPLY)
+    else:
+        monkeypatch.setattr(zmq.auth.base.Authenticator, ZAP_REPLY, lambda self, request_id, status: None)
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ConfigError, match=f"pyzmq .*{ZAP_REPLY}"):
+            start_authenticator(ctx, None)
+    finally:
+        ctx.term()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import zlib
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -122,7 +122,7 @@ class _Watch:
     def broke(self) -> bool:
         """Whether the connection broke since the last look (read without waiting)."""
         broke = False
-        while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+        while cast(int, self.monitor.get(zmq.EVENTS)) & zmq.POLLIN:  # ZMQ_EVENTS is an int option
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
@@ -391,7 +391,7 @@ class SchedulerClient:
         try:
             self.flush()
         finally:
-            for s, watch in zip(self._socks, self._watches):
+            for s, watch in zip(self._socks, self._watches, strict=False):  # no watches unless watch=True
                 s.disable_monitor()
                 watch.monitor.close(linger=0)
             for s in self._socks:

@@ -208,10 +208,10 @@ class WorkerClient:
                 self._ctx.term()
             raise
         # The same socket through the plain API, to drain queued frames without a Future each.
-        self._pull_now = zmq.Socket.shadow(self._pull.underlying)
+        self._pull_now: zmq.Socket = zmq.Socket.shadow(self._pull.underlying)
         # Registration goes through plain (blocking-API) sockets on the same context,
         # so it can happen here, before any event loop runs.
-        self._sync_ctx = zmq.Context.shadow(self._ctx.underlying)
+        self._sync_ctx: zmq.Context = zmq.Context.shadow(self._ctx.underlying)
         self._reg: list[zmq.Socket] = []
         for shard in shards if worker is not None else ():
             s = self._sync_ctx.socket(zmq.PUSH)

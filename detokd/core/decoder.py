@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import codecs
 import random
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import logs
 from ..tokenizer import Vocab
@@ -91,6 +91,9 @@ class PromptDecoder:
     def step(self, ids: list[int]) -> str:
         raise NotImplementedError
 
+    def finish(self) -> str:
+        raise NotImplementedError
+
     def held(self) -> str:
         raise NotImplementedError
 
@@ -125,7 +128,7 @@ def byte_level_alphabet() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
 class ByteDecoder(PromptDecoder):
@@ -175,7 +178,7 @@ class ByteDecoder(PromptDecoder):
         return self._emit(text)
 
 
-class WordRelease:
+class WordRelease(PromptDecoder):
     """A decoder that, while a character is split across ids, sends the text since its
     last whole step only as SGLang's detokenizer sends it: all of it when it ends in a
     CJK ideograph, else up to its last space (sglang.utils.find_printable_text). The
@@ -185,12 +188,19 @@ class WordRelease:
     that says when a character is `split`.
     """
 
-    __slots__ = ()  # the concrete classes hold dirty and released
+    if not TYPE_CHECKING:  # the concrete classes hold these: two bases with slots cannot mix
+        __slots__ = ()
+    dirty: str
+    released: int
 
-    def __init__(self, *args) -> None:
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.dirty = ""  # text since the last step that ended on a whole character
         self.released = 0  # how much of it went out
+
+    def split(self) -> bool:
+        """Whether the text so far ends inside a character split across ids."""
+        raise NotImplementedError
 
     def step(self, ids: list[int]) -> str:
         text = super().step(ids)
@@ -411,7 +421,7 @@ class WindowDecoder:
     """
 
     __slots__ = ("codec", "skip_special", "hidden", "ids", "committed", "text")
-    settled_text = None  # every step goes through the tokenizer
+    settled_text: list[str | None] | None = None  # every step goes through the tokenizer
 
     def __init__(self, codec: WindowCodec, tail: list[int], skip_special: bool) -> None:
         self.codec = codec
@@ -540,7 +550,8 @@ def make_codec(vocab: Vocab, prefer: str = "auto", release: str = "char") -> Cod
         bad = self_check(vocab, candidate)
         if bad is None:
             return candidate
-        log.warning("tokenizer %s: %s codec disagrees with decode (%s); using the window codec", vocab.name, candidate.name, bad)
+        log.warning("tokenizer %s: %s codec disagrees with decode (%s); using the window codec",
+                    vocab.name, candidate.name, bad)
     elif prefer != "auto":
         raise ValueError(f"no {prefer} codec for tokenizer {vocab.name}")
     return WindowCodec(vocab)

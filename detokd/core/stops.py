@@ -105,7 +105,8 @@ class StopAutomata:
 
     def __init__(self, budget: int, entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES) -> None:
         self.budget = budget
-        self.cache: BoundedMap[tuple[str, ...], StopAutomaton] = BoundedMap(entries, cache_bytes, lambda key, a: a.nbytes)
+        self.cache: BoundedMap[tuple[str, ...], StopAutomaton] = BoundedMap(
+            entries, cache_bytes, lambda key, a: a.nbytes)
         self.alive = 0
         self.alive_bytes = 0
 
@@ -119,7 +120,7 @@ class StopAutomata:
         stays alive, uncached). False when it does not fit even then."""
         need = STATE_BYTES * (chars + 1)
         while self.alive_bytes + need > self.budget and len(self.cache):
-            self.cache.pop(self.cache.oldest()[0])  # no reference kept here: a free one goes at once
+            self.cache.pop(next(iter(self.cache)))  # the oldest key; no reference kept: a free one goes at once
         return self.alive_bytes + need <= self.budget
 
     def get(self, stops: list[str]) -> StopAutomaton:

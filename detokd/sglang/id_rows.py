@@ -26,7 +26,7 @@ from msgspec.msgpack import Ext
 try:  # SGLang's environment has it; elsewhere each row is read on its own
     import numpy as np
 except ImportError:  # pragma: no cover
-    np = None
+    np = None  # type: ignore[assignment]  # the fallback below reads each row on its own
 
 _EXT_ARRAY = 1  # SGLang's msgpack ext code of an array.array
 
@@ -77,7 +77,7 @@ def id_rows_of(flat: Any, counts: list[int]) -> IdRows:
     """Rows of `counts` ids each, in order, from one numpy array of all their ids."""
     ids = flat.tolist()
     ends = accumulate(counts)
-    rows = IdRows(ids[end - count : end] for end, count in zip(ends, counts))
+    rows = IdRows(ids[end - count : end] for end, count in zip(ends, counts, strict=True))
     if flat.size:
         rows.widen(int(flat.min()), int(flat.max()))
     return rows
@@ -103,7 +103,8 @@ def ids_of(exts: list[Ext]) -> list[list[int]]:
     head = _INT64_HEAD
     k = len(head)
     return [
-        memoryview(e.data)[k:].cast("q").tolist() if e.code == _EXT_ARRAY and e.data[:k] == head else array_of(e).tolist()
+        memoryview(e.data)[k:].cast("q").tolist() if e.code == _EXT_ARRAY and memoryview(e.data)[:k] == head
+        else array_of(e).tolist()
         for e in exts
     ]
 

@@ -45,11 +45,11 @@ from __future__ import annotations
 
 import io
 import pickle
-from array import _array_reconstructor, array
+from array import _array_reconstructor, array  # type: ignore[attr-defined]  # what CPython's arrays pickle by
 from collections.abc import Callable, Iterable
 from itertools import repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, SupportsIndex
 
 import msgspec
 import numpy as np
@@ -83,7 +83,7 @@ _EMPTY_IS_NEW = _EMPTY_KEPT and _set_empty() == {}  # the receiver's __setstate_
 class TimeStats:
     """A SchedulerReqTimeStats as received: its pickled state is its __dict__."""
 
-    def __reduce_ex__(self, protocol: int) -> tuple:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple:
         state = self.__dict__
         if not state and _EMPTY_KEPT:
             return _NEW, _ARGS, {}
@@ -117,7 +117,7 @@ def _int64s(rows: Any) -> bool:
         return False
     n = len(rows)
     return list(map(type, rows)).count(Array) == n and all(
-        list(map(field, rows)).count(want) == n for field, want in zip(_KIND, _INT64)
+        list(map(field, rows)).count(want) == n for field, want in zip(_KIND, _INT64, strict=True)
     )
 
 
@@ -150,7 +150,7 @@ def id_rows(rows: list) -> list[list[int]]:
     k = np.array(sizes) >> 3  # ids per row
     ends = np.cumsum(k).tolist()
     firsts = [0, *(np.flatnonzero(k[1:] != k[:-1]) + 1).tolist()]
-    for first, end in zip(firsts, [*firsts[1:], n]):
+    for first, end in zip(firsts, [*firsts[1:], n], strict=True):
         width, count = sizes[first] >> 3, end - first
         at = ends[first] - width
         out += ids[at : at + count * width].reshape(count, width).tolist() if width else [[] for _ in range(count)]
@@ -236,12 +236,12 @@ class _Call:
 
 
 class _EmptyTimeStatsList(list):
-    def __reduce_ex__(self, protocol: int) -> tuple:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple:
         return list, (_Call(map, _NEW, _Call(repeat, SchedulerReqTimeStats, len(self))),)
 
 
 class _Int64ArrayList(list):
-    def __reduce_ex__(self, protocol: int) -> tuple:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple:
         return list, (_Call(map, array, _Call(repeat, "q"), list(map(_ITEMS, self))),)
 
 

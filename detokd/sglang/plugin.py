@@ -127,7 +127,8 @@ def unsupported(server_args: Any, run_detokenizer_process_func: Callable) -> str
 
     s = get_serving()
     if run_detokenizer_process_func is not run_detokenizer_process:
-        return f"a custom run_detokenizer_process_func ({getattr(run_detokenizer_process_func, '__qualname__', run_detokenizer_process_func)})"
+        name = getattr(run_detokenizer_process_func, "__qualname__", run_detokenizer_process_func)
+        return f"a custom run_detokenizer_process_func ({name})"
     if s.skip_tokenizer_init:
         return "skip_tokenizer_init (--skip-tokenizer-init)"
     if s.tokenizer_mode != "auto":
@@ -164,7 +165,7 @@ def launch_detokenizer(original: Callable, cls: type, server_args: Any, port_arg
     else:  # SGLang's own launch, with detokd as the process(es) it starts
         procs, names = original(cls, server_args=server_args, port_args=port_args, run_detokenizer_process_func=target)
     writer.close()  # only the children's copies are left
-    workers = [p for p, name in zip(procs, names) if name != "detokenizer_router"]
+    workers = [p for p, name in zip(procs, names, strict=True) if name != "detokenizer_router"]
     refusal = await_refusal(reader, workers)
     if refusal is not None:
         for p in procs:
@@ -236,4 +237,5 @@ def _announce(processes: int, requested: int) -> None:
         logger.info("detokd %s replaced SGLang's detokenizer (SGLang %s)%s", detokd.__version__, version, how)
     else:  # the structural check passed: served, and said to be untested
         logger.warning("detokd %s replaced SGLang's detokenizer (SGLang %s, a release detokd is untested on: its "
-                       "structural check passed; tested: %s)%s", detokd.__version__, version, ", ".join(release.WINDOW), how)
+                       "structural check passed; tested: %s)%s",
+                       detokd.__version__, version, ", ".join(release.WINDOW), how)

@@ -38,9 +38,10 @@ from .. import __version__, logs, sockets
 from ..config import Config, ConfigError, load
 from ..server import Server
 from ..tokenizer import Vocab, of
+from . import release, schema
+from . import vocab as sglang_vocab
 from .dialect import SglangDialect
 from .plugin import cause
-from . import release, schema, vocab as sglang_vocab
 
 log = logs.get(__name__)
 
@@ -190,12 +191,11 @@ def sglangs_ipc_advice() -> str:
 def run_sglang_detokenizer(server_args, port_args, verdict=None) -> None:
     """SGLang's detokenizer process, served by detokd. `verdict`: the plugin's end of a
     pipe, told a Verdict before anything binds."""
+    import psutil
+    import setproctitle
     import sglang
     from sglang.srt.runtime_context import publish
     from sglang.srt.utils import configure_logger, kill_itself_when_parent_died
-
-    import psutil
-    import setproctitle
 
     kill_itself_when_parent_died()
     setproctitle.setproctitle("sglang::detokenizer (detokd)")
@@ -215,15 +215,16 @@ def run_sglang_detokenizer(server_args, port_args, verdict=None) -> None:
         verdict.send(Verdict(False, cause(exc), sglang.__version__))
         return
     log.info("detokd decodes with SGLang's tokenizer %s: %d ids, %d special (as `detokd tokenizer` counts: the ids "
-             "skip_special_tokens removes); fingerprint %s", ready.vocab.name, ready.vocab.size, len(ready.vocab.special),
-             ready.fingerprint)
+             "skip_special_tokens removes); fingerprint %s",
+             ready.vocab.name, ready.vocab.size, len(ready.vocab.special), ready.fingerprint)
     if verdict is not None:
         verdict.send(Verdict(True, f"{ready.vocab.name} ({ready.fingerprint})", sglang.__version__))
     try:
         take_reserved_path(ready.cfg.input)
         server = Server(ready.cfg, ready.make_dialect, ready.vocab)
-        log.info("detokd %s serves SGLang %s's detokenizer (%s IPC)", __version__, sglang.__version__,
-                 server.dialect.ipc.name)
+        dialect = server.dialect
+        assert isinstance(dialect, SglangDialect)  # what make_dialect builds
+        log.info("detokd %s serves SGLang %s's detokenizer (%s IPC)", __version__, sglang.__version__, dialect.ipc.name)
         server.run()
     except Exception:
         log.exception("detokd's SGLang detokenizer failed")

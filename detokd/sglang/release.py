@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .schema import SchemaMismatch
+from .types import RoutedBatch
 
 # The releases .ci/run proves detokd on (the differential and plugin tests): whether a
 # release was tested cannot be read from its code, so this one table is kept by hand.
@@ -34,7 +35,7 @@ GPT_OSS_CALL = 200012  # <|call|>: a stop token SGLang keeps with the gpt-oss to
 
 # Split: (a BatchStrOutput or BatchEmbeddingOutput, the positions of one worker's rows)
 # -> [(a message, the positions it holds)], as the release's detokenizer splits.
-Split = Callable[[Any, list[int]], list[tuple[Any, list[int]]]]
+Split = Callable[[RoutedBatch, list[int]], list[tuple[RoutedBatch, list[int]]]]
 
 
 @dataclass(frozen=True)
@@ -93,32 +94,46 @@ def _tool_closers(trim: ast.AST) -> Callable | None:
     return tool_close_token_ids
 
 
+def private(module: Any, name: str, arity: int) -> Callable:
+    """A private function of SGLang's that detokd calls with `arity` positional arguments,
+    looked up here, at start-up: a release that removes or reshapes it fails detect()
+    naming it, instead of an AttributeError or TypeError in the middle of serving."""
+    found = getattr(module, name, None)
+    if not callable(found):
+        raise SchemaMismatch(f"{module.__name__} has no {name}, which detokd calls")
+    try:
+        inspect.signature(found).bind(*range(arity))
+    except (TypeError, ValueError) as e:
+        raise SchemaMismatch(f"{module.__name__}.{name} does not take the {arity} arguments detokd passes: {e}") from e
+    return found
+
+
 def _splitter() -> tuple[Split, str]:
     """The release's own split of a batch for one HTTP worker, from its helpers."""
     from sglang.srt.managers import multi_tokenizer_mixin as mt
 
-    by_index = getattr(mt, "_handle_output_by_index", None)
-    if by_index is None:
-        raise SchemaMismatch("sglang.srt.managers.multi_tokenizer_mixin has no _handle_output_by_index")
+    by_index = private(mt, "_handle_output_by_index", 2)
     loop = _names(_source(mt.MultiHttpWorkerDetokenizerMixin.multi_http_worker_event_loop))
 
-    def per_row(full: Any, indices: list[int]) -> list[tuple[Any, list[int]]]:
+    def per_row(full: RoutedBatch, indices: list[int]) -> list[tuple[RoutedBatch, list[int]]]:
         return [(by_index(full, i), [i]) for i in indices]
 
     if "_send_output_to_tokenizer_workers" not in loop:
         if "_handle_output_by_index" not in loop:
-            raise SchemaMismatch("SGLang's multi-HTTP-worker detokenizer loop splits batches in a way detokd does not know")
+            raise SchemaMismatch(
+                "SGLang's multi-HTTP-worker detokenizer loop splits batches in a way detokd does not know")
         return per_row, "per row"
-    by_indices, cannot = getattr(mt, "_handle_output_by_indices", None), getattr(mt, "_CannotSplitBatch", None)
-    if by_indices is None or cannot is None:
-        raise SchemaMismatch("sglang.srt.managers.multi_tokenizer_mixin lacks _handle_output_by_indices or _CannotSplitBatch")
+    by_indices = private(mt, "_handle_output_by_indices", 2)
+    cannot = getattr(mt, "_CannotSplitBatch", None)
+    if not (isinstance(cannot, type) and issubclass(cannot, Exception)):
+        raise SchemaMismatch(f"{mt.__name__} has no exception _CannotSplitBatch, which detokd catches")
     from sglang.srt.environ import envs
 
     batched = getattr(envs, "SGLANG_BATCH_TOKENIZER_OUTPUTS", None)
     if batched is not None and not batched.get():
         return per_row, "per row (SGLANG_BATCH_TOKENIZER_OUTPUTS off)"
 
-    def by_worker(full: Any, indices: list[int]) -> list[tuple[Any, list[int]]]:
+    def by_worker(full: RoutedBatch, indices: list[int]) -> list[tuple[RoutedBatch, list[int]]]:
         try:
             sub = by_indices(full, indices)
         except cannot:  # a field that cannot be split: one message per row, as SGLang falls back

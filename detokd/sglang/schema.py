@@ -61,7 +61,7 @@ import dataclasses
 import inspect
 import textwrap
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import msgspec
 from msgspec import Raw
@@ -69,6 +69,7 @@ from msgspec.msgpack import Ext
 
 from ..wire import msgpack_scan
 from .id_rows import IdRows, ids_of, int64_rows
+from .types import EmbeddingBatch, StrBatch, TokenBatch
 
 # msgpack nil: the encoding of a None field, the default of every optional passthrough.
 NIL = Raw(b"\xc0")
@@ -139,7 +140,7 @@ OPTIONAL = {("FreezeGCReq", "gc_threshold")}
 COMPUTES = ("output_strs", "routed_experts", "indexer_topk")
 
 
-def annotations(cls: type) -> dict[str, str]:
+def declared_annotations(cls: type) -> dict[str, str]:
     """A class's field annotations, its bases' first, as source text."""
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
@@ -166,7 +167,7 @@ def _fields(cls: type) -> list[tuple[str, bool]]:
 def _struct(name: str, fields: list[tuple[str, bool]], types: Mapping[str, Any]) -> type:
     """A tagged, array-like Struct of SGLang's wire config with these fields in this order:
     `types`' type where it names one, Raw (its bytes, copied as they are) elsewhere."""
-    spec = []
+    spec: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for field, has_default in fields:
         kind = types.get(field, Raw)
         if has_default:
@@ -203,7 +204,7 @@ def _check_class(name: str, cls: type) -> list[tuple[str, bool]]:
             if getattr(cfg, key) != value:
                 raise SchemaMismatch(f"{name}: wire config {key}={getattr(cfg, key)!r}, detokd speaks {value!r}")
     names = [f for f, _ in fields]
-    declared = annotations(cls)
+    declared = declared_annotations(cls)
     for field, (want, _) in READS[name].items():
         if field not in names:
             if (name, field) in OPTIONAL:
@@ -350,8 +351,9 @@ class MsgpackCodec:
         try:
             msg = self._decoder.decode(frame)
             if type(msg) is self.raw_ids:
-                rows = int64_rows(msg.decode_ids)
-                msg.decode_ids = self._exts.decode(msg.decode_ids) if rows is None else rows
+                tok = cast(TokenBatch, msg)
+                rows = int64_rows(tok.decode_ids)
+                tok.decode_ids = self._exts.decode(tok.decode_ids) if rows is None else rows
             return msg
         except msgspec.DecodeError:
             return self._typed.decode(frame)  # raises what the schema finds first, as if read in one go
@@ -373,11 +375,11 @@ class MsgpackCodec:
             return None
 
     @staticmethod
-    def ids(tok: Any) -> list[list[int]]:
+    def ids(tok: TokenBatch) -> list[list[int]]:
         rows = tok.decode_ids
         return rows if type(rows) is IdRows else ids_of(rows)
 
-    def str_output(self, tok: Any, output_strs: list[str]) -> Any:
+    def str_output(self, tok: TokenBatch, output_strs: list[str]) -> StrBatch:
         s = self.schema
         fields = {name: getattr(tok, name) for name in s.copied}
         fields.update(dict.fromkeys(s.nones), output_strs=output_strs)
@@ -386,10 +388,10 @@ class MsgpackCodec:
                 fields[name] = _b64_list(getattr(tok, name), tensor_b64)
         return self._str(**fields)
 
-    def encode(self, out: Any) -> bytes:
+    def encode(self, out: StrBatch | EmbeddingBatch) -> bytes:
         return self._encoder.encode(out)
 
-    def encode_str_output(self, tok: Any, output_strs: list[str]) -> bytes:
+    def encode_str_output(self, tok: TokenBatch, output_strs: list[str]) -> bytes:
         return self.encode(self.str_output(tok, output_strs))
 
 
@@ -419,10 +421,10 @@ class PickleCodec:
         """A pickle that does not load has no rids to read."""
         return None
 
-    def ids(self, tok: Any) -> list[list[int]]:
+    def ids(self, tok: TokenBatch) -> list[list[int]]:
         return self._id_rows(tok.decode_ids)
 
-    def str_output(self, tok: Any, output_strs: list[str]) -> Any:
+    def str_output(self, tok: TokenBatch, output_strs: list[str]) -> StrBatch:
         s = self.schema
         fields = {name: getattr(tok, name) for name in s.copied}
         for name in ("time_stats", "output_ids"):
@@ -435,7 +437,7 @@ class PickleCodec:
                 fields[name] = _b64_list(getattr(tok, name), tensors.b64)
         return self._out(**fields)
 
-    def encode_str_output(self, tok: Any, output_strs: list[str]) -> bytes:
+    def encode_str_output(self, tok: TokenBatch, output_strs: list[str]) -> bytes:
         return self.encode(self.str_output(tok, output_strs))
 
 
@@ -456,7 +458,7 @@ def kind(obj: Any) -> str:
     return type(obj).__name__
 
 
-def has_beam_search(tok: Any) -> bool:
+def has_beam_search(tok: TokenBatch) -> bool:
     """Whether a BatchTokenIDOutput (either form) carries beam results, which SGLang's
     detokenizer decodes into beam_search_output and detokd does not."""
     beams = getattr(tok, "beam_search_output", None)
@@ -477,8 +479,10 @@ def installed_fills() -> dict[str, str]:
     ]
     if len(calls) != 1:
         raise SchemaMismatch(f"DetokenizerManager.handle_batch_token_id_out builds BatchStrOutput {len(calls)} times")
-    fills = {}
+    fills: dict[str, str] = {}
     for kw in calls[0].keywords:
+        if kw.arg is None:
+            raise SchemaMismatch("DetokenizerManager.handle_batch_token_id_out builds BatchStrOutput with **kwargs")
         v = kw.value
         if isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.attr == kw.arg:
             fills[kw.arg] = "copy"

@@ -78,5 +78,6 @@ def check(vocab: Vocab, tokenizer) -> Fingerprint:
         (want,) = tokenizer.batch_decode([ids], skip_special_tokens=skip, spaces_between_special_tokens=True)
         got = vocab.decode(ids, skip)
         if got != want:
-            raise TokenizerError(f"decode (skip_special_tokens={skip}) differs: detokd {got[:60]!r}, SGLang {want[:60]!r}")
+            raise TokenizerError(
+                f"decode (skip_special_tokens={skip}) differs: detokd {got[:60]!r}, SGLang {want[:60]!r}")
     return ours

@@ -47,9 +47,9 @@ def loader(mismatch: bool) -> dict:
 
     if mismatch:
         # A modified copy in this process only: SGLang's BatchStrOutput minus time_stats.
-        from detokd.sglang.schema import annotations
+        from detokd.sglang.schema import declared_annotations
 
-        declared = annotations(io_struct.BatchStrOutput)  # kept: only the field goes
+        declared = declared_annotations(io_struct.BatchStrOutput)  # kept: only the field goes
         fields = [(n, declared[n]) for n in io_struct.BatchStrOutput.__struct_fields__ if n != "time_stats"]
         io_struct.BatchStrOutput = dataclasses.make_dataclass("BatchStrOutput", fields)
     before = Engine.__dict__["_launch_detokenizer_subprocesses"].__func__

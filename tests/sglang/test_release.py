@@ -99,3 +99,34 @@ def test_under_require_a_fallback_is_a_launch_failure_of_one_line(monkeypatch, c
     monkeypatch.setenv("DETOKD_SGLANG", "1")
     plugin.keep_sglangs("SchemaMismatch: a reason")  # a warning, not an exit
     assert [r.levelname for r in caplog.records if "keeping SGLang's own" in r.getMessage()] == ["WARNING"]
+
+
+def _split_helper() -> str:
+    """The private helper of multi_tokenizer_mixin the installed release's split calls."""
+    import inspect
+
+    from sglang.srt.managers import multi_tokenizer_mixin as mt
+
+    loop = inspect.getsource(mt.MultiHttpWorkerDetokenizerMixin.multi_http_worker_event_loop)
+    return "_handle_output_by_indices" if "_send_output_to_tokenizer_workers" in loop else "_handle_output_by_index"
+
+
+def test_the_private_split_helpers_detokd_calls_are_there_and_take_what_it_passes():
+    """An upgrade that removes or reshapes them fails here and at start-up (detect), not mid-batch."""
+    from sglang.srt.managers import multi_tokenizer_mixin as mt
+
+    for name in ("_handle_output_by_index", _split_helper()):
+        assert release.private(mt, name, 2) is getattr(mt, name)
+
+
+@pytest.mark.parametrize("change", ["removed", "reshaped"])
+def test_a_release_without_the_private_split_helper_fails_detection_naming_it(monkeypatch, change):
+    from sglang.srt.managers import multi_tokenizer_mixin as mt
+
+    name = _split_helper()
+    if change == "removed":
+        monkeypatch.delattr(mt, name)
+    else:
+        monkeypatch.setattr(mt, name, lambda output: output)
+    with pytest.raises(SchemaMismatch, match=name):
+        release.detect()

@@ -162,7 +162,7 @@ def test_the_mirrors_have_the_installed_classes_fields_in_their_order():
 
 def fields_of(cls) -> list[tuple[str, object]]:
     """A class's fields with their declared annotations, for a modified copy of it."""
-    declared = schema.annotations(cls)
+    declared = schema.declared_annotations(cls)
     return [(f, declared[f]) for f in cls.__struct_fields__]
 
 
@@ -220,7 +220,7 @@ def test_gc_threshold_is_read_where_the_release_has_it():
 
 def test_the_build_names_a_field_whose_type_changed_while_its_name_stayed():
     """decode_ids no longer a list of arrays: every batch would fail in the dialect."""
-    declared = schema.annotations(io_struct.BatchTokenIDOutput)
+    declared = schema.declared_annotations(io_struct.BatchTokenIDOutput)
     declared["decode_ids"] = "List[List[int]]"
     copy = dataclasses.make_dataclass("BatchTokenIDOutput", [(n, declared[n]) for n in io_struct.BatchTokenIDOutput.__struct_fields__])
     with pytest.raises(schema.SchemaMismatch, match=r"BatchTokenIDOutput.decode_ids: SGLang declares 'List\[List\[int\]\]'"):
@@ -239,7 +239,7 @@ def test_the_build_names_a_wire_config_change():
 
 def test_every_field_detokd_reads_is_declared_as_the_installed_release_declares_it():
     for name, reads in schema.READS.items():
-        declared = schema.annotations(getattr(io_struct, name))
+        declared = schema.declared_annotations(getattr(io_struct, name))
         for field, (want, _) in reads.items():
             if field in declared or (name, field) not in schema.OPTIONAL:
                 assert declared.get(field) == want, (name, field)
