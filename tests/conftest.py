@@ -160,14 +160,12 @@ def detokd(tmp_path):
 
 @pytest.fixture
 def zctx():
-    """A ZMQ context for a test's peers; the utils.Sink threads on it are closed first."""
+    """A ZMQ context for a test's peers; the Sink threads on it are closed first."""
     import zmq
 
-    from utils import SINKS
+    from detokbench.sink import close_all
 
     ctx = zmq.Context()
     yield ctx
-    for s in [s for s in SINKS if s.ctx is ctx]:
-        SINKS.remove(s)
-        s.close()
+    close_all(ctx)
     ctx.destroy(linger=0)
