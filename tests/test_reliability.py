@@ -28,12 +28,12 @@ import pytest
 import zmq
 
 from detokbench.frames import Hostile
+from detokbench.sink import close_all
 from detokd.client import SchedulerClient, shard_for
 from detokd.launch import derive_address
 from detokd.process import DetokdProcess, ipc_config
 from detokd.wire.native import Finish
 from utils import (
-    SINKS,
     Engine,
     Req,
     Sink,
@@ -68,9 +68,7 @@ def shared(tmp_path_factory):
         if d.proc.poll() is None:
             d.proc.kill()
             d.proc.wait(10)
-        for s in sinks:
-            SINKS.remove(s)
-            s.close()
+        close_all(ctx)
         ctx.destroy(linger=0)
 
 
