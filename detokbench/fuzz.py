@@ -67,6 +67,9 @@ from .sink import Sink
 
 enc = msgspec.msgpack.encode
 
+# --------------------------------------------------------------------------- what the peers send
+
+
 # Frames per kind, relative. Hostile's own generators keep their weights (53 in all).
 OTHER_WEIGHTS = {
     "honest": 25, "session": 8, "huge_rid": 3, "many_stops": 2, "long_stops": 2,
@@ -218,6 +221,9 @@ def build_kinds(hostile: Hostile, over: OverCaps, sessions: Sessions) -> tuple[d
     return gens, weights
 
 
+# --------------------------------------------------------------------------- the workers
+
+
 class Worker(Sink):
     """Keeps the rows of honest ("h-") requests and the fences; of the others only
     counts (errors by kind, hostile rows that got text), so its memory stays small."""
@@ -260,6 +266,9 @@ class Worker(Sink):
 
 
 enc = msgspec.msgpack.encode
+# --------------------------------------------------------------------------- one run, in steps
+
+
 SEND_MS = 30_000  # a send detokd does not take in this long: detokd is stuck, the run fails
 WAIT_S = 120  # for fences and the last honest rows
 # Every row over a cap but over_rows (a bad frame) is one too_large error.
@@ -522,6 +531,9 @@ def result(fz: Fuzz, command: str, wall: float, log_lines: list[str], checked: i
         "problems": fz.problems,
         "ok": not fz.problems,
     }
+
+
+# --------------------------------------------------------------------------- the command line, the summary
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -67,6 +67,9 @@ from .rig import Rig, Sampler
 from .sink import Sink
 from .waits import wait_until
 
+# --------------------------------------------------------------------------- the engine: requests and their fates
+
+
 # The soak's own multilingual pieces (longer than frames.CORPUS): its figures were
 # measured on these.
 CORPUS = (
@@ -178,6 +181,9 @@ class Churn:
         self.steps += 1
 
 
+# --------------------------------------------------------------------------- the worker: endings, checked texts
+
+
 class Ending(IntEnum):
     NONE = 0  # no ending row (yet)
     FINISHED = 1  # a finish row whose n_ids is the request's length
@@ -237,6 +243,9 @@ class Worker(Sink):
         """(fate, Ending) -> requests, over the first `made` requests."""
         with self.cond:
             return collections.Counter(zip(self.fates[:made], map(Ending, self.ended[:made])))
+
+
+# --------------------------------------------------------------------------- RSS flatness, the PNG
 
 
 def log(msg: str) -> None:
@@ -301,6 +310,9 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- one run, its verdict
 
 
 DRAIN_S = 120  # after the last frame, for detokd to decode it all and the worker to get it
@@ -468,6 +480,9 @@ def run(args, command: str) -> int:
     if s.detokd.proc.returncode not in (0, None):
         log(s.detokd.log()[-3000:])
     return 0 if v.ok(s.worker, sm["flatness"], rc) else 1
+
+
+# --------------------------------------------------------------------------- the command line
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

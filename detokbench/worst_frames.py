@@ -91,6 +91,9 @@ from .proc import memory
 from .rig import Rig
 from .sink import Sink
 
+# --------------------------------------------------------------------------- the scale, each scenario's frame
+
+
 CAPS = Config()  # the defaults every scenario runs at
 
 
@@ -286,6 +289,9 @@ def scenarios(scale: Scale) -> list[Scenario]:
     ]
 
 
+# --------------------------------------------------------------------------- one fresh detokd's peers, the warm-up
+
+
 SEND_MS = 60_000  # detokd takes no input for a minute: give up
 EXIT_WAIT_S = 120  # after SIGTERM; beyond, detokd is killed and the run says so
 WARM_TEXTS = (
@@ -411,6 +417,9 @@ def warm_up(t: Target, vocab: Vocab) -> None:
     wrong = [rid for rid, ids in reqs.items() if t.sink.text(rid) != vocab.reference([], ids)]
     if wrong:
         raise AssertionError(f"warm-up text differs from the oracle for {wrong}")
+
+
+# --------------------------------------------------------------------------- what one frame costs
 
 
 ANSWER_WAIT_S = 1800  # the slowest frame's probe; beyond, the scenario failed
@@ -554,6 +563,9 @@ def extrapolate(frame: Frame, res: dict, scale: Scale) -> dict:
         "full_frame_s": round(starts * per_s, 1),
         "full_frame_rss_mb": round(starts * per_mb),
     }
+
+
+# --------------------------------------------------------------------------- every scenario, the table, the JSON
 
 
 def run_scenario(sc: Scenario, pair: tuple[Target, Target], vocab: Vocab, scale: Scale) -> dict:
