@@ -1,12 +1,17 @@
-"""The scheduler side the tools play where detokd.client would not do: raw PUSH sockets.
+"""The scheduler side the tools and the tests play where detokd.client would not do:
+raw PUSH sockets.
 
 Honest traffic goes through detokd's own SchedulerClient; these send frames as they
-are built (templates filled in, hostile bytes, frames of 64 MiB).
+are built (dicts through plain msgspec, independent of detokd.wire; templates filled
+in; hostile bytes; frames of 64 MiB).
 """
 
 from __future__ import annotations
 
+import msgspec
 import zmq
+
+COPY_BELOW = 65536  # bigger frames go without a copy (ZMQ keeps a reference while it sends)
 
 
 def push(ctx: zmq.Context, address: str, *, hwm: int | None = None, send_ms: int | None = None) -> zmq.Socket:
@@ -24,18 +29,29 @@ def push(ctx: zmq.Context, address: str, *, hwm: int | None = None, send_ms: int
 
 class Engine:
     """A peer at detokd's input. A send that cannot leave within `send_ms` raises
-    zmq.Again: detokd takes no input, the run has failed."""
+    TimeoutError: detokd takes no input, the run (or the test) has failed."""
 
-    def __init__(self, ctx: zmq.Context, address: str, send_ms: int) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, send_ms: int = 10_000) -> None:
+        self.send_ms = send_ms
         self.sock = push(ctx, address, send_ms=send_ms)
 
-    def send(self, frame: bytes | list[bytes]) -> None:
-        """One frame, or the parts of one multipart message. Big frames go without a
-        copy (ZMQ keeps a reference while it sends)."""
-        if isinstance(frame, list):
-            self.sock.send_multipart(frame)
-        else:
-            self.sock.send(frame, copy=len(frame) < 65536)
+    def send(self, msg: dict) -> None:
+        self.raw(msgspec.msgpack.encode(msg))
+
+    def rows(self, rows: list[dict]) -> None:
+        self.send({"type": "tokens", "rows": rows})
+
+    def raw(self, frame: bytes) -> None:
+        try:
+            self.sock.send(frame, copy=len(frame) < COPY_BELOW)
+        except zmq.Again:
+            raise TimeoutError(f"detokd took no input for {self.send_ms} ms") from None
+
+    def multipart(self, frames: list[bytes]) -> None:
+        try:
+            self.sock.send_multipart(frames)
+        except zmq.Again:
+            raise TimeoutError(f"detokd took no input for {self.send_ms} ms") from None
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -1,44 +1,61 @@
-"""The tokenizer worker the tools play: PULL sockets bound where detokd sends text.
+"""The tokenizer worker the tools and the tests play: PULL sockets bound where detokd
+sends text.
 
 A Sink's thread hands every frame to `read` outside its lock (decoding a big answer
 does not hold up the threads waiting on it), then what `read` returned to `keep` under
-the lock, and wakes the waiters. Subclasses say what a frame means to their tool.
+the lock, and wakes the waiters. Subclasses say what a frame means to their tool;
+`Recorder` keeps every row, by rid (the tests' worker).
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any, Callable
 
+import msgspec
 import zmq
 
 from .waits import wait_on
 
+OPEN: list[Sink] = []  # closed by `close_all` before their context is destroyed
 
-def pull(ctx: zmq.Context, address: str, *, hwm: int | None = None) -> zmq.Socket:
+
+def pull(ctx: zmq.Context, address: str, *, hwm: int | None = None, rcvbuf: int | None = None) -> zmq.Socket:
     """A PULL socket bound at `address` that drops what is queued when closed; `hwm` 0
-    queues without bound."""
+    queues without bound, `rcvbuf` shrinks the kernel's buffer (a worker that stalls
+    then holds little: the queue fills in detokd)."""
     s = ctx.socket(zmq.PULL)
     s.setsockopt(zmq.LINGER, 0)
     if hwm is not None:
         s.setsockopt(zmq.RCVHWM, hwm)
+    if rcvbuf is not None:
+        s.setsockopt(zmq.RCVBUF, rcvbuf)
     s.bind(address)
     return s
 
 
 class Sink:
-    """Bound at once (detokd connects to it), read by a thread until `close`.
+    """Bound at once (detokd connects to it), read by a thread until `close`, or with
+    `read=False` bound and never read (`sock`: the first socket).
 
     `rcvhwm` None keeps ZMQ's default queue; `zero_copy` hands `read` a memoryview of
     the received frame instead of bytes (for frames of a gigabyte)."""
 
-    def __init__(self, ctx: zmq.Context, addresses: list[str], *, rcvhwm: int | None = None, zero_copy: bool = False) -> None:
+    def __init__(self, ctx: zmq.Context, addresses: str | list[str], *, rcvhwm: int | None = None,
+                 rcvbuf: int | None = None, zero_copy: bool = False, read: bool = True) -> None:
+        addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        self.ctx, self.address = ctx, addresses[0]
         self.cond = threading.Condition()
         self.zero_copy = zero_copy
         self.stopping = False
-        self.socks = [pull(ctx, a, hwm=rcvhwm) for a in addresses]
-        self.thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
-        self.thread.start()
+        self.socks = [pull(ctx, a, hwm=rcvhwm, rcvbuf=rcvbuf) for a in addresses]
+        self.sock = self.socks[0]
+        self.thread: threading.Thread | None = None
+        OPEN.append(self)
+        if read:
+            self.thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+            self.thread.start()
 
     def read(self, frame: bytes | memoryview) -> Any:
         """What a frame says (runs without the lock)."""
@@ -49,12 +66,19 @@ class Sink:
         raise NotImplementedError
 
     def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
-        """Until `pred` (run under the lock) holds; TimeoutError naming `what`."""
+        """`pred`'s value once it is truthy (run under the lock, whenever a frame
+        arrived); TimeoutError naming `what`."""
         return wait_on(self.cond, pred, timeout, what)
 
     def close(self) -> None:
         self.stopping = True
-        self.thread.join(5)
+        if self in OPEN:
+            OPEN.remove(self)
+        if self.thread is not None:
+            self.thread.join(5)
+        else:
+            for s in self.socks:
+                s.close(linger=0)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -81,3 +105,47 @@ class Sink:
             with self.cond:
                 self.keep(got)
                 self.cond.notify_all()
+
+
+def close_all(ctx: zmq.Context) -> None:
+    """Close every open Sink on `ctx` (its thread's socket must close before the
+    context is destroyed)."""
+    for s in [s for s in OPEN if s.ctx is ctx]:
+        s.close()
+
+
+class Recorder(Sink):
+    """Keeps every row it receives as a dict, by rid: `text` rows in `by_rid`,
+    `embeddings` rows in `embedded`; counts messages, by type in `kinds`."""
+
+    def __init__(self, ctx: zmq.Context, addresses: str | list[str], **kw: Any) -> None:
+        self.by_rid: dict[str, list[dict]] = collections.defaultdict(list)
+        self.embedded: dict[str, list[dict]] = collections.defaultdict(list)
+        self.messages = 0
+        self.kinds: collections.Counter = collections.Counter()
+        super().__init__(ctx, addresses, **kw)
+
+    def read(self, frame: bytes) -> dict:
+        return msgspec.msgpack.decode(frame)
+
+    def keep(self, msg: dict) -> None:
+        self.messages += 1
+        self.kinds[msg["type"]] += 1
+        rows = self.by_rid if msg["type"] == "text" else self.embedded
+        for row in msg["rows"]:
+            rows[row["rid"]].append(row)
+
+    def rows(self, rid: str) -> list[dict]:
+        with self.cond:
+            return list(self.by_rid.get(rid, ()))
+
+    def text(self, rid: str) -> str:
+        return "".join(r["text"] for r in self.rows(rid) if r["error"] is None)
+
+    def ended(self, rid: str) -> bool:
+        """Its last row arrived: a finish, or an error."""
+        rows = self.rows(rid)
+        return bool(rows) and (rows[-1]["finish"] is not None or rows[-1]["error"] is not None)
+
+    def errors(self, rid: str) -> list[str]:
+        return [r["error"] for r in self.rows(rid) if r["error"] is not None]

@@ -125,8 +125,6 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # space or a CJK ideograph (SGLang mode's setting: an engine stop string whose start
     # the engine missed beside a split character then leaks no further than with SGLang).
     release: Literal["char", "word"] = "char"
-    # Enables the control op "debug_stall:<seconds>" that blocks the loop (tests only).
-    debug_ops: bool = False
     # After the first SIGTERM/SIGINT/SIGHUP the process ends within this many seconds, whatever
     # the loop is doing (below a container runtime's 10 s before SIGKILL).
     shutdown_grace_s: Seconds = 8.0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from detokd import zoo  # noqa: E402
 from detokd.process import DetokdProcess, ipc_config  # noqa: E402
 from detokd.core.decoder import PieceCodec, ByteCodec, WindowCodec, make_codec  # noqa: E402
 from detokd.tokenizer import Vocab, load  # noqa: E402
+from detokbench.waits import wait_until  # noqa: E402
 
 ALL = zoo.NAMES
 
@@ -88,15 +91,55 @@ def alive(pid: int) -> bool:
         return False
 
 
+# `detokd serve` whose loop a test can block while the rest of the process runs (ZMQ's
+# I/O thread, /health, the grace watch): SIGUSR1's handler runs in the main thread,
+# between two bytecodes of the loop, and sleeps for the seconds in the file
+# $DETOKD_TEST_STALL. SIGSTOP would freeze every thread, not the loop alone. With a file
+# $DETOKD_TEST_STALL.stop, the loop sleeps that long once it has begun to stop (input
+# unbound, /readyz failing), where a signal could not be timed.
+STALLABLE = r"""
+import logging, os, signal, sys, time
+from detokd import cli
+path = os.environ["DETOKD_TEST_STALL"]
+def stall(signum, frame):
+    seconds = float(open(path).read())
+    os.write(2, b"test: the loop stalls\n")
+    time.sleep(seconds)
+signal.signal(signal.SIGUSR1, stall)
+class StallWhenStopping(logging.Filter):
+    def filter(self, record):
+        if "takes no new frames" in str(record.msg) and os.path.exists(path + ".stop"):
+            time.sleep(float(open(path + ".stop").read()))
+        return True
+logging.getLogger("detokd.server").addFilter(StallWhenStopping())
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
 class Detokd(DetokdProcess):
-    """A `detokd serve` subprocess on ipc:// addresses in a temporary folder."""
+    """A `detokd serve` subprocess on ipc:// addresses in a temporary folder;
+    `stallable`: one whose loop `stall` blocks (STALLABLE)."""
 
     def __init__(
-        self, folder: Path, workers: int = 1, args: list[str] = (), feedback: bool = False, tokenizer: str = "deepseek", **settings
+        self, folder: Path, workers: int = 1, args: list[str] = (), feedback: bool = False, tokenizer: str = "deepseek",
+        stallable: bool = False, **settings
     ) -> None:
         cfg = ipc_config(folder, workers=workers, feedback=feedback, tokenizer=tokenizer, log_level="info", **settings)
-        super().__init__(cfg, args=args, folder=folder)
+        self.stall_path = folder / f"stall-{id(self)}"
+        command = [sys.executable, "-c", STALLABLE] if stallable else None
+        super().__init__(cfg, args=args, folder=folder, env={"DETOKD_TEST_STALL": str(self.stall_path)}, command=command)
         self.spawn()
+
+    def stall(self, seconds: float) -> None:
+        """Block the loop for `seconds`; returns once it is blocked."""
+        said = self.log().count("test: the loop stalls")
+        self.stall_path.write_text(str(seconds))
+        os.kill(self.pid, signal.SIGUSR1)
+        wait_until(lambda: self.log().count("test: the loop stalls") > said, 20, "the loop to stall")
+
+    def stall_when_stopping(self, seconds: float) -> None:
+        """Block the loop for `seconds` once it has begun to stop."""
+        Path(f"{self.stall_path}.stop").write_text(str(seconds))
 
 
 @pytest.fixture
@@ -117,14 +160,12 @@ def detokd(tmp_path):
 
 @pytest.fixture
 def zctx():
-    """A ZMQ context for a test's peers; the utils.Sink threads on it are closed first."""
+    """A ZMQ context for a test's peers; the Sink threads on it are closed first."""
     import zmq
 
-    from utils import SINKS
+    from detokbench.sink import close_all
 
     ctx = zmq.Context()
     yield ctx
-    for s in [s for s in SINKS if s.ctx is ctx]:
-        SINKS.remove(s)
-        s.close()
+    close_all(ctx)
     ctx.destroy(linger=0)

@@ -193,7 +193,7 @@ def test_serve_reads_DETOKD_CONFIG(tmp_path):
 
 @pytest.mark.parametrize(
     "variable, value",
-    [("DETOKD_SEND_HWM", "lots"), ("DETOKD_SEND_HWM", "2147483648"), ("DETOKD_DEBUG_OPS", "maybe"),
+    [("DETOKD_SEND_HWM", "lots"), ("DETOKD_SEND_HWM", "2147483648"), ("DETOKD_REGISTER_ENABLED", "maybe"),
      ("DETOKD_LOG_LEVEL", "loud"), ("DETOKD_WORKERS", "localhost:5555"), ("DETOKD_MAX_STATE", "5")],
 )
 def test_a_bad_environment_value_exits_2_naming_the_variable(tmp_path, variable, value):

@@ -135,13 +135,13 @@ def test_a_socket_option_zmq_cannot_take_leaves_no_socket_open(tmp_path):
 
 def test_every_key_is_read_from_its_variable_as_its_type():
     env = {
-        "DETOKD_MAX_STATES": " 1_000 ", "DETOKD_HEALTH_TIMEOUT": "2.5", "DETOKD_DEBUG_OPS": "yes",
+        "DETOKD_MAX_STATES": " 1_000 ", "DETOKD_HEALTH_TIMEOUT": "2.5", "DETOKD_REGISTER_ENABLED": "yes",
         "DETOKD_REGISTER_REPLACE": "0", "DETOKD_WORKERS": "ipc:///r/a.sock, ipc:///r/b.sock",
         "DETOKD_REGISTER_ALLOW": '["ipc:///r/*", "tcp://10.0.0.1:*"]', "DETOKD_LOG_LEVEL": "debug",
         "DETOKD_FEEDBACK": "", "DETOKD_METRICS_PORT": "9100",
     }
     cfg = load(None, {}, env)
-    assert (cfg.max_states, cfg.health_timeout, cfg.debug_ops, cfg.register_replace) == (1000, 2.5, True, False)
+    assert (cfg.max_states, cfg.health_timeout, cfg.register_enabled, cfg.register_replace) == (1000, 2.5, True, False)
     assert cfg.workers == ["ipc:///r/a.sock", "ipc:///r/b.sock"]
     assert cfg.register_allow == ["ipc:///r/*", "tcp://10.0.0.1:*"]
     assert (cfg.log_level, cfg.feedback, cfg.metrics_port) == ("debug", None, 9100)  # an empty variable is unset

@@ -31,7 +31,7 @@ class Rig:
         self.outbox = Outbox()
         self.core = Detokenizer(fast_codec("deepseek"), vocab("deepseek").size, self.outbox,
                                 max_states=1000, max_prompt_tail=8, stats=self.stats)
-        # Register on and open (tests/test_hardening.py holds the policy itself).
+        # Register on and open (tests/test_peers.py holds the policy itself).
         open_register = RegisterPolicy(enabled=True, allow=("*",), replace=True)
         self.delivery = Delivery(
             self.ctx, self.outbox, self.addresses, feedback=None, hwm=hwm, queue_bytes=queue_bytes, linger_ms=0,

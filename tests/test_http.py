@@ -2,7 +2,7 @@
 
 Each test runs an Endpoint in this process on a free port of 127.0.0.1, with small
 bounds (a few connections, a deadline of a second or so) so that reaching them is cheap.
-tests/test_hardening.py runs the same bounds on real detokd and supervisor processes.
+tests/test_peers.py runs the same bounds on real detokd and supervisor processes.
 """
 
 from __future__ import annotations

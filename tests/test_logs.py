@@ -218,7 +218,7 @@ def test_300_reset_scrapes_write_a_bounded_number_of_stderr_bytes(detokd) -> Non
 
 def test_a_suppressed_spell_is_said_even_if_its_template_never_logs_again() -> None:
     # In-process, on a clock of the test's: the limiter itself (the process-level test
-    # is test_hardening.py::test_every_register_change_and_refusal_is_counted_...).
+    # is test_peers.py::test_every_register_change_and_refusal_is_counted_...).
     from detokd.logs import RateLimitFilter
 
     now = [100.0]

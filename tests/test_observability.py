@@ -73,27 +73,25 @@ def test_every_help_string_is_the_documented_what_it_counts(detokd):
 def test_livez_fails_only_when_stuck_and_readyz_also_while_stopping(detokd, zctx):
     """Stopping with a frame still to drain: /readyz says 503 stopping (send no more
     traffic) while /livez says 200 (do not restart a process finishing its work)."""
-    d = detokd(args=["--metrics-port", "0"], debug_ops=True, health_timeout=60.0, shutdown_grace_s=60.0)
+    d = detokd(args=["--metrics-port", "0"], stallable=True, health_timeout=60.0, shutdown_grace_s=60.0)
     d.wait_ready()
     port = metrics_port(d)
     assert http_get(port, "/livez") == (200, b"ok\n")
     assert http_get(port, "/readyz") == (200, b"ok\n")
-    eng = Engine(zctx, d.input)
-    eng.send({"type": "control", "op": "debug_stall:3"})
+    d.stall_when_stopping(4)  # the loop, once stopping, is busy for 4 s
+    d.stall(3)
     wait_until(lambda: metric(scrape(port), "detokd_loop_idle_seconds") > 0.3, 10, "the stall to begin")
     d.proc.send_signal(signal.SIGTERM)
-    eng.send({"type": "control", "op": "debug_stall:4"})  # queued: the drain will run it
     wait_until(lambda: http_get(port, "/readyz") == (503, b"stopping\n"), 20, "/readyz to say stopping")
     assert http_get(port, "/livez") == (200, b"ok\n")
     assert d.proc.wait(30) == 0
 
 
 def test_livez_and_readyz_fail_while_the_loop_is_stuck(detokd, zctx):
-    d = detokd(args=["--metrics-port", "0"], debug_ops=True, health_timeout=0.5)
+    d = detokd(args=["--metrics-port", "0"], stallable=True, health_timeout=0.5)
     d.wait_ready()
     port = metrics_port(d)
-    eng = Engine(zctx, d.input)  # held: closed, its LINGER 0 would drop the frame
-    eng.send({"type": "control", "op": "debug_stall:3"})
+    d.stall(3)
     _, body = wait_until(lambda: (lambda r: r[0] == 503 and r)(http_get(port, "/livez")), 10, "/livez 503")
     assert b"stuck" in body
     assert http_get(port, "/readyz")[0] == 503

@@ -28,12 +28,12 @@ import pytest
 import zmq
 
 from detokbench.frames import Hostile
+from detokbench.sink import close_all
 from detokd.client import SchedulerClient, shard_for
 from detokd.launch import derive_address
 from detokd.process import DetokdProcess, ipc_config
 from detokd.wire.native import Finish
 from utils import (
-    SINKS,
     Engine,
     Req,
     Sink,
@@ -68,9 +68,7 @@ def shared(tmp_path_factory):
         if d.proc.poll() is None:
             d.proc.kill()
             d.proc.wait(10)
-        for s in sinks:
-            SINKS.remove(s)
-            s.close()
+        close_all(ctx)
         ctx.destroy(linger=0)
 
 
@@ -104,7 +102,7 @@ def test_fuzz_hostile_frames_never_kill_or_corrupt(detokd, tmp_path, zctx):
             kind, frame, bad = hostile.next()
             try:
                 eng.multipart(frame) if isinstance(frame, list) else eng.raw(frame)
-            except AssertionError:
+            except TimeoutError:
                 raise AssertionError(f"after a {kind} frame {frame[:200]!r}: {d.log()[-3000:]}") from None
             sent_bad += 1
             expected_bad += bad
@@ -322,7 +320,7 @@ def test_a_stalled_or_gone_worker_never_blocks_the_others(detokd, tmp_path, zctx
     # for a stuck one.
     d = detokd(workers=4, args=["--metrics-port", "0"], send_queue_bytes=64 * 1024, linger_ms=200)
     good = {0: Sink(zctx, d.workers[0]), 2: Sink(zctx, d.workers[2])}
-    stuck = Sink(zctx, d.workers[1], read=False, rcvhwm=1)
+    stuck = Sink(zctx, d.workers[1], read=False, rcvhwm=1, rcvbuf=4096)
     d.wait_ready()
     port = metrics_port(d)
     eng = Engine(zctx, d.input)
@@ -671,14 +669,14 @@ def _rids(shard: int, prefix: str, n: int) -> list[str]:
 
 
 def test_a_scheduler_watching_its_shards_is_told_every_request_a_shard_restart_may_have_lost(tmp_path, zctx):
-    """`detokd serve --shards 2`; shard 0 stops reading (debug_stall), 20 whole requests
+    """`detokd serve --shards 2`; shard 0 stops reading (SIGSTOP), 20 whole requests
     wait in its input queue, then it is killed and the supervisor restarts it. What its
     queue held is gone, unanswered (no detokd saw it, no worker is told). A
     SchedulerClient with watch=True notices the broken connection: every request not
     answered is in its lost(), as is the one live across the restart, and nothing of
     shard 1, which answers everything exactly."""
     rng = random.Random(34)
-    cfg = ipc_config(tmp_path, workers=1, log_level="info", debug_ops=True)
+    cfg = ipc_config(tmp_path, workers=1, log_level="info")
     d = DetokdProcess(cfg, folder=tmp_path, args=["--shards", "2"])
     sink = Sink(zctx, cfg.workers[0])
     try:
@@ -697,20 +695,18 @@ def test_a_scheduler_watching_its_shards_is_told_every_request_a_shard_restart_m
         sched.begin(live, make_ids(rng, 4), worker=0)
         whole(_rids(0, "a", 3) + _rids(1, "a", 3))
         sink.wait(lambda: all(sink.ended(rid) for rid in planned) and sink.rows(live), 20, "the answers before")
-        stall = Engine(zctx, addrs[0])
-        stall.send({"type": "control", "op": "debug_stall:60"})
-        logged(d, "debug_stall: blocking the loop")
+        shard0 = int(re.findall(r"shard 0 started \(pid (\d+)\)", d.log())[-1])
+        os.kill(shard0, signal.SIGSTOP)  # killed, never continued
         queued, other = _rids(0, "q", 20), _rids(1, "o", 5)
         whole(queued + other)
         sink.wait(lambda: all(sink.ended(rid) for rid in other), 20, "shard 1's answers")
-        os.kill(int(re.findall(r"shard 0 started \(pid (\d+)\)", d.log())[-1]), signal.SIGKILL)
+        os.kill(shard0, signal.SIGKILL)
         lost: set[str] = set()
         wait_until(lambda: lost.update(sched.lost()) or live in lost, 20, "the broken connection noticed")
         wait_until(lambda: d.log().count(f"serving: input {addrs[0]}") == 2, 60, "shard 0 restarted")
         whole(_rids(0, "b", 3) + _rids(1, "b", 3))
         sink.wait(lambda: all(sink.ended(rid) for rid in planned if rid[0] == "b"), 20, "the answers after")
         lost.update(sched.lost())
-        stall.close()
         sched.close(0)
 
         unanswered = {rid for rid in planned if not sink.ended(rid)}

@@ -2,7 +2,7 @@
 `detokd serve` does with the ipc path it is told to bind (real `detokd serve` processes
 against real Unix sockets held by the test). The other cases of the live-socket check (a
 path that is not a socket, one held by a ZMQ socket, a stale one) and the process-level
-register tests are in tests/test_hardening.py. And the private pyzmq method detokd's
+register tests are in tests/test_peers.py. And the private pyzmq method detokd's
 CURVE authenticator overrides, checked before it starts.
 """
 

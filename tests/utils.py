@@ -1,11 +1,11 @@
 """Helpers more than one test file uses. Import as `from utils import ...` (tests/ is
 on the path: conftest.py lives there); fixtures live in conftest.py.
 
-The peers of a real `detokd serve` that tests/test_reliability.py and
-tests/test_metrics.py play: `Engine` sends frames built independently of
-detokd.wire.native (plain dicts through msgspec, or raw bytes: some are meant to be
-malformed), `Sink` is a tokenizer worker recording every text row it receives.
-`FakeShards` and `FakeDetokd` stand where detokd would for the client's unit tests.
+The peers of a real `detokd serve` are detokbench's, shared with the tools: `Engine`
+sends frames built independently of detokd.wire.native (plain dicts through msgspec,
+or raw bytes: some are meant to be malformed), `Sink` is a tokenizer worker recording
+every row it receives (detokbench.sink.Recorder). `FakeShards` and `FakeDetokd` stand
+where detokd would for the client's unit tests.
 Nothing sleeps and hopes: every wait polls a condition against a deadline.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
-import re
 import threading
 import time
 import urllib.error
@@ -29,7 +28,10 @@ import msgspec.inspect
 import zmq
 
 from conftest import vocab
+from detokbench.engine import Engine  # noqa: F401  (the tests' engine)
 from detokbench.frames import CORPUS, mixed_ids
+from detokbench.metrics import metrics_port  # noqa: F401  (the tests' too)
+from detokbench.sink import Recorder as Sink  # noqa: F401  (the tests' worker)
 from detokbench.waits import wait_on, wait_until  # noqa: F401  (wait_until: the tests' wait too)
 from detokd.client import SchedulerClient
 from detokd.config import Config
@@ -37,8 +39,6 @@ from detokd.wire import native
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
-RECV_MS = 50  # receive timeout of every polling socket here
-SEND_MS = 10_000  # a send that cannot leave in this long fails the test
 
 
 # --------------------------------------------------------------------------- the oracle
@@ -104,131 +104,10 @@ class Req:
         return expected_text(self.ids)
 
 
-SINKS: list[Sink] = []  # closed by conftest's zctx fixture before its context ends
-
-
-class Sink:
-    """A tokenizer worker: a PULL socket bound at `address` and a thread that receives
-    every `text` message into per-rid row lists (`read=False`: bound, never read)."""
-
-    def __init__(self, ctx: zmq.Context, address: str, *, read: bool = True, rcvhwm: int | None = None) -> None:
-        self.ctx, self.address, self.rcvhwm = ctx, address, rcvhwm
-        self.cond = threading.Condition()
-        self.by_rid: dict[str, list[dict]] = collections.defaultdict(list)
-        self.embedded: dict[str, list[dict]] = collections.defaultdict(list)  # embeddings rows by rid
-        self.messages = 0
-        self.kinds: collections.Counter = collections.Counter()
-        self.stopping = False
-        self.sock: zmq.Socket | None = None
-        self.thread: threading.Thread | None = None
-        SINKS.append(self)
-        if read:
-            bound = threading.Event()
-            self.thread = threading.Thread(target=self._run, args=(bound,), daemon=True)
-            self.thread.start()
-            assert bound.wait(10), f"worker could not bind {address}"
-        else:
-            self.sock = self._bind()
-
-    def _bind(self) -> zmq.Socket:
-        s = self.ctx.socket(zmq.PULL)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, RECV_MS)
-        if self.rcvhwm is not None:
-            s.setsockopt(zmq.RCVHWM, self.rcvhwm)
-            s.setsockopt(zmq.RCVBUF, 4096)
-        s.bind(self.address)
-        return s
-
-    def _run(self, bound: threading.Event) -> None:
-        s = self._bind()
-        bound.set()
-        try:
-            while not self.stopping:
-                try:
-                    frame = s.recv()
-                except zmq.Again:
-                    continue
-                except zmq.ContextTerminated:
-                    break
-                msg = dec(frame)
-                with self.cond:
-                    self.messages += 1
-                    self.kinds[msg["type"]] += 1
-                    rows = self.by_rid if msg["type"] == "text" else self.embedded
-                    for row in msg["rows"]:
-                        rows[row["rid"]].append(row)
-                    self.cond.notify_all()
-        finally:
-            s.close(linger=0)
-
-    def close(self) -> None:
-        self.stopping = True
-        if self.thread is not None:
-            self.thread.join(5)
-        if self.sock is not None:
-            self.sock.close(linger=0)
-
-    def rows(self, rid: str) -> list[dict]:
-        with self.cond:
-            return list(self.by_rid.get(rid, ()))
-
-    def text(self, rid: str) -> str:
-        return "".join(r["text"] for r in self.rows(rid) if r["error"] is None)
-
-    def ended(self, rid: str) -> bool:
-        rows = self.rows(rid)
-        return bool(rows) and (rows[-1]["finish"] is not None or rows[-1]["error"] is not None)
-
-    def errors(self, rid: str) -> list[str]:
-        return [r["error"] for r in self.rows(rid) if r["error"] is not None]
-
-    def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
-        """`pred`'s value once it is truthy (checked whenever a message arrived)."""
-        return wait_on(self.cond, pred, timeout, what)
-
-
-class Engine:
-    """The scheduler side: a PUSH socket connected to detokd's input."""
-
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
-        self.sock = ctx.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDTIMEO, SEND_MS)
-        self.sock.connect(address)
-
-    def send(self, msg: dict) -> None:
-        self.raw(enc(msg))
-
-    def rows(self, rows: list[dict]) -> None:
-        self.send({"type": "tokens", "rows": rows})
-
-    def raw(self, frame: bytes) -> None:
-        try:
-            self.sock.send(frame)
-        except zmq.Again:
-            raise AssertionError(f"detokd took no input for {SEND_MS} ms") from None
-
-    def multipart(self, frames: list[bytes]) -> None:
-        try:
-            self.sock.send_multipart(frames)
-        except zmq.Again:
-            raise AssertionError(f"detokd took no input for {SEND_MS} ms") from None
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
 def logged(d, text: str, timeout: float = 20.0) -> None:
     """Wait for `text` in a running detokd's log: its writer thread writes a line a moment
     after the event (the loop never waits on stderr), so an answer may come first."""
     wait_until(lambda: text in d.log(), timeout, f"{text!r} in the log")
-
-
-def metrics_port(d) -> int:
-    """The port detokd serves /health and /metrics on (it was told port 0: a free one)."""
-    m = wait_until(lambda: re.search(r"health and metrics on port (\d+)", d.log()), 30, "the metrics port in the log")
-    return int(m.group(1))
 
 
 def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -11,7 +11,6 @@ never decoded.
 from __future__ import annotations
 
 import functools
-import time
 from typing import TYPE_CHECKING, Annotated, Union
 
 import msgspec
@@ -214,12 +213,11 @@ class NativeDialect:
 
     name = "native"
 
-    def __init__(self, core: Detokenizer, delivery: Delivery, gc_policy: GcPolicy, stats: Stats, *, debug_ops: bool = False) -> None:
+    def __init__(self, core: Detokenizer, delivery: Delivery, gc_policy: GcPolicy, stats: Stats) -> None:
         self.core = core
         self.delivery = delivery
         self.gc_policy = gc_policy
         self.stats = stats
-        self.debug_ops = debug_ops
         self.decode = capped(core.limits.rows).decode  # every list of rows within max_rows
 
     encode_text = staticmethod(encode_text)
@@ -236,7 +234,7 @@ class NativeDialect:
     @classmethod
     def make(cls, core: Detokenizer, delivery: Delivery, gc_policy: GcPolicy, stats: Stats, cfg: Config) -> NativeDialect:
         """The DialectFactory of `detokd serve`."""
-        return cls(core, delivery, gc_policy, stats, debug_ops=cfg.debug_ops)
+        return cls(core, delivery, gc_policy, stats)
 
     def handle(self, frame: bytes) -> bool:
         """One inbound frame: decode it and do what it says. A frame that does not
@@ -291,9 +289,5 @@ class NativeDialect:
             self.gc_policy.freeze()
         elif op == "flush":
             log.info("flush: dropped %d request states", self.core.flush())
-        elif self.debug_ops and op.startswith("debug_stall:"):
-            seconds = float(op.split(":", 1)[1])
-            log.warning("debug_stall: blocking the loop for %s s", seconds)
-            time.sleep(seconds)
         else:
             log.warning("unknown control op %r ignored", op)

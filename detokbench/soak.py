@@ -1,0 +1,523 @@
+"""Soak test: millions of tokens with churn through a real detokd; is memory flat?
+
+    engine (this process) --tokens/abort--> `python -m detokd serve` --text--> worker (this process)
+
+* The engine keeps `--concurrency` requests going at once; each step it sends one
+  `tokens` frame with a row of 1..`--max-delta` new ids for every one of them. Output
+  lengths are random (log-uniform between 1 and `--max-len`); ids are runs of real
+  multilingual text (the DeepSeek tokenizer's own encodings) with random ids of the
+  whole vocabulary sprinkled in; half the requests carry a prompt tail.
+* Churn: most requests finish (a finish row); `--abort` of them are aborted midway
+  (an `abort` message); `--abandon` of them are simply never sent again, neither
+  finished nor aborted, as when an engine loses track of a request. Their states pile
+  up until detokd's table is full (`--max-states`) and eviction takes the oldest:
+  each evicted request's worker gets an "evicted" row.
+* The worker (a thread of this process) counts every row, checks that each finished
+  request's last row has n_ids equal to its length and that only abandoned requests
+  get errors, and keeps the whole text of every `--check-every`-th request, which is
+  compared at the end with the oracle: transformers' decode of prompt tail + output.
+* A sampler thread records, every `--interval` seconds, detokd's RSS (/proc) and
+  what its /metrics says: live requests, tokens, evictions, errors.
+* At the end: JSON with every sample and the summary, a PNG plot (RSS and live
+  requests over time, matplotlib), both in `--out` (docs/soak/), and the verdict:
+  RSS is flat when it grew by less than `--flat-threshold` over the last quarter
+  of the run.
+
+    python -m detokbench soak --quick     # ~1.4M tokens over 10k requests, seconds
+    python -m detokbench soak             # ~135M tokens over 1M requests, minutes (docs/reliability.md)
+    python -m detokbench soak --requests 110000   # the issue's minimum: >10M tokens, >100k requests
+
+Exit status: 0 when RSS ended flat and every checked text was exact, 1 otherwise.
+
+In order below: the engine (Churn: requests with random lengths and fates, one frame
+per step), the tokenizer worker (every request's ending, the checked texts), whether
+RSS ended flat, the PNG, one run in steps (detokd and its sampler: detokbench.rig),
+its verdict and summary, the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import collections
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from detokd.client import SchedulerClient
+from detokd.process import NotReady
+from detokd.tokenizer import load
+from detokd.wire.native import Finish, Text
+
+from . import ROOT
+from .commands import command_line
+from .frames import mixed_ids
+from .metrics import scrape
+from .rig import Rig, Sampler
+from .sink import Sink
+from .waits import wait_until
+
+# --------------------------------------------------------------------------- the engine: requests and their fates
+
+
+# The soak's own multilingual pieces (longer than frames.CORPUS): its figures were
+# measured on these.
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Streaming text must arrive exactly once. ",
+    "数据库连接失败，请稍后重试。深度学习模型的推理速度取决于批量大小和序列长度。",
+    "こんにちは世界！カタカナとひらがな、そして漢字が混ざった文章です。",
+    "Ünïcödé façade naïve café — “quotes” ‘and’ … résumé coöperate. ",
+    "🙂🚀👩‍👩‍👧‍👦 emoji sequences 🇫🇷🇯🇵 and 👍🏽 skin tones. ",
+    "def f(x):\n    return x ** 2  # code\n\tindent\n\nclass A:\n    pass\n",
+    "Привет, мир! Γειά σου Κόσμε. مرحبا بالعالم. שלום עולם. नमस्ते दुनिया. ",
+    "  leading spaces and\r\nCRLF\n\n| a | b |\n|---|---|\n| 1 | 2 |\n",
+)
+POOL = 2_000_000  # ids every request takes its output (and prompt tail) from
+
+
+class Fate(IntEnum):
+    FINISH = 0  # a finish row
+    ABORT = 1  # an abort message midway
+    ABANDON = 2  # never sent again, neither finished nor aborted: only eviction frees it
+
+
+@dataclass(slots=True)
+class EReq:
+    """A request the engine is sending."""
+
+    rid: str
+    ids: list[int]
+    tail: list[int]
+    worker: int
+    fate: Fate
+    stop_at: int  # ids sent before it finishes, is aborted or abandoned
+    check: bool
+    pos: int = 0
+
+
+class Churn:
+    """Keeps `concurrency` requests going; `lengths` and `fates` are by request number
+    (rid "s<n>"), for the worker to check endings against."""
+
+    def __init__(self, args, hf, client: SchedulerClient | None) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        pieces = [hf.encode(t, add_special_tokens=False) for t in CORPUS]
+        self.pool = mixed_ids(self.rng, POOL, pieces, len(hf), random_share=0.1, max_run=24)
+        self.client = client  # may come later: the worker needs `lengths` before detokd starts
+        self.lengths = array.array("i", bytes(4 * args.requests))
+        self.fates = bytearray(args.requests)
+        self.fate_counts = {f: 0 for f in Fate}
+        self.active: list[EReq] = []
+        self.checked: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (tail, ids)
+        self.made = self.sent_tokens = self.steps = 0
+        self.log_max = math.log(args.max_len)
+
+    @property
+    def going(self) -> bool:
+        return self.made < self.args.requests or bool(self.active)
+
+    def refill(self) -> list[str]:
+        """New requests up to `concurrency`; the rids whose text is to be checked."""
+        args, rng, watch = self.args, self.rng, []
+        while len(self.active) < args.concurrency and self.made < args.requests:
+            # Lengths log-uniform in [1, max_len] (times --len-scale).
+            n = max(1, int(math.exp(rng.random() * self.log_max) * args.len_scale))
+            off = rng.randrange(8, len(self.pool) - n)
+            ids = self.pool[off : off + n]
+            tail = self.pool[off - 8 : off] if rng.random() < 0.5 else []
+            u = rng.random()
+            fate = Fate.ABORT if u < args.abort else Fate.ABANDON if u < args.abort + args.abandon else Fate.FINISH
+            stop_at = rng.randrange(n) + 1 if fate != Fate.FINISH else n
+            rid = f"s{self.made}"
+            check = self.made % args.check_every == 0 and fate == Fate.FINISH
+            if check:
+                self.checked[rid] = (tail, ids)
+                watch.append(rid)
+            self.lengths[self.made] = n
+            self.fates[self.made] = fate
+            self.fate_counts[fate] += 1
+            self.active.append(EReq(rid, ids, tail, self.made % args.workers, fate, stop_at, check))
+            self.made += 1
+        return watch
+
+    def step(self) -> None:
+        """1..max_delta ids of every active request in one `tokens` frame, then the
+        aborts (after their last rows)."""
+        aborts, still = [], []
+        for r in self.active:
+            end = min(r.pos + self.rng.randint(1, self.args.max_delta), r.stop_at)
+            chunk = r.ids[r.pos : end]
+            first = r.pos == 0
+            r.pos = end
+            self.sent_tokens += len(chunk)
+            fin = None
+            if r.pos < r.stop_at:
+                still.append(r)
+            elif r.fate == Fate.FINISH:
+                fin = Finish("length")
+            elif r.fate == Fate.ABORT:
+                aborts.append(r.rid)
+            if first:
+                self.client.begin(r.rid, chunk, worker=r.worker, prompt_tail=r.tail, finish=fin)
+            else:
+                self.client.add(r.rid, chunk, finish=fin)
+            if r.pos >= r.stop_at and r.fate == Fate.ABANDON:
+                self.client.forget(r.rid)  # never sent again, so no longer tracked here
+        self.active = still
+        self.client.flush()
+        if aborts:
+            self.client.abort(aborts)
+        self.steps += 1
+
+
+# --------------------------------------------------------------------------- the worker: endings, checked texts
+
+
+class Ending(IntEnum):
+    NONE = 0  # no ending row (yet)
+    FINISHED = 1  # a finish row whose n_ids is the request's length
+    WRONG_END = 2  # a finish row with another n_ids
+    EVICTED = 3
+    OTHER_ERROR = 4
+
+
+class Worker(Sink):
+    """PULLs every worker address and records each request's ending as it comes: one
+    byte per request number (rid "s<n>"), so a million requests cost a megabyte here;
+    keeps the whole text of the watched rids only."""
+
+    _decode = msgspec.msgpack.Decoder(Text).decode
+
+    def __init__(self, ctx: zmq.Context, addresses: list[str], lengths, fates) -> None:
+        self.lengths, self.fates = lengths, fates
+        self.ended = bytearray(len(lengths))
+        self.rows = 0
+        self.messages = 0
+        self.duplicate_endings = 0
+        self.texts: dict[str, list[str]] = {}  # watched rids only
+        self.errors: dict[str, int] = {}
+        super().__init__(ctx, addresses, rcvhwm=100_000)
+
+    def watch(self, rid: str) -> None:
+        with self.cond:
+            self.texts[rid] = []
+
+    def read(self, frame: bytes) -> list:
+        return self._decode(frame).rows
+
+    def keep(self, rows: list) -> None:
+        self.messages += 1
+        self.rows += len(rows)
+        for r in rows:
+            t = self.texts.get(r.rid)
+            if r.error is None and r.finish is None:
+                if t is not None:
+                    t.append(r.text)
+                continue
+            self._end(r)
+            if r.error is None and t is not None:
+                t.append(r.text)
+
+    def _end(self, r) -> None:
+        i = int(r.rid[1:])
+        if self.ended[i]:
+            self.duplicate_endings += 1
+        if r.error is not None:
+            self.errors[r.error] = self.errors.get(r.error, 0) + 1
+            self.ended[i] = Ending.EVICTED if r.error == "evicted" else Ending.OTHER_ERROR
+        else:
+            self.ended[i] = Ending.FINISHED if r.n_ids == self.lengths[i] else Ending.WRONG_END
+
+    def endings(self, made: int) -> collections.Counter:
+        """(fate, Ending) -> requests, over the first `made` requests."""
+        with self.cond:
+            return collections.Counter(zip(self.fates[:made], map(Ending, self.ended[:made])))
+
+
+# --------------------------------------------------------------------------- RSS flatness, the PNG
+
+
+def log(msg: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def flatness(samples: list[dict], threshold: float) -> dict:
+    """RSS growth over the last quarter of the run: the mean of the last 10% of the
+    samples against the mean of the samples around the 75% mark (70-80%)."""
+    if len(samples) < 10:
+        return {"flat": None, "reason": "too few samples"}
+    t_end = samples[-1]["t"]
+
+    def mean_rss(a: float, b: float) -> float:
+        xs = [s["rss_mb"] for s in samples if a * t_end <= s["t"] <= b * t_end]
+        return sum(xs) / len(xs)
+
+    q3, end = mean_rss(0.70, 0.80), mean_rss(0.90, 1.0)
+    growth = (end - q3) / q3
+    return {
+        "rss_start_mb": samples[0]["rss_mb"],
+        "rss_q3_mb": round(q3, 2),
+        "rss_end_mb": round(end, 2),
+        "rss_peak_mb": max(s["rss_mb"] for s in samples),
+        "last_quarter_growth": round(growth, 5),
+        "threshold": threshold,
+        "flat": growth < threshold,
+    }
+
+
+def plot(samples: list[dict], summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t"] for s in samples]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    ax1.plot(t, [s["rss_mb"] for s in samples], color="tab:blue")
+    ax1.set_ylabel("detokd RSS (MB)")
+    f = summary["flatness"]
+    ax1.set_title(
+        f"{summary['tokens'] / 1e6:.1f}M tokens, {summary['requests']:,} requests, max_states {summary['max_states']:,}: "
+        f"RSS {'flat' if f.get('flat') else 'NOT flat'} (last quarter {f.get('last_quarter_growth', 0):+.2%})",
+        fontsize=10,
+    )
+    rss = [s["rss_mb"] for s in samples]
+    mid = (max(rss) + min(rss)) / 2
+    half = max(10.0, (max(rss) - min(rss)) * 0.6)  # at least a 20 MB window: noise stays small
+    ax1.set_ylim(mid - half, mid + half)
+    ax1.axvspan(0.75 * t[-1], t[-1], color="0.9")
+    ax2.plot(t, [s["live"] for s in samples], color="tab:orange", label="live requests (/metrics)")
+    ax2.axhline(summary["max_states"], color="tab:red", ls="--", lw=1, label="max_states")
+    ax2.set_ylabel("live requests")
+    ax2.set_xlabel("seconds")
+    ax3 = ax2.twinx()
+    ax3.plot(t, [s["tokens"] / 1e6 for s in samples], color="tab:green", label="tokens (M)")
+    ax3.set_ylabel("tokens decoded (M)")
+    h1, l1 = ax2.get_legend_handles_labels()
+    h2, l2 = ax3.get_legend_handles_labels()
+    ax2.legend(h1 + h2, l1 + l2, loc="center right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- one run, its verdict
+
+
+DRAIN_S = 120  # after the last frame, for detokd to decode it all and the worker to get it
+LOG_EVERY_S = 15
+
+
+@dataclass
+class Verdict:
+    """How the requests ended, against how they were meant to."""
+
+    bad_finished: int  # finished requests without a right finish row
+    evicted_live: int  # evicted while the engine still sent rows
+    aborted_with_ending: int  # aborted requests that got a finish row or an error
+    abandoned_evicted: int
+    abandoned_live: int  # abandoned requests still in detokd's table at the end
+    wrong_texts: list[str]
+
+    def ok(self, worker: Worker, flat: dict, rc) -> bool:
+        return bool(flat.get("flat") and not self.wrong_texts and self.bad_finished == 0 and self.aborted_with_ending == 0
+                    and self.evicted_live == 0 and worker.duplicate_endings == 0 and rc == 0)
+
+
+class Soak:
+    """The engine, the worker, detokd and the sampler of one run."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.vocab = load("deepseek")
+        self.churn = Churn(args, self.vocab.hf, client=None)  # the client comes once detokd is up
+        self.rig = Rig("detokd-soak-", lambda ctx, addresses: [Worker(ctx, addresses, self.churn.lengths, self.churn.fates)],
+                       workers=args.workers, max_states=args.max_states)
+        self.worker = self.rig.sinks[0]
+        try:
+            self.rig.start()
+        except NotReady as e:
+            sys.exit(f"detokd did not start:\n{str(e)[-3000:]}")
+        self.detokd, self.port = self.rig.detokd, self.rig.port
+        self.churn.client = self.rig.client(sndhwm=1000, send_timeout=30)
+        self.t0 = time.monotonic()
+        self.sampler = Sampler(self.rig, args.interval, self.t0, log)
+        self.sampler.sample()
+        self.sampler.start()
+        log(f"detokd pid {self.detokd.pid}, metrics on port {self.port}; {args.requests:,} requests, about {args.tokens:,} tokens")
+
+    def send_all(self) -> float:
+        """Churn until every request was made and sent; the seconds it took."""
+        churn, last_log = self.churn, time.monotonic()
+        while churn.going:
+            for rid in churn.refill():
+                self.worker.watch(rid)
+            churn.step()
+            if self.detokd.proc.poll() is not None:
+                raise RuntimeError(f"detokd exited {self.detokd.proc.returncode}")
+            if time.monotonic() - last_log > LOG_EVERY_S:
+                last_log = time.monotonic()
+                s = self.sampler.samples[-1] if self.sampler.samples else {}
+                log(f"{churn.made:,} requests, {churn.sent_tokens / 1e6:.1f}M tokens sent; detokd RSS {s.get('rss_mb')} MB, live {s.get('live'):.0f}")
+        return time.monotonic() - self.t0
+
+    def drain(self) -> dict:
+        """Until detokd has decoded everything sent and the worker has every finished
+        request's last row (or DRAIN_S passed); the last /metrics."""
+        churn, worker = self.churn, self.worker
+        want = churn.fate_counts[Fate.FINISH]
+
+        def drained() -> bool:
+            with worker.cond:
+                got = sum(1 for i in range(churn.made) if churn.fates[i] == Fate.FINISH and worker.ended[i])
+            return got >= want and scrape(self.port).get("detokd_tokens_total", 0) >= churn.sent_tokens
+
+        try:
+            wait_until(drained, DRAIN_S, "drain", interval=0.2)
+        except TimeoutError:
+            got = worker.endings(churn.made)
+            log(f"drain timed out: {sum(n for (f, e), n in got.items() if f == Fate.FINISH and e != Ending.NONE)}/{want} "
+                f"finished requests ended, detokd tokens {scrape(self.port).get('detokd_tokens_total')}")
+        self.sampler.finish()
+        return scrape(self.port)
+
+    def stop(self):
+        """detokd's exit status ("killed" past 30 s); every socket closed."""
+        rc = self.rig.stop(30)
+        self.rig.close()
+        return "killed" if rc is None else rc
+
+    def verdict(self) -> Verdict:
+        ends = self.worker.endings(self.churn.made)
+        texts = {rid: "".join(parts) for rid, parts in self.worker.texts.items()}
+        return Verdict(
+            bad_finished=sum(n for (f, e), n in ends.items() if f == Fate.FINISH and e != Ending.FINISHED),
+            evicted_live=ends[(Fate.FINISH, Ending.EVICTED)] + ends[(Fate.ABORT, Ending.EVICTED)],
+            aborted_with_ending=sum(ends[(Fate.ABORT, e)] for e in (Ending.FINISHED, Ending.WRONG_END, Ending.OTHER_ERROR)),
+            abandoned_evicted=ends[(Fate.ABANDON, Ending.EVICTED)],
+            abandoned_live=ends[(Fate.ABANDON, Ending.NONE)],
+            wrong_texts=[rid for rid, (tail, ids) in self.churn.checked.items() if texts.get(rid) != self.vocab.reference(tail, ids)],
+        )
+
+
+def summary(s: Soak, v: Verdict, final: dict, rc, command: str, elapsed: float, send_s: float) -> dict:
+    churn, worker, samples = s.churn, s.worker, s.sampler.samples
+    return {
+        "command": command,
+        "tokens": int(final.get("detokd_tokens_total", 0)),
+        "tokens_sent": churn.sent_tokens,
+        "requests": churn.made,
+        "fates": {"finished": churn.fate_counts[Fate.FINISH], "aborted": churn.fate_counts[Fate.ABORT],
+                  "abandoned": churn.fate_counts[Fate.ABANDON]},
+        "steps": churn.steps,
+        "concurrency": s.args.concurrency,
+        "max_states": s.args.max_states,
+        "seconds": round(elapsed, 1),
+        "send_seconds": round(send_s, 1),
+        "tokens_per_second": round(churn.sent_tokens / send_s),
+        "detokd_cpu_seconds": samples[-1]["cpu_s"] if samples else None,
+        "detokd_exit": rc,
+        "metrics": final,
+        "worker": {"messages": worker.messages, "rows": worker.rows, "errors": worker.errors},
+        "evicted_rows": worker.errors.get("evicted", 0),
+        "abandoned_requests_evicted": v.abandoned_evicted,
+        "abandoned_requests_still_live": v.abandoned_live,
+        "requests_evicted_while_going": v.evicted_live,
+        "duplicate_endings": worker.duplicate_endings,
+        "finished_requests_wrong_ending": v.bad_finished,
+        "aborted_requests_with_an_ending_row": v.aborted_with_ending,
+        "checked_texts": len(churn.checked),
+        "checked_texts_wrong": len(v.wrong_texts),
+        "flatness": flatness(samples, s.args.flat_threshold),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+    }
+
+
+def report(sm: dict, v: Verdict, args, written: str) -> None:
+    f = sm["flatness"]
+    log(f"{sm['tokens']:,} tokens decoded over {sm['requests']:,} requests in {sm['seconds']:.0f}s "
+        f"({sm['tokens_per_second']:,} tokens/s sent); detokd exit {sm['detokd_exit']}")
+    log(f"fates {sm['fates']}; evictions {sm['metrics'].get('detokd_evictions_total', 0):.0f}; worker errors {sm['worker']['errors']}")
+    log(f"RSS start {f.get('rss_start_mb')} MB, at 75% {f.get('rss_q3_mb')} MB, end {f.get('rss_end_mb')} MB, "
+        f"peak {f.get('rss_peak_mb')} MB: last-quarter growth {f.get('last_quarter_growth', 0):+.2%} -> "
+        f"{'FLAT' if f.get('flat') else 'NOT FLAT'} (threshold {args.flat_threshold:.0%})")
+    log(f"checked texts: {sm['checked_texts'] - len(v.wrong_texts)}/{sm['checked_texts']} exact; "
+        f"finished requests with a wrong ending: {v.bad_finished}")
+    log(f"wrote {written}")
+    if v.wrong_texts:
+        log(f"first wrong texts: {v.wrong_texts[:5]}")
+    log(f"abandoned requests: {v.abandoned_evicted:,} evicted, {v.abandoned_live:,} still live at the end; "
+        f"requests evicted while going: {v.evicted_live}; aborted requests with an ending row: {v.aborted_with_ending}")
+
+
+def run(args, command: str) -> int:
+    s = Soak(args)
+    try:
+        send_s = s.send_all()
+        final = s.drain()
+        elapsed = time.monotonic() - s.t0
+    finally:
+        rc = s.stop()
+    v = s.verdict()
+    sm = summary(s, v, final, rc, command, elapsed, send_s)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "soak-quick" if args.quick else "soak"
+    (out / f"{stem}.json").write_text(json.dumps({"summary": sm, "samples": s.sampler.samples}, indent=1))
+    plot(s.sampler.samples, sm, out / f"{stem}.png")
+    report(sm, v, args, f"{out / (stem + '.json')} and {out / (stem + '.png')}")
+    if s.detokd.proc.returncode not in (0, None):
+        log(s.detokd.log()[-3000:])
+    return 0 if v.ok(s.worker, sm["flatness"], rc) else 1
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m detokbench soak",
+        description="Soak a real detokd: millions of tokens, request churn (random lengths, aborts, "
+        "abandoned requests that only eviction frees), RSS and live requests sampled over time; "
+        "writes JSON and a PNG to docs/soak/ and says whether RSS ended flat.",
+        epilog="Exit status 0: RSS flat, every checked text exact, every finished request ended right.",
+    )
+    ap.add_argument("--quick", action="store_true", help="a short run (~1.4M tokens over 10k requests, seconds)")
+    ap.add_argument("--requests", type=int, default=1_000_000, help="requests in all (default 1000000: ~135M tokens)")
+    ap.add_argument("--max-len", type=int, default=1000, help="output lengths are log-uniform in [1, max-len] (default 1000)")
+    ap.add_argument("--len-scale", type=float, default=1.0, help="multiply every length by this")
+    ap.add_argument("--max-delta", type=int, default=16, help="ids per row: uniform in [1, max-delta] (default 16)")
+    ap.add_argument("--concurrency", type=int, default=256, help="requests going at once (default 256)")
+    ap.add_argument("--abort", type=float, default=0.08, help="fraction of requests aborted midway (default 0.08)")
+    ap.add_argument("--abandon", type=float, default=0.05, help="fraction never finished nor aborted (default 0.05)")
+    ap.add_argument("--max-states", type=int, default=2048, help="detokd's --max-states (default 2048)")
+    ap.add_argument("--workers", type=int, default=2, help="worker addresses (default 2)")
+    ap.add_argument("--check-every", type=int, default=50, help="check the text of every n-th request, when it finishes (default 50)")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between RSS samples (default 1)")
+    ap.add_argument("--flat-threshold", type=float, default=0.02, help="RSS growth over the last quarter that still counts as flat (default 0.02)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "soak"), help="folder for soak.json and soak.png (default docs/soak)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests = min(args.requests, 10_000)
+        args.interval = min(args.interval, 0.1)
+        args.max_states = min(args.max_states, 512)
+    # log-uniform in [1, M] has mean (M - 1) / ln M
+    mean = (args.max_len - 1) / math.log(args.max_len) * args.len_scale
+    args.tokens = int(mean * args.requests)  # roughly, before aborts cut some short
+    return args
+
+
+def main(argv: list[str]) -> int:
+    return run(parse_args(argv), command_line("soak", argv))
