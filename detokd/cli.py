@@ -25,8 +25,14 @@ def _serve_args(sp: argparse.ArgumentParser) -> None:
             f.name, dest=key, metavar=f.metavar, choices=f.choices, type=f.type,
             action="append" if f.repeat else "store", help=f"{f.help} (${env_name(key)})",
         )
-    sp.add_argument("--shards", type=int, default=1, metavar="N", help="run N detokd processes on derived addresses (input.0, input.1, ...)")
-    sp.add_argument("--supervisor-port", type=int, metavar="PORT", help="with --shards: the supervisor's /health, /status and /metrics on this port (metrics_host)")
+    sp.add_argument(
+        "--shards", type=int, default=1, metavar="N",
+        help="run N detokd processes on derived addresses (input.0, input.1, ...)",
+    )
+    sp.add_argument(
+        "--supervisor-port", type=int, metavar="PORT",
+        help="with --shards: the supervisor's /health, /status and /metrics on this port (metrics_host)",
+    )
     # Set by the supervisor on each shard it starts: the shard's number, on its log lines.
     sp.add_argument("--shard-index", type=int, help=argparse.SUPPRESS)
 
@@ -93,11 +99,13 @@ def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
 
 def _shard_flags(cfg: Config, address: str, i: int) -> list[str]:
     """Shard i's flags: the supervisor's settings, its own input and metrics port."""
-    own = {"input": address, "metrics_port": None if cfg.metrics_port is None else cfg.metrics_port + i}
-    args = []
+    own: dict[str, object] = {
+        "input": address, "metrics_port": None if cfg.metrics_port is None else cfg.metrics_port + i,
+    }
+    args: list[str] = []
     for key, f in flags().items():
         value = own[key] if key in own else getattr(cfg, key)
-        for v in value if f.repeat else [value]:
+        for v in value if f.repeat and isinstance(value, list) else [value]:
             if v is not None:
                 args += [f.name, str(v)]
     return args
@@ -117,7 +125,7 @@ def cmd_tokenizer(ns: argparse.Namespace) -> int:
     codec = make_codec(vocab)
     print(f"tokenizer  {ns.spec}")
     print(f"ids        {vocab.size} ({len(vocab.special)} special: the ids skip_special_tokens removes)")
-    print(f"decoder    {' + '.join(vocab.decoder_types()) or 'none'}")
+    print(f"decoder    {' + '.join(map(str, vocab.decoder_types())) or 'none'}")
     print(f"codec      {codec.name}")
     bad = self_check(vocab, codec, trials=ns.trials, seed=1)
     print(f"self-check {'ok' if bad is None else 'FAILED: ' + bad} ({ns.trials} random streams)")
@@ -138,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"detokd {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sp = sub.add_parser("serve", help="run the detokenizer", description="Run detokd: PULL token batches, PUSH text to workers.")
+    sp = sub.add_parser(
+        "serve", help="run the detokenizer", description="Run detokd: PULL token batches, PUSH text to workers."
+    )
     _serve_args(sp)
     sp.set_defaults(func=cmd_serve)
 

@@ -60,7 +60,7 @@ class Flag:
     help: str
     metavar: str | None = None
     choices: tuple[str, ...] | None = None  # a choice key's values, from its Literal
-    type: type | None = None  # int for an integer key; else the text itself
+    type: Callable[[str], object] = str  # int for an integer key; else the text itself
     repeat: bool = False  # a list key: the flag once per item
 
 
@@ -85,7 +85,9 @@ def default_address(name: str) -> str:
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Address detokd binds its PULL socket on; schedulers PUSH-connect to it.
-    input: Annotated[Address, flag("address to bind the PULL socket for schedulers (tcp://, ipc://)", "ADDR")] = msgspec.field(default_factory=lambda: default_address("input"))
+    input: Annotated[
+        Address, flag("address to bind the PULL socket for schedulers (tcp://, ipc://)", "ADDR")
+    ] = msgspec.field(default_factory=lambda: default_address("input"))
     # Worker w receives its requests' text at workers[w] (it binds, detokd connects).
     workers: Annotated[
         list[Address], Meta(min_length=1), flag("a worker's address; repeat for workers 0, 1, ...", "ADDR", "--worker")
@@ -95,7 +97,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Where the scheduler listens for `stopped` messages; none when unset.
     feedback: Annotated[Address | None, flag("the scheduler's address for `stopped` messages", "ADDR")] = None
     # A folder with tokenizer.json, a tokenizer.json file, or a packaged name.
-    tokenizer: Annotated[str, flag(f"tokenizer folder, tokenizer.json, or packaged name; default {zoo.DEFAULT}", "SPEC")] = zoo.DEFAULT
+    tokenizer: Annotated[
+        str, flag(f"tokenizer folder, tokenizer.json, or packaged name; default {zoo.DEFAULT}", "SPEC")
+    ] = zoo.DEFAULT
     # Live request states at most; the oldest is evicted (its worker told) beyond.
     max_states: Annotated[Cap, flag("live request states at most (oldest evicted beyond)", "N")] = 65536
     # Prompt ids used as context for the first characters. 8 covers every family's
@@ -107,7 +111,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # log shipper (docs/deploy.md, "Logs").
     log_format: Annotated[Literal["text", "json"], flag("text lines, or one JSON object a line")] = "text"
     # /health and /metrics on this port (127.0.0.1 unless metrics_host says); off when unset.
-    metrics_port: Annotated[Port | None, flag("serve /livez, /readyz, /health and /metrics on this port", "PORT")] = None
+    metrics_port: Annotated[
+        Port | None, flag("serve /livez, /readyz, /health and /metrics on this port", "PORT")
+    ] = None
     metrics_host: str = "127.0.0.1"
     # /health turns 503 once the loop has not turned for this long.
     health_timeout: Seconds = 5.0
@@ -295,11 +301,19 @@ def _refuse_unknown(raw: dict, where: str) -> None:
             raise ConfigError(f"{where}: unknown key `{key}`{hint}")
 
 
+def _fields() -> tuple[mi.Field, ...]:
+    """Config's fields as msgspec.inspect sees them."""
+    info = mi.type_info(Config)
+    if not isinstance(info, mi.StructType):
+        raise TypeError(f"Config inspects as {type(info).__name__}, not a Struct")
+    return info.fields
+
+
 @functools.cache
 def field_types() -> dict[str, mi.Type]:
     """Each key's type as msgspec sees it, an optional one's without its None."""
     out = {}
-    for f in mi.type_info(Config).fields:
+    for f in _fields():
         t = f.type.type if isinstance(f.type, mi.Metadata) else f.type
         if isinstance(t, mi.UnionType):
             t = next(u for u in t.types if not isinstance(u, mi.NoneType))
@@ -311,15 +325,16 @@ def field_types() -> dict[str, mi.Type]:
 def flags() -> dict[str, Flag]:
     """The keys that have a `detokd serve` flag, in Config's order, each with its flag."""
     out = {}
-    for f in mi.type_info(Config).fields:
-        if not isinstance(f.type, mi.Metadata) or "flag" not in (f.type.extra or {}):
+    for f in _fields():
+        extra = f.type.extra if isinstance(f.type, mi.Metadata) else None
+        if not extra or "flag" not in extra:
             continue
-        name, help, metavar = f.type.extra["flag"]
+        name, help, metavar = extra["flag"]
         t = field_types()[f.name]
         out[f.name] = Flag(
             name or "--" + f.name.replace("_", "-"), help, metavar,
             choices=_literal_values(f.name) if isinstance(t, mi.LiteralType) else None,
-            type=int if isinstance(t, mi.IntType) else None,
+            type=int if isinstance(t, mi.IntType) else str,
             repeat=isinstance(t, mi.ListType),
         )
     return out
@@ -360,7 +375,7 @@ def in_range(key: str, value: object) -> bool:
         return False
     if t.ge is not None and not value >= t.ge or t.gt is not None and not value > t.gt:
         return False  # written so that a NaN fails too
-    return value <= t.le
+    return t.le is None or value <= t.le
 
 
 def _explain(exc: msgspec.ValidationError, raw: dict, origin: dict, where: str) -> str:
@@ -386,10 +401,12 @@ def check(cfg: Config, where: str = "settings") -> None:
     if (cfg.curve_worker_keys or cfg.curve_feedback_key or cfg.curve_clients) and not cfg.curve_secret_key:
         raise ConfigError(f"{where}: curve keys need curve_secret_key (detokd's own key pair)")
     if len(cfg.curve_worker_keys) > len(cfg.workers):
-        raise ConfigError(f"{where}: curve_worker_keys has {len(cfg.curve_worker_keys)} keys for {len(cfg.workers)} workers")
+        raise ConfigError(
+            f"{where}: curve_worker_keys has {len(cfg.curve_worker_keys)} keys for {len(cfg.workers)} workers"
+        )
     if cfg.curve_secret_key:
-        for name, address, key in _curve_sockets(cfg):
-            if address.startswith("tcp://") and not key and name not in cfg.curve_plaintext:
+        for name, address, key_file in _curve_sockets(cfg):
+            if address.startswith("tcp://") and not key_file and name not in cfg.curve_plaintext:
                 setting = "curve_feedback_key" if name == "feedback" else f"curve_worker_keys[{name[len('worker.'):]}]"
                 raise ConfigError(
                     f"{where}: {name.replace('.', ' ')} ({address}) is tcp and has no CURVE key while curve_secret_key "

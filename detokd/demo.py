@@ -108,7 +108,8 @@ class _Screen:
         if self.tty:
             if force or now - self.last >= 0.1:
                 lines = text.splitlines()[-14:]
-                sys.stdout.write("\x1b[H\x1b[J── stream demo-0, live ──\n" + "\n".join(lines) + "\n\n" + progress + "\n")
+                frame = "\x1b[H\x1b[J── stream demo-0, live ──\n" + "\n".join(lines) + "\n\n" + progress + "\n"
+                sys.stdout.write(frame)
                 sys.stdout.flush()
                 self.last = now
             return
@@ -152,7 +153,8 @@ def _summary(streams: int, tokens: int, wall: float, interval: float, decoded: f
     per_token = cpu / decoded if decoded else 0.0
     return (
         f"{streams} streams, {tokens:,} tokens in {wall:.2f} s: {tokens / wall:,.0f} tokens/s delivered\n"
-        f"pacing: the synthetic engine offers {streams} streams x {1 / interval:.0f} steps/s = {offered:,.0f} tokens/s\n"
+        f"pacing: the synthetic engine offers {streams} streams x {1 / interval:.0f} steps/s "
+        f"= {offered:,.0f} tokens/s\n"
         f"detokd: {decoded:,.0f} tokens decoded in {cpu:.3f} s of its CPU = {per_token * 1e6:.1f} us of CPU per token "
         f"(one core at that cost: {1 / per_token if per_token else 0:,.0f} tokens/s)"
     )
@@ -186,7 +188,10 @@ def _verdict(vocab, tail: list[int], outs: list[list[int]], texts: list[list[str
     return 0
 
 
-def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show: bool = True, interval: float = STEP_INTERVAL) -> int:
+def run(
+    streams: int = 64, steps: int = 400, tokenizer: str | None = None, show: bool = True,
+    interval: float = STEP_INTERVAL,
+) -> int:
     name = tokenizer or Config().tokenizer
     print(f"detokd demo: loading tokenizer {name} ...", file=sys.stderr)
     vocab = load(name)
@@ -199,7 +204,7 @@ def run(streams: int = 64, steps: int = 400, tokenizer: str | None = None, show:
     # Its own session: Ctrl-C reaches the demo, which stops the server itself.
     server = DetokdProcess(cfg, folder=folder, popen={"start_new_session": True})
     scheduler = _Scheduler(cfg.input, tail, outs, interval)
-    texts = [[] for _ in outs]
+    texts: list[list[str]] = [[] for _ in outs]
     n_ids = [0] * len(outs)  # each stream's ids decoded so far (its last row's n_ids)
     done: set[int] = set()
     screen = _Screen(show)

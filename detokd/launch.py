@@ -16,15 +16,20 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from . import logs
 from .http import Endpoint, Reply
 
-__all__ = ["derive_address", "Supervisor", "Backoff", "supervise_shards", "die_with_parent", "Shard", "StatusServer", "EXIT_STARTUP"]
+__all__ = [
+    "derive_address", "Supervisor", "Backoff", "supervise_shards", "die_with_parent", "Shard", "StatusServer",
+    "EXIT_STARTUP",
+]
 
 log = logs.get(__name__)
 
@@ -92,7 +97,7 @@ class Shard:
         return {
             "shard": self.index,
             "state": "running" if running else "backoff",
-            "pid": self.proc.pid if running else None,
+            "pid": self.proc.pid if self.proc is not None else None,
             "crash_looping": self.failures > max_failures,
             "consecutive_failures": self.failures,
             "restarts": self.restarts,
@@ -152,7 +157,7 @@ class Supervisor:
         command: Sequence[str] | None = None,
         status_port: int | None = None,
         status_host: str = "127.0.0.1",
-        collectors: Sequence[object] = (),
+        collectors: Sequence[Collector] = (),
     ) -> None:
         if n < 1:
             raise ValueError(f"need at least one shard, got {n}")
@@ -263,7 +268,10 @@ class Supervisor:
             elif p is not None:
                 s.proc, s.last_exit = None, p.returncode
                 if p.returncode == EXIT_STARTUP:
-                    self.fatal = f"shard {s.index} (pid {p.pid}) exited with {EXIT_STARTUP}: its config cannot be used (its error is above)"
+                    self.fatal = (
+                        f"shard {s.index} (pid {p.pid}) exited with {EXIT_STARTUP}: "
+                        "its config cannot be used (its error is above)"
+                    )
                     return
                 self.failed(s, now, f"(pid {p.pid}) exited with {p.returncode}")
             elif s.restart_at is not None and now >= s.restart_at:
@@ -344,7 +352,9 @@ class StatusServer:
     Each shard's own loop health is its /health on metrics_port + i.
     """
 
-    def __init__(self, shards: list[Shard], max_failures: int, host: str, port: int, collectors: Sequence[object] = ()) -> None:
+    def __init__(
+        self, shards: list[Shard], max_failures: int, host: str, port: int, collectors: Sequence[Collector] = ()
+    ) -> None:
 
         def states() -> list[dict]:
             now = time.monotonic()
@@ -390,14 +400,20 @@ class _ShardCollector:
     def __init__(self, states: Callable[[], list[dict]]) -> None:
         self.states = states
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         states = self.states()
-        up = GaugeMetricFamily("detokd_supervisor_shards_up", "shards whose process is running", value=sum(st["state"] == "running" for st in states))
+        up = GaugeMetricFamily(
+            "detokd_supervisor_shards_up", "shards whose process is running",
+            value=sum(st["state"] == "running" for st in states),
+        )
         restarts = CounterMetricFamily(
-            "detokd_supervisor_restarts", "times the supervisor started a shard again after it exited or failed to start", labels=["shard"]
+            "detokd_supervisor_restarts",
+            "times the supervisor started a shard again after it exited or failed to start",
+            labels=["shard"],
         )
         looping = GaugeMetricFamily(
-            "detokd_supervisor_crash_looping", "1 while the shard has failed more than max_restarts times in a row", labels=["shard"]
+            "detokd_supervisor_crash_looping", "1 while the shard has failed more than max_restarts times in a row",
+            labels=["shard"],
         )
         for st in states:
             restarts.add_metric([str(st["shard"])], st["restarts"])

@@ -32,7 +32,8 @@ from collections import OrderedDict
 from typing import Callable
 
 __all__ = [
-    "get", "setup", "dropped", "escape", "report_suppressed", "RateLimitFilter", "EscapingFormatter", "JsonFormatter", "FORMAT",
+    "get", "setup", "dropped", "escape", "report_suppressed", "RateLimitFilter", "EscapingFormatter", "JsonFormatter",
+    "FORMAT",
 ]
 
 # detokd's floor: every module gets its logger here (get), the core too, so this module
@@ -157,7 +158,9 @@ class RateLimitFilter(logging.Filter):
     logger or a handler filter; a record is limited once even if it meets two.
     """
 
-    def __init__(self, burst: int = 10, period: float = 10.0, max_len: int = 300, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, burst: int = 10, period: float = 10.0, max_len: int = 300, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__()
         self.burst = burst
         self.period = period
