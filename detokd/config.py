@@ -23,7 +23,7 @@ import msgspec
 import msgspec.inspect as mi
 from msgspec import Meta
 
-from . import zoo
+from . import logs, zoo
 from .core.detokenizer import Limits
 
 # A ZMQ endpoint detokd can bind or connect.
@@ -292,8 +292,20 @@ def _parse_env(key: str, t: mi.Type, text: str) -> object:
     return text
 
 
+# Keys detokd read once and reads no more: a file that still sets one (copied from an
+# older configs/default.toml) starts, with a warning, rather than failing an upgrade.
+RETIRED = {"debug_ops": "it only let tests stall the loop"}
+
+
+def _drop_retired(raw: dict, where: str) -> None:
+    for key in RETIRED.keys() & raw.keys():
+        del raw[key]
+        logs.get(__name__).warning("%s: `%s` is no longer read (%s): remove it", where, key, RETIRED[key])
+
+
 def _refuse_unknown(raw: dict, where: str) -> None:
     """An unknown key, with the known one it most resembles: a typo is the usual cause."""
+    _drop_retired(raw, where)
     for key in raw:
         if key not in field_types():
             close = difflib.get_close_matches(key, field_types(), n=1)

@@ -157,3 +157,18 @@ def test_a_mistyped_variable_is_answered_with_the_one_it_resembles():
         load(None, {}, {"DETOKD_MAX_STATE": "5"})
     others = {"DETOKD_SGLANG": "1", "DETOKD_SGLANG_ROUTER": "1", "DETOKD_ZOO_CACHE": "/z", "DETOKD_SOMETHING_ELSE": "1"}
     assert load(None, {}, others) == Config()  # detokd's other variables, and names far from any key, pass
+
+
+def test_a_retired_key_starts_with_a_warning_where_an_unknown_one_is_refused(tmp_path, caplog):
+    """A config copied from an older configs/default.toml sets `debug_ops`: an upgrade
+    must not stop the deployment over it."""
+    f = tmp_path / "c.toml"
+    f.write_text("debug_ops = false\nmax_states = 10\n")
+    with caplog.at_level("WARNING"):
+        assert load(str(f), {}).max_states == 10
+    assert [r.getMessage() for r in caplog.records if "debug_ops" in r.getMessage()] == [
+        f"config {f}: `debug_ops` is no longer read (it only let tests stall the loop): remove it"
+    ]
+    f.write_text("debug_opz = false\n")
+    with pytest.raises(ConfigError, match="unknown key `debug_opz`"):
+        load(str(f), {})
