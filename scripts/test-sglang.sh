@@ -26,6 +26,8 @@ WINDOW="0.5.23 0.5.22 0.5.21 0.5.20"
 # on the newest only; what they exercise (detokd's process deciding before it announces)
 # is the same code on every release.
 FALLBACK=tests/sglang/test_fallback.py
+# The benchmark commands' own test (they start, measure and record) on the newest only.
+BENCH=tests/sglang/test_bench_commands.py
 BETWEEN="tests/sglang/test_schema.py tests/sglang/test_release.py tests/sglang/test_differential.py tests/sglang/test_plugin.py"
 
 prepare() {  # RELEASE -> the python of its venv, with SGLang and detokd installed
@@ -79,7 +81,7 @@ for release in $WINDOW; do
   py="$(prepare "$release")"
   echo "== SGLang $release: environment ready in $((SECONDS - start)) s" >&2
   if [ "$release" = "$NEWEST" ]; then files=(tests/sglang)
-  elif [ "$release" = "$OLDEST" ]; then files=(tests/sglang --ignore="$FALLBACK")
+  elif [ "$release" = "$OLDEST" ]; then files=(tests/sglang --ignore="$FALLBACK" --ignore="$BENCH")
   else files=($BETWEEN); fi
   start=$SECONDS
   run "$py" "$release" -q "${files[@]}" || failed+=("$release")

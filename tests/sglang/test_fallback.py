@@ -6,12 +6,14 @@ stand-in scheduler in the model's place), with one thing broken in detokd's proc
 alone (breakage/sitecustomize.py: as a release lacking it would be) or a bad
 DETOKD_CONFIG, and sees the server answer a request with the oracle's text through
 SGLang's own detokenizer. DETOKD_SGLANG=require turns the same fallback into a launch
-failure of one line. One server at a time.
+failure of one line. Every server of the module starts on first use, two at a time (each
+is SGLang and torch: ~3 GB and ~1 min of CPU), and each test reads its own.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -75,42 +77,57 @@ def served_once(fe: Frontend) -> tuple[str, str, list[str], str]:
         fe.close()
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sglang_serves_with_its_own_detokenizer_and_one_line_says_why(case, plugin_path, tmp_path_factory):  # noqa: F811
-    break_spec, config, names = CASES[case]
+def refused_once(fe: Frontend) -> tuple[int, str]:
+    """A server expected to fail its launch: its exit status and its log."""
+    try:
+        return fe.proc.wait(600), fe.log_tail(1 << 20)
+    finally:
+        fe.close()
+
+
+@pytest.fixture(scope="module")
+def outcomes(plugin_path, tmp_path_factory) -> dict[str, Future]:  # noqa: F811
+    """{case: what its server did}, every server of the module started two at a time."""
     root = tmp_path_factory.mktemp("fallback")
-    got, want, titles, log = served_once(serve(root, plugin_path, case.replace(" ", "-"), break_spec, config))
+    private = root / "private"
+    private.mkdir(mode=0o700)
+    jobs = {
+        case: (lambda case=case: served_once(serve(root, plugin_path, case.replace(" ", "-"), *CASES[case][:2])))
+        for case in CASES
+    }
+    jobs["require"] = lambda: refused_once(serve(root, plugin_path, "require", None, "max_state = 10\n",
+                                                 detokd_sglang="require"))
+    jobs["tmpdir"] = lambda: (*served_once(Frontend(model_folder(root, "qwen2"), detokenizer="detokd", encoding="pickle",
+                                                    plugin_path=plugin_path, log_dir=root, env={"TMPDIR": str(private)},
+                                                    tag="-tmpdir")), str(private))
+    pool = ThreadPoolExecutor(2)
+    yield {case: pool.submit(job) for case, job in jobs.items()}
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sglang_serves_with_its_own_detokenizer_and_one_line_says_why(case, outcomes):
+    got, want, titles, log = outcomes[case].result()
     assert got == want
     assert len(titles) == 1 and "(detokd)" not in titles[0], titles
     (line,) = [line for line in log.splitlines() if KEEPING in line]
-    assert f"SGLang {sglang.__version__}" in line and names in line, line
+    assert f"SGLang {sglang.__version__}" in line and CASES[case][2] in line, line
     assert "replaced SGLang's detokenizer" not in log and "Traceback" not in log
 
 
-def test_detokd_sglang_require_turns_a_fallback_into_a_launch_failure_of_one_line(plugin_path, tmp_path_factory):  # noqa: F811
-    root = tmp_path_factory.mktemp("require")
-    fe = serve(root, plugin_path, "require", None, "max_state = 10\n", detokd_sglang="require")
-    try:
-        status = fe.proc.wait(600)
-        log = fe.log_tail(1 << 20)
-    finally:
-        fe.close()
+def test_detokd_sglang_require_turns_a_fallback_into_a_launch_failure_of_one_line(outcomes):
+    status, log = outcomes["require"].result()
     assert status != 0
     lines = [line for line in log.splitlines() if "DETOKD_SGLANG=require" in line]
     assert len(lines) == 1 and "`max_state`" in lines[0] and f"SGLang {sglang.__version__}" in lines[0]
     assert "Traceback" not in log and KEEPING not in log
 
 
-def test_with_tmpdir_a_private_folder_detokd_serves_without_the_world_writable_warning(plugin_path, tmp_path_factory):  # noqa: F811
+def test_with_tmpdir_a_private_folder_detokd_serves_without_the_world_writable_warning(outcomes):
     """SGLang makes its ipc addresses in $TMPDIR; in /tmp detokd warns that another user
     could bind one first, and says to set TMPDIR (tests/sglang/test_frontend.py reads that
     line); in a folder only this user can write there is nothing to warn of."""
-    root = tmp_path_factory.mktemp("tmpdir")
-    private = root / "private"
-    private.mkdir(mode=0o700)
-    fe = Frontend(model_folder(root, "qwen2"), detokenizer="detokd", encoding="pickle", plugin_path=plugin_path,
-                  log_dir=root, env={"TMPDIR": str(private)}, tag="-tmpdir")
-    got, want, titles, log = served_once(fe)
+    got, want, titles, log, private = outcomes["tmpdir"].result()
     assert got == want and len(titles) == 1 and "(detokd)" in titles[0], titles
-    assert "replaced SGLang's detokenizer" in log and str(private) in log  # its addresses were there
+    assert "replaced SGLang's detokenizer" in log and private in log  # its addresses were there
     assert "writable by every user" not in log
