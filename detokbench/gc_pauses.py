@@ -1,16 +1,12 @@
 """The collector's pauses in detokd's loop under continuous batching: detokd's policy
-(detokd.gc_policy: the young generations, every STARTS starts or a second) against
-the policy it replaced (once a second alone).
+(detokd.gc_policy) against the one it replaced (once a second alone).
 
-In-process, as the server's loop runs it: a steady stream of B slots, each running
-requests L steps long back to back, staggered so ~B/L start and ~B/L finish in every
-step, one id per request per step of the multilingual corpus (DeepSeek, the native
-dialect: each step one encoded `tokens` frame through NativeDialect.handle and its
-text delivered to a worker socket in this process, as Server.process does); the
-policy ticks after every frame, as between batches. Every collection is timed
-(gc.callbacks), and so is every turn (the frame, its delivery, the tick). Each policy
-runs in a process of its own, alternated over --rounds (ABAB...), since starting a
-policy freezes that process's heap.
+In-process, as the server's loop runs it: B slots of staggered requests L steps long,
+each step one `tokens` frame through NativeDialect.handle, its text delivered to a
+worker socket here, the policy ticking after every frame. Every collection
+(gc.callbacks) and every turn is timed. Each policy runs in a process of its own,
+alternated over --rounds, since starting a policy freezes that process's heap.
+docs/performance.md, "The collector's pauses".
 
     python -m detokbench gc-pauses --json docs/bench/gc-pauses.json
 """

@@ -1,53 +1,26 @@
-"""detokd in SGLang mode against SGLang's own detokenizer process, on SGLang's own stream.
+"""detokd in SGLang mode against SGLang's own detokenizer process, on SGLang's own stream
+(docs/sglang.md, "Measured gain").
 
     fake scheduler (this process) --BatchTokenIDOutput--> detokenizer --BatchStrOutput--> this process
 
-* The stream: B requests of real multilingual text (the corpus of `detokbench bench`,
-  tokenized by the DeepSeek tokenizer), each starting at its own offset with the 5 ids
-  before it as its prompt, one new id per request per step (--ids-per-step: several, as
-  speculative decoding sends them; --varied-ids: 1 to that many, drawn per request and
-  step, as it accepts them), all finishing (length) at the last step; or, with
-  --lifetime L, B slots of requests L steps long, ~B/L starting and ~B/L finishing at
-  every step, as under continuous batching (the percentiles then take the steps with all
-  B live, not the ramps at either end). The
-  BatchTokenIDOutput of every step is built by SGLang's own scheduler code
-  (detokbench.sglang_replay.build_stream: Req + _GenerationStreamAccumulator), once per
-  encoding and batch size, then encoded as SGLang's sock_send does (pickle
-  HIGHEST_PROTOCOL, or io_struct.msgpack_encode) - all before any timing. One built stream
-  is sent to both processes.
-* The processes: both started as SGLang's Engine starts its detokenizer
-  (sglang_replay.SglangDetokenizerUnderTest: spawn, target(server_args, port_args)):
-  "sglang" = sglang.srt.managers.detokenizer_manager.run_detokenizer_process,
-  "detokd" = detokd.sglang.process.run_sglang_detokenizer.
-  Each is warmed up with a short stream of the same batch size first.
-* Two modes per pass over the whole stream:
-  latency    - send step k only after step k-1's BatchStrOutput arrived; a step's latency
-               is send of its frame to receipt of its answer (this process's clock).
-  throughput - up to --window steps in flight; tokens/s = B * steps / wall time.
-* --detokenizers N (SGLang's --detokenizer-worker-num): N SGLang detokenizers behind
-  SGLang's own MultiDetokenizerRouter, which splits every step by rid, so each step gets N
-  answers; a step's latency runs to its last. detokd as the plugin serves that mode: one
-  process (--detokd-router: N behind SGLang's router too, as DETOKD_SGLANG_ROUTER=1 lays it
-  out). CPU is summed over a target's processes and router (each one's share is in the
-  JSON), and this process decodes each answer's rids to tell whose it is.
-* ABBA: each round runs sglang, detokd, detokd, sglang (the next round detokd first), each
-  slot a latency pass then a throughput pass, so drift (thermal, page cache, the other
-  process' memory) hits both alike.
-* CPU per token: the detokenizer's utime+stime (/proc/<pid>/stat, all its threads) over a
-  pass, divided by the pass' tokens (and by its rows: requests x steps). The floor of
-  the encoding: this process decoding the same frames and encoding the same answers
-  with nothing else done (`floor`). Peak RSS: VmHWM (/proc/<pid>/status) after all
-  passes of a batch size (a process serves every batch size in turn, smallest first).
-* Correctness: answers are decoded with SGLang's own decoder after each pass; per rid the
-  accumulated text must equal the other process' and the Hugging Face oracle
-  (Vocab.reference(prompt, output)); every step must get exactly one answer with the
-  step's rids (behind the router: one per detokenizer, with the rids routed to it).
-  Mismatches are counted and reported, never hidden.
+The stream: B requests of the corpus (DeepSeek tokenizer), 5 prompt ids each, 1 or
+--ids-per-step new ids per step (--varied-ids: 1 to that many, as speculative decoding
+accepts them); all finishing at the last step, or with --lifetime L staggered as under
+continuous batching (the percentiles then take the steps with all B live). Every
+message is built by SGLang's own scheduler code (sglang_replay.build_stream) and
+encoded as sock_send does, before any timing; one built stream is sent to both
+processes, each started as SGLang's Engine starts its detokenizer and warmed up.
+Per pass: latency (one step in flight) and throughput (--window steps in flight).
+ABBA rounds (sglang, detokd, detokd, sglang) so drift hits both alike. CPU per token and
+per row from /proc over a pass, against the encoding's floor (this process decoding the
+frames and encoding the answers, nothing else); peak RSS (VmHWM). Answers are checked
+against the other process and the Hugging Face oracle; mismatches are counted, never
+hidden.
 
     python -m detokbench sglang-bench --json docs/bench/sglang.json --plot docs/bench/sglang.png
     python -m detokbench sglang-bench --summary docs/bench/sglang*.json   # the recorded runs, one table
 
-The defaults take ~7-9 minutes on 2 cores (~3 of them starting four processes that import SGLang).
+The defaults take ~7-9 minutes on 2 cores.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
-"""Replay a scripted scheduler stream through an SGLang-compatible detokenizer process.
+"""Replay a scripted scheduler stream through an SGLang-compatible detokenizer process
+(`detokbench sglang-bench` and the SGLang tests, whose own helpers are in
+tests/sglang/replay.py).
 
-Three pieces, each usable alone by the SGLang tests and `detokbench sglang-bench`:
+- `Scripted`: one request (prompt, outputs, per-step chunking, flags, finish kind,
+  HTTP worker, which passthrough fields carry fake values).
+- `build_stream`: the per-step `BatchTokenIDOutput`, made by SGLang's own scheduler-side
+  builder (`Req` + `_GenerationStreamAccumulator`), not by a re-implementation of it.
+- `SglangDetokenizerUnderTest`: a detokenizer (SGLang's or detokd's) started as SGLang's
+  Engine starts it (N > 1: behind SGLang's MultiDetokenizerRouter), fed by a fake
+  scheduler and drained by fake TokenizerManagers.
 
-- `Scripted`: a typed record of one request (prompt, outputs, per-step chunking, flags,
-  finish kind, HTTP worker, which passthrough fields carry fake values).
-- `build_stream`: the per-step `BatchTokenIDOutput` messages, made by SGLang's own
-  scheduler-side builder (`Req` + `_GenerationStreamAccumulator` of
-  scheduler_components/output_streamer.py), not by a re-implementation of it.
-- `SglangDetokenizerUnderTest`: a detokenizer (SGLang's or detokd's) started the way
-  SGLang's Engine starts it (spawn, `target(server_args, port_args)`; with N > 1, N of
-  them behind SGLang's own MultiDetokenizerRouter, as `--detokenizer-worker-num N`),
-  fed by a fake scheduler (PUSH, SGLang's `sock_send`) and drained by fake
-  TokenizerManagers (PULL, SGLang's `sock_recv`).
-
-SGLang picks its IPC encoding once, at import of io_struct, from SGLANG_USE_PICKLE_IPC.
-A test process needs both encodings, so `ipc_encoding` sets the module flag and the
-environment (which spawned children inherit, before they import sglang) together.
-Messages must be built under the encoding they are sent with: in msgpack mode
-time_stats / customized_info are PickleWrapper frames, in pickle mode plain objects.
+SGLang picks its IPC encoding once, at import of io_struct, from SGLANG_USE_PICKLE_IPC;
+`ipc_encoding` sets the module flag and the environment (inherited by spawned children)
+together. Messages must be built under the encoding they are sent with.
 """
 
 from __future__ import annotations
