@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import platform
 import random
@@ -38,7 +37,7 @@ from detokd.client import SchedulerClient
 from detokd.tokenizer import load
 from detokd.wire.native import Finish
 
-from .commands import command_line
+from .commands import command_line, parser, write_json
 from .frames import CORPUS, Hostile, OverCaps, mixed_ids
 from .proc import Memory
 from .rig import Rig
@@ -516,7 +515,7 @@ def result(fz: Fuzz, command: str, wall: float, log_lines: list[str], checked: i
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m detokbench fuzz", description=__doc__.split("\n\n")[0])
+    ap = parser("fuzz", __doc__)
     ap.add_argument("--frames", type=int, default=100_000, help="frames to send (default 100,000)")
     ap.add_argument("--seed", type=int, default=20250101)
     ap.add_argument("--workers", type=int, default=2)
@@ -546,7 +545,7 @@ def main(argv: list[str]) -> int:
     print(summary(res))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json, res)
     for p in res["problems"]:
         print("FAIL:", p)
     print("OK" if res["ok"] else "FAILED")

@@ -23,7 +23,7 @@ import sys
 import time
 
 from .bench.report import pct
-from .commands import command_line
+from .commands import command_line, parser, write_json
 from .corpus import TAIL, corpus
 
 POLICIES = ("detokd", "clock")  # the shipped policy; the one-a-second clock alone
@@ -135,7 +135,7 @@ def _line(p: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m detokbench gc-pauses", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("gc-pauses", __doc__)
     ap.add_argument("--batch", type=int, default=1024, help="B: requests in every step (default 1024)")
     ap.add_argument("--lifetime", type=int, default=256, help="L: steps a request runs (default 256)")
     ap.add_argument("--steps", type=int, default=6000, help="steps a pass sends (default 6000: several seconds, several ticks of the clock)")
@@ -169,6 +169,5 @@ def main(argv: list[str]) -> int:
         ]
         print(f"| {name} | " + " | ".join(figures) + " |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": command_line("gc-pauses", argv), "passes": passes}, f, indent=1)
+        write_json(args.json, {"command": command_line("gc-pauses", argv), "passes": passes})
     return 0

@@ -17,7 +17,6 @@ scale-out beats. CPU per token from /proc/<pid>/task/*/schedstat (Linux only).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import statistics
@@ -38,6 +37,7 @@ from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
 
 from .children import detokd_process
+from .commands import parser, write_json
 from .corpus import TAIL, corpus
 from .engine import push
 from .proc import cpu_s, descendants
@@ -187,8 +187,7 @@ def check(streams: Streams, got: list[bytes]) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m detokbench scale", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("scale", __doc__)
     ap.add_argument("--shards", default="1,2", help="shard counts to compare, comma-separated (default 1,2)")
     ap.add_argument("--batch", "-B", type=int, default=1024, help="streams, one row each per step (default 1024)")
     ap.add_argument("--steps", type=int, default=400, help="steps per round (default 400)")
@@ -279,6 +278,5 @@ def main(argv: list[str]) -> int:
     runs, ceilings = measure(args, counts)
     ratios = summarize(args, counts, runs, ceilings)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"args": vars(args), "cpus": os.cpu_count(), "runs": runs, "ratios": ratios, "ceilings": ceilings}, indent=1))
+        write_json(args.json, {"args": vars(args), "cpus": os.cpu_count(), "runs": runs, "ratios": ratios, "ceilings": ceilings})
     return 1 if any(x["wrong_streams"] for rs in runs.values() for x in rs) else 0

@@ -25,7 +25,6 @@ The defaults take ~7-9 minutes on 2 cores.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -45,7 +44,7 @@ from detokd.tokenizer import load
 
 from . import ROOT
 from .bench.report import machine, pct
-from .commands import command_line
+from .commands import command_line, parser, write_json
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
 from .sglang_replay import (
@@ -458,8 +457,7 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m detokbench sglang-bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("sglang-bench", __doc__)
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 1024], help="concurrent requests (default 256 1024)")
     ap.add_argument("--steps", type=int, default=300, help="decode steps per pass (default 300): the new ids of each request, "
                     "or, with --lifetime, the length of the stream")
@@ -524,8 +522,7 @@ def main(argv: list[str]) -> int:
                corpus_ids=len(ids), seconds=time.perf_counter() - t_start, failure=failure, results=results,
                passes=raw)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(args.json, doc)
     if results:
         print(table(results))
     if args.plot and results:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import array
 import collections
-import json
 import math
 import os
 import platform
@@ -40,7 +39,7 @@ from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
 
 from . import ROOT
-from .commands import command_line
+from .commands import command_line, parser, write_json
 from .frames import mixed_ids
 from .metrics import scrape
 from .rig import Rig, Sampler
@@ -454,7 +453,7 @@ def run(args, command: str) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "soak-quick" if args.quick else "soak"
-    (out / f"{stem}.json").write_text(json.dumps({"summary": sm, "samples": s.sampler.samples}, indent=1))
+    write_json(out / f"{stem}.json", {"summary": sm, "samples": s.sampler.samples})
     plot(s.sampler.samples, sm, out / f"{stem}.png")
     report(sm, v, args, f"{out / (stem + '.json')} and {out / (stem + '.png')}")
     if s.detokd.proc.returncode not in (0, None):
@@ -466,13 +465,7 @@ def run(args, command: str) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m detokbench soak",
-        description="Soak a real detokd: millions of tokens, request churn (random lengths, aborts, "
-        "abandoned requests that only eviction frees), RSS and live requests sampled over time; "
-        "writes JSON and a PNG to docs/soak/ and says whether RSS ended flat.",
-        epilog="Exit status 0: RSS flat, every checked text exact, every finished request ended right.",
-    )
+    ap = parser("soak", __doc__)
     ap.add_argument("--quick", action="store_true", help="a short run (~1.4M tokens over 10k requests, seconds)")
     ap.add_argument("--requests", type=int, default=1_000_000, help="requests in all (default 1000000: ~135M tokens)")
     ap.add_argument("--max-len", type=int, default=1000, help="output lengths are log-uniform in [1, max-len] (default 1000)")

@@ -25,7 +25,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import json
 import os
 import platform
 import random
@@ -45,7 +44,7 @@ from detokd.tokenizer import Vocab, load
 from detokd.wire.native import NIL, Abort, Control, EmbeddingRow, Embeddings, Finish, Register, Row, Start, Tokens, encode
 
 from . import ROOT
-from .commands import command_line
+from .commands import command_line, parser, write_json
 from .metrics import get
 from .proc import memory
 from .rig import Rig
@@ -605,7 +604,7 @@ def meta(args: argparse.Namespace, command: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m detokbench worst-frames", description=__doc__.split("\n\n")[0])
+    ap = parser("worst-frames", __doc__)
     ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "worst.json"), help="where to write the results")
     ap.add_argument("--quick", action="store_true", help="small frames: a smoke run of a few seconds")
     ap.add_argument("--only", default="", help="comma-separated scenario names")
@@ -628,7 +627,7 @@ def main(argv: list[str]) -> int:
             results.append(run_scenario(sc, pair, vocabs[sc.settings.get("tokenizer", "deepseek")], scale))
     report = {**meta(args, command_line("worst-frames", argv)), "wall_s": round(time.monotonic() - started, 1), "scenarios": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    write_json(args.json, report)
     print(table(results))
     print(f"written to {args.json}")
     return 0 if all(r["completed"] for r in results) else 1
