@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from .bench.report import pct
+from .bench.report import md_head, pct
 from .commands import command_line, parser, write_json
 from .corpus import TAIL, corpus
 
@@ -155,8 +155,8 @@ def main(argv: list[str]) -> int:
                      "--batch", str(args.batch), "--lifetime", str(args.lifetime), "--steps", str(args.steps)]
             passes.append(json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout))
             print(f"{name:>6}: {_line(passes[-1])}", flush=True)
-    print("\n| policy | starts/s | collections/s | pause ms p50 / p99 / max | GC ms per s | turn ms p50 / p99 / p99.9 / max |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("", *md_head("policy", "starts/s", "collections/s", "pause ms p50 / p99 / max", "GC ms per s",
+                       "turn ms p50 / p99 / p99.9 / max"), sep="\n")
     for name in POLICIES:
         mine = [p for p in passes if p["policy"] == name]
         med = lambda f: statistics.median(f(p) for p in mine)  # noqa: E731

@@ -37,6 +37,7 @@ from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
 
 from .children import detokd_process
+from .bench.report import md_head
 from .commands import parser, write_json
 from .corpus import TAIL, corpus
 from .engine import push
@@ -248,8 +249,8 @@ def summarize(args: argparse.Namespace, counts: list[int], runs: dict[int, list[
     med = statistics.median
     print(f"\n{args.tokenizer}, B={args.batch}, {args.ids_per_row} id(s)/row, {args.steps} steps x {args.rounds} rounds, "
           f"{os.cpu_count()} CPUs\n")
-    print("| shards | tokens/s (median) | min – max | detokd CPU-µs/token | harness CPU-µs/token | wrong streams |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(*md_head("shards", "tokens/s (median)", "min – max", "detokd CPU-µs/token", "harness CPU-µs/token", "wrong streams"),
+          sep="\n")
     for c in counts:
         rs = runs[c]
         tps = [x["tokens_per_s"] for x in rs]

@@ -43,7 +43,7 @@ from detokd.sglang.process import run_sglang_detokenizer as detokd_target
 from detokd.tokenizer import load
 
 from . import ROOT
-from .bench.report import machine, pct
+from .bench.report import machine, md_head, pct
 from .commands import command_line, parser, write_json
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
@@ -372,9 +372,8 @@ def label(r: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| encoding | ids/step | B | target | mode | tokens/s | p50 ms | p99 ms | max ms | CPU us/token | CPU us/row "
-            "| floor us/row | VmHWM MB | text ok |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = md_head("encoding", "ids/step", "B", "target", "mode", "tokens/s", "p50 ms", "p99 ms", "max ms", "CPU us/token",
+                   "CPU us/row", "floor us/row", "VmHWM MB", "text ok")
     for r in results:
         ok = r["text_equal_across_targets"] and not r["off_oracle"] and r["one_answer_per_step"] and r["same_text_every_pass"]
         floor_row = f"{r['floor_us_per_row']:.2f}" + (f" (raw {r['floor_raw_us_per_row']:.2f})" if "floor_raw_us_per_row" in r else "")
@@ -405,9 +404,8 @@ def _rates(results: tuple[dict, ...]) -> str:
 def summary(paths: list[str]) -> str:
     """One row per recorded run, IPC and batch size: the figures the docs quote, read
     back from the JSON files that hold them (medians of the passes; p99 pooled)."""
-    rows = ["| run | commit | CPU | stream | IPC | B | SGLang tokens/s, 1 / 8 in flight | detokd tokens/s, 1 / 8 in flight "
-            "| gain | detokd p50 / p99, ms | CPU µs/row: SGLang / detokd / floor |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = md_head("run", "commit", "CPU", "stream", "IPC", "B", "SGLang tokens/s, 1 / 8 in flight",
+                   "detokd tokens/s, 1 / 8 in flight", "gain", "detokd p50 / p99, ms", "CPU µs/row: SGLang / detokd / floor")
     for path in paths:
         doc = json.loads(Path(path).read_text())
         if "results" not in doc:  # another command's JSON beside them (sglang-aging's)
