@@ -354,8 +354,3 @@ ALGOS: dict[str, type[Stream]] = {
     "decodestream": DecodeStreamStream,
     "floor": FloorStream,
 }
-
-
-def make(algo: str, tok: Tok, prompt_tail: Sequence[int] = (), skip_special_tokens: bool = True,
-         spaces_between_special_tokens: bool = True) -> Stream:
-    return ALGOS[algo](tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)

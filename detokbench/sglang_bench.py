@@ -457,34 +457,26 @@ def plot(results: list[dict], path: str) -> None:
 def main(argv: list[str]) -> int:
     ap = parser("sglang-bench", __doc__)
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 1024], help="concurrent requests (default 256 1024)")
-    ap.add_argument("--steps", type=int, default=300, help="decode steps per pass (default 300): the new ids of each request, "
-                    "or, with --lifetime, the length of the stream")
-    ap.add_argument("--lifetime", type=int, metavar="L", help="steps each request lives: requests start and finish "
-                    "staggered, ~B/L of each per step, as under continuous batching, and the latency percentiles take "
-                    "the steps with all B live (default: all B requests start at the first step and finish at the last, "
-                    "two steps no engine sends, which the percentiles then include)")
+    ap.add_argument("--steps", type=int, default=300, help="decode steps per pass (default 300)")
+    ap.add_argument("--lifetime", type=int, metavar="L", help="steps each request lives, staggered as under continuous "
+                    "batching (default: all B start at the first step and finish at the last)")
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
     ap.add_argument("--ids-per-step", type=int, default=1, help="new ids per request per step (default 1; speculative "
-                    "decoding sends 2-8): the CPU per row is per request per step")
-    ap.add_argument("--varied-ids", action="store_true", help="with --ids-per-step K: each request's new ids in a "
-                    "step drawn from 1 to K (seeded), as speculative decoding accepts a varying number of draft tokens, "
-                    "so the rows of a step differ in length")
+                    "decoding: 2-8)")
+    ap.add_argument("--varied-ids", action="store_true", help="with --ids-per-step K: 1 to K per request and step (seeded)")
     ap.add_argument("--detokd-router", action="store_true", help="with --detokenizers N > 1, N detokd processes "
                     "behind SGLang's router too (DETOKD_SGLANG_ROUTER=1), not the plugin's one process")
-    ap.add_argument("--detokenizers", type=int, default=1, help="SGLang's --detokenizer-worker-num (default 1): N of "
-                    "SGLang's detokenizers behind its own router, against detokd as the plugin serves it (one process)")
+    ap.add_argument("--detokenizers", type=int, default=1, help="SGLang's --detokenizer-worker-num (default 1), against "
+                    "detokd as the plugin serves it (one process)")
     ap.add_argument("--window", type=int, default=8, help="steps in flight in the throughput mode (default 8)")
     ap.add_argument("--encodings", nargs="+", choices=["pickle", "msgpack"], default=["pickle", "msgpack"],
                     help="SGLang IPC encodings (SGLANG_USE_PICKLE_IPC), each with its own pair of processes")
-    ap.add_argument("--freeze-gc", action="store_true", help="after the warm-up, send both processes a FreezeGCReq, as "
-                    "SGLang's /freeze_gc endpoint does (off by default, as in SGLang: its detokenizer then stalls "
-                    "~0.5 s every ~60 steps at B=1024, which freezing removes)")
-    ap.add_argument("--json", metavar="PATH", help="write the environment, arguments, the summary and every pass "
-                    "(with each step's latency) here")
+    ap.add_argument("--freeze-gc", action="store_true", help="after the warm-up, send both a FreezeGCReq, as SGLang's "
+                    "/freeze_gc does (off by default, as in SGLang)")
+    ap.add_argument("--json", metavar="PATH", help="write the environment, arguments, summary and every pass here")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib; or --plot-only later)")
     ap.add_argument("--plot-only", metavar="JSON", help="only draw --plot from an earlier --json file (any python with matplotlib)")
-    ap.add_argument("--summary", metavar="JSON", nargs="+", help="only print the table of earlier --json files, one row "
-                    "per file, IPC and B (any python)")
+    ap.add_argument("--summary", metavar="JSON", nargs="+", help="only print the table of earlier --json files (any python)")
     args = ap.parse_args(argv)
     if args.lifetime is not None and not 1 <= args.lifetime <= args.steps // 2:
         ap.error(f"--lifetime must be 1 to half of --steps ({args.steps}): the batch is full only after one lifetime "
