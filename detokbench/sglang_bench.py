@@ -33,7 +33,6 @@ import platform
 import random
 import statistics
 import subprocess
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -43,7 +42,7 @@ from detokd.sglang.process import run_sglang_detokenizer as detokd_target
 from detokd.tokenizer import load
 
 from . import ROOT
-from .bench.report import machine, md_head, pct
+from .bench.report import log, machine, md_head, pct
 from .commands import command_line, parser, write_json
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
@@ -273,10 +272,6 @@ def check(stream: Stream, answers: list, due: list[list[str]]) -> tuple[dict[str
 def by_process(p: dict) -> str:
     """A pass's CPU per row, process by process."""
     return " ".join(f"{who} {cpu / p['rows'] * 1e6:.2f}" for who, cpu in p["cpu_s_by_process"].items())
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
