@@ -1,31 +1,13 @@
-"""Baseline detokenizers that `python -m detokbench bench` runs beside detokd, through the same harness.
+"""Baseline detokenizers that `python -m detokbench bench` runs beside detokd, through the
+same harness, each written here from its published algorithm (no code copied):
+naive (re-decode everything each step), sglang (SGLang's DetokenizerManager, its
+garbage collector not frozen, as in the real one), decodestream (vLLM's
+FastIncrementalDetokenizer) and floor (msgpack, a join of per-token bytes, UTF-8).
+docs/performance.md, "The baselines", says what each does and leaves out.
 
-Each baseline is written here from its published algorithm (no code copied):
-
-naive         every step re-decodes all of the request's ids (prompt tail + output) and
-              sends the new suffix of the text; holds the text back while it ends in U+FFFD.
-              O(length) per token: the quadratic strawman.
-sglang        SGLang's DetokenizerManager: per request `decode_ids`, `surr_offset`,
-              `read_offset`, `decoded_text`, `sent_offset`; each step one transformers
-              `batch_decode` of every request's surrounding window and one of its read
-              window, new text = read[len(surr):], committed only when it does not end in
-              U+FFFD (else `find_printable_text`). The first 5 prompt ids prime the window.
-              Its state lives in Python objects and the garbage collector is not frozen,
-              as in the real one (unless a `freeze_gc` control message says so). The
-              other baselines freeze it after start-up, as detokd does.
-decodestream  vLLM's FastIncrementalDetokenizer: one `tokenizers.decoders.DecodeStream`
-              per request, primed with a prompt suffix, `step(tokenizer, id)` per id,
-              and a fresh stream when the tokenizer raises "Invalid prefix encountered".
-              Like vLLM it never flushes an incomplete character at the end.
-floor         the speed floor: msgpack decode, a join of precomputed per-token bytes,
-              an incremental UTF-8 decoder (codecs) per request, msgpack encode. Nothing
-              else: no clean-up, no special-token spacing, no stop handling.
-
-The algorithms are classes with a per-request `step(ids) -> str` / `finish() -> str`
-interface (tests/test_baselines.py checks them in-process), plus a class-level
-`step_batch` that the server loop calls once per inbound message (SGLang's batching).
-
-The server that runs one behind detokd's wire protocol: detokbench.baselines_server.
+Each is a class with a per-request `step(ids) -> str` / `finish() -> str` (checked
+in-process by tests/test_baselines.py) and a class-level `step_batch` the server loop
+(detokbench.baselines_server) calls once per inbound message.
 """
 
 from __future__ import annotations
@@ -372,8 +354,3 @@ ALGOS: dict[str, type[Stream]] = {
     "decodestream": DecodeStreamStream,
     "floor": FloorStream,
 }
-
-
-def make(algo: str, tok: Tok, prompt_tail: Sequence[int] = (), skip_special_tokens: bool = True,
-         spaces_between_special_tokens: bool = True) -> Stream:
-    return ALGOS[algo](tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)

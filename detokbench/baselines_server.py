@@ -14,7 +14,6 @@ error row. Stop strings, `stream=false` and seq checks are not implemented.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import signal
@@ -28,6 +27,7 @@ from detokd.wire import native
 from detokd.wire.native import Abort, Control, Embeddings, OutRow, Register, Text, Tokens
 
 from .baselines import ALGOS, FloorStream, Stream, Tok
+from .commands import parser
 from .engine import push
 from .sink import pull
 
@@ -173,10 +173,7 @@ class Server:
 
 
 def main(argv: Iterable[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m detokbench baselines",
-        description="Baseline detokenizers behind detokd's wire protocol (for `python -m detokbench bench`).",
-    )
+    ap = parser("baselines", __doc__)
     ap.add_argument("--algo", required=True, choices=sorted(ALGOS))
     ap.add_argument("--input", required=True, help="address to PULL-bind, e.g. ipc:///tmp/x/in")
     ap.add_argument("--worker", action="append", required=True, help="worker address to PUSH-connect (repeat)")

@@ -6,11 +6,14 @@ Each command is a module with `main(argv) -> int`; only the chosen one is import
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import os
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 PROG = "python -m detokbench"
 
@@ -41,6 +44,17 @@ COMMANDS = {
 def command_line(name: str, argv: list[str]) -> str:
     """How a run was started, for the results it writes."""
     return shlex.join([*PROG.split(), name, *argv])
+
+
+def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """A command's argument parser, its module docstring as the description."""
+    return argparse.ArgumentParser(prog=f"{PROG} {name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def write_json(path: str | Path, doc: object) -> None:
+    """A command's results, readable by a person and by the next command."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
 
 
 def usage() -> str:

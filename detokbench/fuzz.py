@@ -1,49 +1,27 @@
 """Fuzz run: N frames of honest and hostile traffic through a real detokd; does it
-survive, stay exact, and keep its memory?
+survive, stay exact, and keep its memory? (docs/reliability.md, "Fuzz run")
 
-    honest scheduler (SchedulerClient) --\
-    hostile peer (raw PUSH)  ------------+--> `detokd serve` --text--> 2 workers (threads here)
-    oversized senders (one PUSH each) --/
-
-* Honest traffic: waves of 1..8 concurrent requests, real multilingual text encoded
-  by the default tokenizer with random ids sprinkled in (detokbench.frames mixed_ids),
-  half with a prompt tail, on both workers; one `tokens` frame per step through
-  detokd.client.SchedulerClient; between waves, now and then a `flush` control (sent
-  by the honest scheduler itself, so it never cuts a live honest request). Every
-  honest text is compared at the end with Vocab.reference (the oracle).
-* Hostile traffic, from another PUSH socket: every generator of detokbench.frames
-  Hostile (malformed MessagePack, wrong types, unknown message types, ids outside the
-  vocabulary, seq off, registers (refused: register is off by default), aborts of
-  random rids, multipart messages...) and OverCaps (a rid over max_rid_len, rows over
-  max_row_ids, max_wire_prompt_tail, max_stop_strings, max_stop_chars, max_meta_bytes,
-  a row past its frame's max_frame_ids, frames over max_rows), plus sessions of "s-" requests that run a few steps and then
-  end in a seq gap, an abort or a finish. Frames over max_frame_bytes go from a
-  short-lived PUSH socket each (ZMQ drops that connection) and wait for the disconnect.
-* detokd's RSS (/proc/<pid>/status VmRSS) is read after the warm-up (the first
-  --warmup of the frames, which include every kind at least once, so first-use
-  buffers and caches are in place) and at the end, each after a fence (a row on each
-  input socket, answered: every frame before it was handled); VmHWM is the peak.
-  /metrics is scraped at the end.
+An honest scheduler (SchedulerClient: waves of 1-8 requests of real text with random
+ids sprinkled in, now and then a `flush`) and a hostile peer (every generator of
+detokbench.frames Hostile and OverCaps, sessions ending in a seq gap, an abort or a
+finish) share detokd; frames over max_frame_bytes go from a short-lived PUSH socket
+each. Two worker threads check every message; honest texts are compared at the end
+with Vocab.reference. RSS is read after the warm-up (--warmup of the frames, every kind
+at least once, so first-use buffers are in place) and at the end, each after a fence.
 
     python -m detokbench fuzz                   # 100,000 frames
     python -m detokbench fuzz --frames 3000 --json /tmp/f.json
 
-In order below: what the peers send (the honest scheduler, hostile sessions,
-oversized frames), the tokenizer workers (checking what detokd sends them), one run in
-steps (detokd and its peers: detokbench.rig) and its verdict, the command line and the
-printed summary.
-
 Exit status 0 when detokd lived (and exited 0 on SIGTERM), every honest stream was
-exact, hostile rows never got text, detokd counted exactly the frames it read, the
-bad ones among them, the over-cap rows (too_large) and the refused registers, and the end RSS is within --rss-tolerance of the post-warm-up
-RSS; 1 otherwise.
+exact, hostile rows never got text, detokd counted exactly the frames, bad frames,
+too_large rows and refused registers it was sent, and the end RSS is within
+--rss-tolerance of the post-warm-up RSS; 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import platform
 import random
@@ -59,7 +37,7 @@ from detokd.client import SchedulerClient
 from detokd.tokenizer import load
 from detokd.wire.native import Finish
 
-from .commands import command_line
+from .commands import command_line, parser, write_json
 from .frames import CORPUS, Hostile, OverCaps, mixed_ids
 from .proc import Memory
 from .rig import Rig
@@ -537,7 +515,7 @@ def result(fz: Fuzz, command: str, wall: float, log_lines: list[str], checked: i
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m detokbench fuzz", description=__doc__.split("\n\n")[0])
+    ap = parser("fuzz", __doc__)
     ap.add_argument("--frames", type=int, default=100_000, help="frames to send (default 100,000)")
     ap.add_argument("--seed", type=int, default=20250101)
     ap.add_argument("--workers", type=int, default=2)
@@ -567,7 +545,7 @@ def main(argv: list[str]) -> int:
     print(summary(res))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json, res)
     for p in res["problems"]:
         print("FAIL:", p)
     print("OK" if res["ok"] else "FAILED")

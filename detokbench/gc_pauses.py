@@ -1,16 +1,12 @@
 """The collector's pauses in detokd's loop under continuous batching: detokd's policy
-(detokd.gc_policy: the young generations, every STARTS starts or a second) against
-the policy it replaced (once a second alone).
+(detokd.gc_policy) against the one it replaced (once a second alone).
 
-In-process, as the server's loop runs it: a steady stream of B slots, each running
-requests L steps long back to back, staggered so ~B/L start and ~B/L finish in every
-step, one id per request per step of the multilingual corpus (DeepSeek, the native
-dialect: each step one encoded `tokens` frame through NativeDialect.handle and its
-text delivered to a worker socket in this process, as Server.process does); the
-policy ticks after every frame, as between batches. Every collection is timed
-(gc.callbacks), and so is every turn (the frame, its delivery, the tick). Each policy
-runs in a process of its own, alternated over --rounds (ABAB...), since starting a
-policy freezes that process's heap.
+In-process, as the server's loop runs it: B slots of staggered requests L steps long,
+each step one `tokens` frame through NativeDialect.handle, its text delivered to a
+worker socket here, the policy ticking after every frame. Every collection
+(gc.callbacks) and every turn is timed. Each policy runs in a process of its own,
+alternated over --rounds, since starting a policy freezes that process's heap.
+docs/performance.md, "The collector's pauses".
 
     python -m detokbench gc-pauses --json docs/bench/gc-pauses.json
 """
@@ -26,8 +22,8 @@ import subprocess
 import sys
 import time
 
-from .bench.report import pct
-from .commands import command_line
+from .bench.report import md_head, pct
+from .commands import command_line, parser, write_json
 from .corpus import TAIL, corpus
 
 POLICIES = ("detokd", "clock")  # the shipped policy; the one-a-second clock alone
@@ -139,7 +135,7 @@ def _line(p: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m detokbench gc-pauses", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("gc-pauses", __doc__)
     ap.add_argument("--batch", type=int, default=1024, help="B: requests in every step (default 1024)")
     ap.add_argument("--lifetime", type=int, default=256, help="L: steps a request runs (default 256)")
     ap.add_argument("--steps", type=int, default=6000, help="steps a pass sends (default 6000: several seconds, several ticks of the clock)")
@@ -159,8 +155,8 @@ def main(argv: list[str]) -> int:
                      "--batch", str(args.batch), "--lifetime", str(args.lifetime), "--steps", str(args.steps)]
             passes.append(json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout))
             print(f"{name:>6}: {_line(passes[-1])}", flush=True)
-    print("\n| policy | starts/s | collections/s | pause ms p50 / p99 / max | GC ms per s | turn ms p50 / p99 / p99.9 / max |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("", *md_head("policy", "starts/s", "collections/s", "pause ms p50 / p99 / max", "GC ms per s",
+                       "turn ms p50 / p99 / p99.9 / max"), sep="\n")
     for name in POLICIES:
         mine = [p for p in passes if p["policy"] == name]
         med = lambda f: statistics.median(f(p) for p in mine)  # noqa: E731
@@ -173,6 +169,5 @@ def main(argv: list[str]) -> int:
         ]
         print(f"| {name} | " + " | ".join(figures) + " |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": command_line("gc-pauses", argv), "passes": passes}, f, indent=1)
+        write_json(args.json, {"command": command_line("gc-pauses", argv), "passes": passes})
     return 0

@@ -1,26 +1,14 @@
 """detokd's own throughput by shard count, on a harness too cheap to matter.
 
-`python -m detokbench bench` measures the whole pipeline: its scheduler and worker build and
-read every row in Python, which on a 2-core machine takes most of the second core.
-This measures detokd, the way a load generator measures a server:
-
-* Every step of a round (start rows, `--steps` steps of `--ids-per-row` ids per
-  stream, finish rows) is built before timing by the real `SchedulerClient`, which
-  splits the B streams over the shards by crc32(rid) (`take()` gives the frames it
-  would send); a round hands them all to ZMQ at once (unbounded queues), so detokd
-  never waits for this process.
-* The worker (this process) only keeps the `text` frames it receives; the round ends
-  when every shard has answered a marker row it sent last. Then the kept frames are
-  decoded and every stream's text is compared with the oracle,
-  decode(prompt_tail + out)[len(decode(prompt_tail)):], so each figure is for exact text.
-* Each configuration is a real `python -m detokd serve [--shards N]` (all started up
-  front). Rounds of the configurations alternate (ABBA...), so the VM's drift of speed
-  affects them alike, and the ratio is the median of the per-round ratios.
-* The machine's own ceiling is measured beside each round: N copies of a plain
-  single-core Python loop side by side against one. On a VM whose cores are not all
-  its own it is well under N, and no scale-out can beat it.
-* CPU per token: detokd's processes (all threads, ZMQ I/O included) and this harness,
-  from /proc/<pid>/task/*/schedstat. Linux only.
+`detokbench bench` measures the whole pipeline, whose Python scheduler and worker take
+most of a second core; this measures detokd as a load generator measures a server
+(docs/performance.md, "Scale-out: shards"). Every frame of a round is built before
+timing by the real SchedulerClient (split over shards by crc32(rid)) and handed to ZMQ
+at once, so detokd never waits; the worker only keeps frames, checked against the
+oracle after the round. Configurations alternate round by round (ABBA...) so the VM's
+drift hits them alike; the ratio is the median of per-round ratios. Beside each round,
+N copies of a plain Python loop against one measure the machine's own ceiling, which no
+scale-out beats. CPU per token from /proc/<pid>/task/*/schedstat (Linux only).
 
     python -m detokbench scale                        # 1 and 2 shards, deepseek, B=1024
     python -m detokbench scale --shards 1 --batch 256 # detokd's CPU per token at B=256
@@ -29,7 +17,6 @@ This measures detokd, the way a load generator measures a server:
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import statistics
@@ -50,6 +37,8 @@ from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
 
 from .children import detokd_process
+from .bench.report import md_head
+from .commands import parser, write_json
 from .corpus import TAIL, corpus
 from .engine import push
 from .proc import cpu_s, descendants
@@ -199,8 +188,7 @@ def check(streams: Streams, got: list[bytes]) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m detokbench scale", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("scale", __doc__)
     ap.add_argument("--shards", default="1,2", help="shard counts to compare, comma-separated (default 1,2)")
     ap.add_argument("--batch", "-B", type=int, default=1024, help="streams, one row each per step (default 1024)")
     ap.add_argument("--steps", type=int, default=400, help="steps per round (default 400)")
@@ -261,8 +249,8 @@ def summarize(args: argparse.Namespace, counts: list[int], runs: dict[int, list[
     med = statistics.median
     print(f"\n{args.tokenizer}, B={args.batch}, {args.ids_per_row} id(s)/row, {args.steps} steps x {args.rounds} rounds, "
           f"{os.cpu_count()} CPUs\n")
-    print("| shards | tokens/s (median) | min – max | detokd CPU-µs/token | harness CPU-µs/token | wrong streams |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(*md_head("shards", "tokens/s (median)", "min – max", "detokd CPU-µs/token", "harness CPU-µs/token", "wrong streams"),
+          sep="\n")
     for c in counts:
         rs = runs[c]
         tps = [x["tokens_per_s"] for x in rs]
@@ -291,6 +279,5 @@ def main(argv: list[str]) -> int:
     runs, ceilings = measure(args, counts)
     ratios = summarize(args, counts, runs, ceilings)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"args": vars(args), "cpus": os.cpu_count(), "runs": runs, "ratios": ratios, "ceilings": ceilings}, indent=1))
+        write_json(args.json, {"args": vars(args), "cpus": os.cpu_count(), "runs": runs, "ratios": ratios, "ceilings": ceilings})
     return 1 if any(x["wrong_streams"] for rs in runs.values() for x in rs) else 0

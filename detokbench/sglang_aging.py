@@ -11,16 +11,13 @@ pass's text is checked against the oracle. Run it in SGLang's environment
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-from pathlib import Path
 
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer
 from detokd.tokenizer import load
 
-from .commands import command_line
+from .commands import command_line, parser, write_json
 from .corpus import corpus
 from .proc import memory
 from .sglang_bench import TOKENIZER, Stream, check, environment, run_pass
@@ -32,8 +29,7 @@ def _ratio(ratio: float | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m detokbench sglang-aging", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("sglang-aging", __doc__)
     ap.add_argument("--passes", type=int, default=8, help="passes through each process (default 8)")
     ap.add_argument("--encoding", choices=["pickle", "msgpack"], default="pickle", help="SGLang's IPC (default pickle)")
     ap.add_argument("--batch", type=int, default=1024, help="slots of continuous batching (default 1024)")
@@ -78,5 +74,5 @@ def main(argv: list[str]) -> int:
           f"long-lived RSS {passes[0]['long_lived']['rss_mb']:.0f} → {passes[-1]['long_lived']['rss_mb']:.0f} MB")
     if args.json:
         doc = dict(command=command_line("sglang-aging", argv), environment=environment(), args=vars(args), passes=passes)
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(args.json, doc)
     return 0

@@ -1,58 +1,30 @@
-"""detokd in SGLang mode against SGLang's own detokenizer process, on SGLang's own stream.
+"""detokd in SGLang mode against SGLang's own detokenizer process, on SGLang's own stream
+(docs/sglang.md, "Measured gain").
 
     fake scheduler (this process) --BatchTokenIDOutput--> detokenizer --BatchStrOutput--> this process
 
-* The stream: B requests of real multilingual text (the corpus of `detokbench bench`,
-  tokenized by the DeepSeek tokenizer), each starting at its own offset with the 5 ids
-  before it as its prompt, one new id per request per step (--ids-per-step: several, as
-  speculative decoding sends them; --varied-ids: 1 to that many, drawn per request and
-  step, as it accepts them), all finishing (length) at the last step; or, with
-  --lifetime L, B slots of requests L steps long, ~B/L starting and ~B/L finishing at
-  every step, as under continuous batching (the percentiles then take the steps with all
-  B live, not the ramps at either end). The
-  BatchTokenIDOutput of every step is built by SGLang's own scheduler code
-  (detokbench.sglang_replay.build_stream: Req + _GenerationStreamAccumulator), once per
-  encoding and batch size, then encoded as SGLang's sock_send does (pickle
-  HIGHEST_PROTOCOL, or io_struct.msgpack_encode) - all before any timing. One built stream
-  is sent to both processes.
-* The processes: both started as SGLang's Engine starts its detokenizer
-  (sglang_replay.SglangDetokenizerUnderTest: spawn, target(server_args, port_args)):
-  "sglang" = sglang.srt.managers.detokenizer_manager.run_detokenizer_process,
-  "detokd" = detokd.sglang.process.run_sglang_detokenizer.
-  Each is warmed up with a short stream of the same batch size first.
-* Two modes per pass over the whole stream:
-  latency    - send step k only after step k-1's BatchStrOutput arrived; a step's latency
-               is send of its frame to receipt of its answer (this process's clock).
-  throughput - up to --window steps in flight; tokens/s = B * steps / wall time.
-* --detokenizers N (SGLang's --detokenizer-worker-num): N SGLang detokenizers behind
-  SGLang's own MultiDetokenizerRouter, which splits every step by rid, so each step gets N
-  answers; a step's latency runs to its last. detokd as the plugin serves that mode: one
-  process (--detokd-router: N behind SGLang's router too, as DETOKD_SGLANG_ROUTER=1 lays it
-  out). CPU is summed over a target's processes and router (each one's share is in the
-  JSON), and this process decodes each answer's rids to tell whose it is.
-* ABBA: each round runs sglang, detokd, detokd, sglang (the next round detokd first), each
-  slot a latency pass then a throughput pass, so drift (thermal, page cache, the other
-  process' memory) hits both alike.
-* CPU per token: the detokenizer's utime+stime (/proc/<pid>/stat, all its threads) over a
-  pass, divided by the pass' tokens (and by its rows: requests x steps). The floor of
-  the encoding: this process decoding the same frames and encoding the same answers
-  with nothing else done (`floor`). Peak RSS: VmHWM (/proc/<pid>/status) after all
-  passes of a batch size (a process serves every batch size in turn, smallest first).
-* Correctness: answers are decoded with SGLang's own decoder after each pass; per rid the
-  accumulated text must equal the other process' and the Hugging Face oracle
-  (Vocab.reference(prompt, output)); every step must get exactly one answer with the
-  step's rids (behind the router: one per detokenizer, with the rids routed to it).
-  Mismatches are counted and reported, never hidden.
+The stream: B requests of the corpus (DeepSeek tokenizer), 5 prompt ids each, 1 or
+--ids-per-step new ids per step (--varied-ids: 1 to that many, as speculative decoding
+accepts them); all finishing at the last step, or with --lifetime L staggered as under
+continuous batching (the percentiles then take the steps with all B live). Every
+message is built by SGLang's own scheduler code (sglang_replay.build_stream) and
+encoded as sock_send does, before any timing; one built stream is sent to both
+processes, each started as SGLang's Engine starts its detokenizer and warmed up.
+Per pass: latency (one step in flight) and throughput (--window steps in flight).
+ABBA rounds (sglang, detokd, detokd, sglang) so drift hits both alike. CPU per token and
+per row from /proc over a pass, against the encoding's floor (this process decoding the
+frames and encoding the answers, nothing else); peak RSS (VmHWM). Answers are checked
+against the other process and the Hugging Face oracle; mismatches are counted, never
+hidden.
 
     python -m detokbench sglang-bench --json docs/bench/sglang.json --plot docs/bench/sglang.png
     python -m detokbench sglang-bench --summary docs/bench/sglang*.json   # the recorded runs, one table
 
-The defaults take ~7-9 minutes on 2 cores (~3 of them starting four processes that import SGLang).
+The defaults take ~7-9 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -61,7 +33,6 @@ import platform
 import random
 import statistics
 import subprocess
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -71,8 +42,8 @@ from detokd.sglang.process import run_sglang_detokenizer as detokd_target
 from detokd.tokenizer import load
 
 from . import ROOT
-from .bench.report import machine, pct
-from .commands import command_line
+from .bench.report import log, machine, md_head, pct
+from .commands import command_line, parser, write_json
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
 from .sglang_replay import (
@@ -303,10 +274,6 @@ def by_process(p: dict) -> str:
     return " ".join(f"{who} {cpu / p['rows'] * 1e6:.2f}" for who, cpu in p["cpu_s_by_process"].items())
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
     results = []
     for batch in sorted(args.batch):
@@ -400,9 +367,8 @@ def label(r: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| encoding | ids/step | B | target | mode | tokens/s | p50 ms | p99 ms | max ms | CPU us/token | CPU us/row "
-            "| floor us/row | VmHWM MB | text ok |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = md_head("encoding", "ids/step", "B", "target", "mode", "tokens/s", "p50 ms", "p99 ms", "max ms", "CPU us/token",
+                   "CPU us/row", "floor us/row", "VmHWM MB", "text ok")
     for r in results:
         ok = r["text_equal_across_targets"] and not r["off_oracle"] and r["one_answer_per_step"] and r["same_text_every_pass"]
         floor_row = f"{r['floor_us_per_row']:.2f}" + (f" (raw {r['floor_raw_us_per_row']:.2f})" if "floor_raw_us_per_row" in r else "")
@@ -433,9 +399,8 @@ def _rates(results: tuple[dict, ...]) -> str:
 def summary(paths: list[str]) -> str:
     """One row per recorded run, IPC and batch size: the figures the docs quote, read
     back from the JSON files that hold them (medians of the passes; p99 pooled)."""
-    rows = ["| run | commit | CPU | stream | IPC | B | SGLang tokens/s, 1 / 8 in flight | detokd tokens/s, 1 / 8 in flight "
-            "| gain | detokd p50 / p99, ms | CPU µs/row: SGLang / detokd / floor |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = md_head("run", "commit", "CPU", "stream", "IPC", "B", "SGLang tokens/s, 1 / 8 in flight",
+                   "detokd tokens/s, 1 / 8 in flight", "gain", "detokd p50 / p99, ms", "CPU µs/row: SGLang / detokd / floor")
     for path in paths:
         doc = json.loads(Path(path).read_text())
         if "results" not in doc:  # another command's JSON beside them (sglang-aging's)
@@ -485,37 +450,28 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m detokbench sglang-bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("sglang-bench", __doc__)
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 1024], help="concurrent requests (default 256 1024)")
-    ap.add_argument("--steps", type=int, default=300, help="decode steps per pass (default 300): the new ids of each request, "
-                    "or, with --lifetime, the length of the stream")
-    ap.add_argument("--lifetime", type=int, metavar="L", help="steps each request lives: requests start and finish "
-                    "staggered, ~B/L of each per step, as under continuous batching, and the latency percentiles take "
-                    "the steps with all B live (default: all B requests start at the first step and finish at the last, "
-                    "two steps no engine sends, which the percentiles then include)")
+    ap.add_argument("--steps", type=int, default=300, help="decode steps per pass (default 300)")
+    ap.add_argument("--lifetime", type=int, metavar="L", help="steps each request lives, staggered as under continuous "
+                    "batching (default: all B start at the first step and finish at the last)")
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
     ap.add_argument("--ids-per-step", type=int, default=1, help="new ids per request per step (default 1; speculative "
-                    "decoding sends 2-8): the CPU per row is per request per step")
-    ap.add_argument("--varied-ids", action="store_true", help="with --ids-per-step K: each request's new ids in a "
-                    "step drawn from 1 to K (seeded), as speculative decoding accepts a varying number of draft tokens, "
-                    "so the rows of a step differ in length")
+                    "decoding: 2-8)")
+    ap.add_argument("--varied-ids", action="store_true", help="with --ids-per-step K: 1 to K per request and step (seeded)")
     ap.add_argument("--detokd-router", action="store_true", help="with --detokenizers N > 1, N detokd processes "
                     "behind SGLang's router too (DETOKD_SGLANG_ROUTER=1), not the plugin's one process")
-    ap.add_argument("--detokenizers", type=int, default=1, help="SGLang's --detokenizer-worker-num (default 1): N of "
-                    "SGLang's detokenizers behind its own router, against detokd as the plugin serves it (one process)")
+    ap.add_argument("--detokenizers", type=int, default=1, help="SGLang's --detokenizer-worker-num (default 1), against "
+                    "detokd as the plugin serves it (one process)")
     ap.add_argument("--window", type=int, default=8, help="steps in flight in the throughput mode (default 8)")
     ap.add_argument("--encodings", nargs="+", choices=["pickle", "msgpack"], default=["pickle", "msgpack"],
                     help="SGLang IPC encodings (SGLANG_USE_PICKLE_IPC), each with its own pair of processes")
-    ap.add_argument("--freeze-gc", action="store_true", help="after the warm-up, send both processes a FreezeGCReq, as "
-                    "SGLang's /freeze_gc endpoint does (off by default, as in SGLang: its detokenizer then stalls "
-                    "~0.5 s every ~60 steps at B=1024, which freezing removes)")
-    ap.add_argument("--json", metavar="PATH", help="write the environment, arguments, the summary and every pass "
-                    "(with each step's latency) here")
+    ap.add_argument("--freeze-gc", action="store_true", help="after the warm-up, send both a FreezeGCReq, as SGLang's "
+                    "/freeze_gc does (off by default, as in SGLang)")
+    ap.add_argument("--json", metavar="PATH", help="write the environment, arguments, summary and every pass here")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib; or --plot-only later)")
     ap.add_argument("--plot-only", metavar="JSON", help="only draw --plot from an earlier --json file (any python with matplotlib)")
-    ap.add_argument("--summary", metavar="JSON", nargs="+", help="only print the table of earlier --json files, one row "
-                    "per file, IPC and B (any python)")
+    ap.add_argument("--summary", metavar="JSON", nargs="+", help="only print the table of earlier --json files (any python)")
     args = ap.parse_args(argv)
     if args.lifetime is not None and not 1 <= args.lifetime <= args.steps // 2:
         ap.error(f"--lifetime must be 1 to half of --steps ({args.steps}): the batch is full only after one lifetime "
@@ -551,8 +507,7 @@ def main(argv: list[str]) -> int:
                corpus_ids=len(ids), seconds=time.perf_counter() - t_start, failure=failure, results=results,
                passes=raw)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(args.json, doc)
     if results:
         print(table(results))
     if args.plot and results:

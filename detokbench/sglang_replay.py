@@ -1,23 +1,18 @@
-"""Replay a scripted scheduler stream through an SGLang-compatible detokenizer process.
+"""Replay a scripted scheduler stream through an SGLang-compatible detokenizer process
+(`detokbench sglang-bench` and the SGLang tests, whose own helpers are in
+tests/sglang/replay.py).
 
-Three pieces, each usable alone by the SGLang tests and `detokbench sglang-bench`:
+- `Scripted`: one request (prompt, outputs, per-step chunking, flags, finish kind,
+  HTTP worker, which passthrough fields carry fake values).
+- `build_stream`: the per-step `BatchTokenIDOutput`, made by SGLang's own scheduler-side
+  builder (`Req` + `_GenerationStreamAccumulator`), not by a re-implementation of it.
+- `SglangDetokenizerUnderTest`: a detokenizer (SGLang's or detokd's) started as SGLang's
+  Engine starts it (N > 1: behind SGLang's MultiDetokenizerRouter), fed by a fake
+  scheduler and drained by fake TokenizerManagers.
 
-- `Scripted`: a typed record of one request (prompt, outputs, per-step chunking, flags,
-  finish kind, HTTP worker, which passthrough fields carry fake values).
-- `build_stream`: the per-step `BatchTokenIDOutput` messages, made by SGLang's own
-  scheduler-side builder (`Req` + `_GenerationStreamAccumulator` of
-  scheduler_components/output_streamer.py), not by a re-implementation of it.
-- `SglangDetokenizerUnderTest`: a detokenizer (SGLang's or detokd's) started the way
-  SGLang's Engine starts it (spawn, `target(server_args, port_args)`; with N > 1, N of
-  them behind SGLang's own MultiDetokenizerRouter, as `--detokenizer-worker-num N`),
-  fed by a fake scheduler (PUSH, SGLang's `sock_send`) and drained by fake
-  TokenizerManagers (PULL, SGLang's `sock_recv`).
-
-SGLang picks its IPC encoding once, at import of io_struct, from SGLANG_USE_PICKLE_IPC.
-A test process needs both encodings, so `ipc_encoding` sets the module flag and the
-environment (which spawned children inherit, before they import sglang) together.
-Messages must be built under the encoding they are sent with: in msgpack mode
-time_stats / customized_info are PickleWrapper frames, in pickle mode plain objects.
+SGLang picks its IPC encoding once, at import of io_struct, from SGLANG_USE_PICKLE_IPC;
+`ipc_encoding` sets the module flag and the environment (inherited by spawned children)
+together. Messages must be built under the encoding they are sent with.
 """
 
 from __future__ import annotations
@@ -27,7 +22,6 @@ import dataclasses
 import inspect
 import json
 import os
-import pickle
 import shutil
 import signal
 import tempfile
@@ -290,44 +284,6 @@ def build_stream(
         return out
 
 
-def health_check_batch(*, encoding: Encoding) -> Any:
-    """An idle batch: what the scheduler streams with nothing to report (to_payload with
-    is_idle_batch=True), the shape the health check's empty output comes from."""
-    with ipc_encoding(encoding):
-        return _accumulator(False, [], _cached_details).to_payload(dp_rank=0, is_idle_batch=True)
-
-
-def embedding_batch(
-    rids: Sequence[str],
-    *,
-    encoding: Encoding,
-    http_worker_ipcs: Sequence[str | None] = (None,),
-    workers: Sequence[int] | None = None,
-    dims: int = 4,
-) -> Any:
-    """A BatchEmbeddingOutput shaped as OutputStreamer._stream_output_embedding builds it."""
-    import torch
-    from sglang.srt.managers.io_struct import BatchEmbeddingOutput, wrap_as_pickle
-
-    workers = list(workers) if workers is not None else [0] * len(rids)
-    n = len(rids)
-    with ipc_encoding(encoding):
-        return BatchEmbeddingOutput(
-            rids=list(rids),
-            http_worker_ipcs=[http_worker_ipcs[w] for w in workers],
-            time_stats=wrap_as_pickle([None] * n),
-            finished_reasons=[{"type": "length", "length": 1} for _ in rids],
-            embeddings=[[(i + 1) / (j + 2) for j in range(dims)] for i in range(n)],
-            prompt_tokens=[3 + i for i in range(n)],
-            cached_tokens=[0] * n,
-            cached_tokens_details=[None] * n,
-            placeholder_tokens_idx=None,
-            placeholder_tokens_val=None,
-            retraction_counts=[0] * n,
-            pooled_hidden_states=[torch.full((dims,), float(i)) for i in range(n)],
-        )
-
-
 def freeze_gc_req() -> Any:
     from sglang.srt.managers.io_struct import FreezeGCReq
 
@@ -366,23 +322,6 @@ def _fence_rids(tag: str, receiver: int, ipc: str | None, detokenizers: int) -> 
     return [rids[d] for d in sorted(wanted)]
 
 
-def prompt_context(messages: Iterable[Any]) -> dict[str, list[int]]:
-    """Per rid, the ids SGLang decodes before the output: the first row's
-    decode_ids[:read_offset] (the last <= 5 prompt ids, INIT_INCREMENTAL_DETOKENIZATION_OFFSET)."""
-    ctx: dict[str, list[int]] = {}
-    live: set[str] = set()
-    for m in messages:
-        if type(m).__name__ != "BatchTokenIDOutput":
-            continue
-        for i, rid in enumerate(m.rids):
-            if rid not in live:
-                ctx.setdefault(rid, list(m.decode_ids[i][: m.read_offsets[i]]))
-                live.add(rid)
-            if m.finished_reasons[i] is not None:
-                live.discard(rid)
-    return ctx
-
-
 # --- accumulation ---------------------------------------------------------------------
 
 
@@ -403,47 +342,6 @@ def accumulate(outputs: Iterable[Any]) -> dict[str, list[Accumulated]]:
                 acc.output_ids.extend(out.output_ids[i])
             acc.finished_reason = out.finished_reasons[i]
     return result
-
-
-def plain(obj: Any) -> Any:
-    """A comparable, encoding-neutral view of a message field (arrays and tensors as
-    (dtype, shape, bytes), structs and dataclasses as dicts of their fields)."""
-    import numpy as np
-    import torch
-
-    if isinstance(obj, (str, int, float, bool, type(None), bytes)):
-        return obj
-    if isinstance(obj, array):
-        return list(obj)
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", str(obj.dtype), tuple(obj.shape), obj.cpu().contiguous().numpy().tobytes())
-    if isinstance(obj, np.ndarray):
-        return ("ndarray", obj.dtype.str, obj.shape, obj.tobytes())
-    if isinstance(obj, (list, tuple)):
-        return [plain(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: plain(v) for k, v in obj.items()}
-    if isinstance(obj, msgspec.Struct):
-        return {"__type__": type(obj).__name__, **{f: plain(getattr(obj, f)) for f in obj.__struct_fields__}}
-    if dataclasses.is_dataclass(obj):
-        # Compare what crosses a process boundary: SchedulerReqTimeStats ships only its
-        # __getstate__ subset. A received copy cannot be pickled again (it lacks the
-        # dropped attributes), so it is taken as it is.
-        try:
-            obj = pickle.loads(pickle.dumps(obj))
-        except Exception:
-            pass
-        # Tracing / metrics handles have no value semantics; their type is what matters.
-        fields = {k: plain(v) if _is_value(v) else type(v).__name__ for k, v in sorted(vars(obj).items())}
-        return {"__type__": type(obj).__name__, **fields}
-    return type(obj).__name__
-
-
-def _is_value(v: Any) -> bool:
-    import numpy as np
-    import torch
-
-    return isinstance(v, (str, int, float, bool, type(None), bytes, list, tuple, dict, array, torch.Tensor, np.ndarray))
 
 
 # --- runner ---------------------------------------------------------------------------
@@ -677,26 +575,6 @@ class SglangDetokenizerUnderTest:
                         raise AssertionError(f"stale fence {fences}")
                     due[i] -= len(fences)
         return got
-
-    def streams(self, received: list[list[Any]]) -> list[list[Any]]:
-        """`received` cut into streams whose order is the detokenizers' own: per receiver,
-        one per detokenizer (the one SGLang's router gives the message's rows), then the
-        messages with no rows, which the router sends to every detokenizer. With one
-        detokenizer, `received` itself."""
-        if self.detokenizers == 1:
-            return received
-        out = []
-        for got in received:
-            cut: list[list[Any]] = [[] for _ in range(self.detokenizers + 1)]
-            for msg in got:
-                rids = getattr(msg, "rids", None) or []
-                ipcs = getattr(msg, "http_worker_ipcs", None) or [None] * len(rids)
-                picked = {route(ipc, rid, self.detokenizers) for ipc, rid in zip(ipcs, rids)}
-                if len(picked) > 1:
-                    raise AssertionError(f"one output holds rows of detokenizers {sorted(picked)}: {list(msg.rids)}")
-                cut[picked.pop() if picked else -1].append(msg)
-            out.extend(cut)
-        return out
 
     def _check_alive(self) -> None:
         if self.sigquit:

@@ -1,38 +1,18 @@
 """Soak test: millions of tokens with churn through a real detokd; is memory flat?
+(docs/reliability.md, "Soak")
 
-    engine (this process) --tokens/abort--> `python -m detokd serve` --text--> worker (this process)
-
-* The engine keeps `--concurrency` requests going at once; each step it sends one
-  `tokens` frame with a row of 1..`--max-delta` new ids for every one of them. Output
-  lengths are random (log-uniform between 1 and `--max-len`); ids are runs of real
-  multilingual text (the DeepSeek tokenizer's own encodings) with random ids of the
-  whole vocabulary sprinkled in; half the requests carry a prompt tail.
-* Churn: most requests finish (a finish row); `--abort` of them are aborted midway
-  (an `abort` message); `--abandon` of them are simply never sent again, neither
-  finished nor aborted, as when an engine loses track of a request. Their states pile
-  up until detokd's table is full (`--max-states`) and eviction takes the oldest:
-  each evicted request's worker gets an "evicted" row.
-* The worker (a thread of this process) counts every row, checks that each finished
-  request's last row has n_ids equal to its length and that only abandoned requests
-  get errors, and keeps the whole text of every `--check-every`-th request, which is
-  compared at the end with the oracle: transformers' decode of prompt tail + output.
-* A sampler thread records, every `--interval` seconds, detokd's RSS (/proc) and
-  what its /metrics says: live requests, tokens, evictions, errors.
-* At the end: JSON with every sample and the summary, a PNG plot (RSS and live
-  requests over time, matplotlib), both in `--out` (docs/soak/), and the verdict:
-  RSS is flat when it grew by less than `--flat-threshold` over the last quarter
-  of the run.
+The engine keeps --concurrency requests going, one `tokens` frame a step with 1 to
+--max-delta new ids for each; lengths log-uniform in [1, --max-len]; real text with
+random ids sprinkled in; half with a prompt tail. Most finish, --abort of them are
+aborted midway and --abandon never sent again, so detokd's table (--max-states) fills
+and eviction frees them. The worker checks every ending and keeps every
+--check-every-th text for the oracle; a sampler records RSS and /metrics. RSS is flat
+when it grew by less than --flat-threshold over the last quarter of the run.
 
     python -m detokbench soak --quick     # ~1.4M tokens over 10k requests, seconds
-    python -m detokbench soak             # ~135M tokens over 1M requests, minutes (docs/reliability.md)
-    python -m detokbench soak --requests 110000   # the issue's minimum: >10M tokens, >100k requests
+    python -m detokbench soak             # ~135M tokens over 1M requests, minutes
 
 Exit status: 0 when RSS ended flat and every checked text was exact, 1 otherwise.
-
-In order below: the engine (Churn: requests with random lengths and fates, one frame
-per step), the tokenizer worker (every request's ending, the checked texts), whether
-RSS ended flat, the PNG, one run in steps (detokd and its sampler: detokbench.rig),
-its verdict and summary, the command line.
 """
 
 from __future__ import annotations
@@ -40,7 +20,6 @@ from __future__ import annotations
 import argparse
 import array
 import collections
-import json
 import math
 import os
 import platform
@@ -60,7 +39,7 @@ from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
 
 from . import ROOT
-from .commands import command_line
+from .commands import command_line, parser, write_json
 from .frames import mixed_ids
 from .metrics import scrape
 from .rig import Rig, Sampler
@@ -474,7 +453,7 @@ def run(args, command: str) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "soak-quick" if args.quick else "soak"
-    (out / f"{stem}.json").write_text(json.dumps({"summary": sm, "samples": s.sampler.samples}, indent=1))
+    write_json(out / f"{stem}.json", {"summary": sm, "samples": s.sampler.samples})
     plot(s.sampler.samples, sm, out / f"{stem}.png")
     report(sm, v, args, f"{out / (stem + '.json')} and {out / (stem + '.png')}")
     if s.detokd.proc.returncode not in (0, None):
@@ -486,13 +465,7 @@ def run(args, command: str) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m detokbench soak",
-        description="Soak a real detokd: millions of tokens, request churn (random lengths, aborts, "
-        "abandoned requests that only eviction frees), RSS and live requests sampled over time; "
-        "writes JSON and a PNG to docs/soak/ and says whether RSS ended flat.",
-        epilog="Exit status 0: RSS flat, every checked text exact, every finished request ended right.",
-    )
+    ap = parser("soak", __doc__)
     ap.add_argument("--quick", action="store_true", help="a short run (~1.4M tokens over 10k requests, seconds)")
     ap.add_argument("--requests", type=int, default=1_000_000, help="requests in all (default 1000000: ~135M tokens)")
     ap.add_argument("--max-len", type=int, default=1000, help="output lengths are log-uniform in [1, max-len] (default 1000)")

@@ -42,6 +42,10 @@ def _chunks(ids, rng):
         i += n
 
 
+def make(algo: str, tok, prompt_tail=()) -> baselines.Stream:
+    return baselines.ALGOS[algo](tok, prompt_tail, True, True)
+
+
 @pytest.mark.parametrize("algo", sorted(baselines.ALGOS))
 def test_stream_equals_full_decode(algo, tok, text_ids):
     text, ids = text_ids
@@ -50,7 +54,7 @@ def test_stream_equals_full_decode(algo, tok, text_ids):
     want = tok.decode(ids)
     assert want == text  # byte-level BPE round-trips this text
     rng = random.Random(7)
-    s = baselines.make(algo, tok)
+    s = make(algo, tok)
     got = "".join(s.step(c) for c in _chunks(ids, rng)) + s.finish()
     assert got == want
 
@@ -66,7 +70,7 @@ def test_prompt_tail_context(algo, tok, text_ids):
                and not tok.decode(ids[p:p + 3]).startswith("\ufffd"))
     tail, out = ids[cut - 4:cut], ids[cut:cut + 300]
     want = vocab("deepseek").reference(tail, out)
-    s = baselines.make(algo, tok, prompt_tail=tail)
+    s = make(algo, tok, prompt_tail=tail)
     got = "".join(s.step([i]) for i in out) + s.finish()
     assert got == want
 
@@ -76,7 +80,7 @@ def test_sglang_batch_matches_single(tok, text_ids):
     pytest.importorskip("transformers")
     _, ids = text_ids
     starts = [0, 97, 233, 410]
-    streams = [baselines.make("sglang", tok) for _ in starts]
+    streams = [make("sglang", tok) for _ in starts]
     outs = ["" for _ in starts]
     for k in range(0, 160, 2):
         texts = baselines.SGLangStream.step_batch(streams, [ids[s + k:s + k + 2] for s in starts], [False] * len(starts))
@@ -89,7 +93,7 @@ def test_sglang_batch_matches_single(tok, text_ids):
 def test_floor_flushes_incomplete_character(tok):
     ids = tok.fast.encode("🤖", add_special_tokens=False).ids
     assert len(ids) > 1
-    s = baselines.make("floor", tok)
+    s = make("floor", tok)
     assert s.step(ids[:-1]) == ""
     assert s.finish() == tok.decode(ids[:-1])  # U+FFFD, as the reference decode
 

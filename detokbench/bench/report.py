@@ -39,6 +39,11 @@ def pct(values: list[float], q: float) -> Optional[float]:
     return v[k]
 
 
+def md_head(*cols: str) -> list[str]:
+    """A markdown table's header and separator lines."""
+    return ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+
+
 def lat_stats(ns: list[int]) -> Optional[dict]:
     if not ns:
         return None
@@ -154,12 +159,9 @@ def report(res: dict, full: bool = True) -> str:
     L = _header(res, quiet, sum(1 for r in runs if disturbed(r)))
     L.append("### Throughput, tokens/s through the whole pipeline\n")
     others = [b for b in BASELINES if b in impls]
-    hdr = "| tokenizer | B | ids/row | " + " | ".join(i if i != "detokd" or shards == 1 else f"detokd --shards {shards}" for i in impls)
     ratio_cols = others if "detokd" in impls else []
-    if ratio_cols:
-        hdr += " | " + " | ".join(f"detokd ÷ {b}" for b in ratio_cols)
-    L.append(hdr + " |")
-    L.append("|" + " --- |" * (3 + len(impls) + len(ratio_cols)))
+    L += md_head("tokenizer", "B", "ids/row", *(i if i != "detokd" or shards == 1 else f"detokd --shards {shards}" for i in impls),
+                 *(f"detokd ÷ {b}" for b in ratio_cols))
     for tok, n, B in keys:
         cells = []
         for i in impls:
@@ -182,8 +184,8 @@ def report(res: dict, full: bool = True) -> str:
         L.append("### detokd: latency (ms) and cost\n")
         L.append("Idle = one step in flight; loaded = the throughput phase (window "
                  f"{res.get('options', {}).get('window', 2)}); first = step 0, which starts every stream.\n")
-        L.append("| tokenizer | B | ids/row | tok/s | idle p50 | idle p99 | idle max | loaded p50 | loaded p99 | loaded max | first | cpu-s/Mtok | cores used | peak RSS MB | other cores |")
-        L.append("|" + " --- |" * 15)
+        L += md_head("tokenizer", "B", "ids/row", "tok/s", "idle p50", "idle p99", "idle max", "loaded p50", "loaded p99",
+                     "loaded max", "first", "cpu-s/Mtok", "cores used", "peak RSS MB", "other cores")
         for tok, n, B in keys:
             r = idx.get(("detokd", tok, B, n))
             if not r:
@@ -197,8 +199,7 @@ def report(res: dict, full: bool = True) -> str:
     if full:
         L.extend(_latency_table(res, impls, keys, idx))
     L.append("### Step latency p99 (ms), idle, every implementation\n")
-    L.append("| tokenizer | B | ids/row | " + " | ".join(impls) + " |")
-    L.append("|" + " --- |" * (3 + len(impls)))
+    L += md_head("tokenizer", "B", "ids/row", *impls)
     for tok, n, B in keys:
         cells = [_f(((idx.get((i, tok, B, n)) or {}).get("lat_idle") or {}).get("p99_ms"), ".3f") for i in impls]
         L.append(f"| {tok} | {B} | {n} | " + " | ".join(cells) + " |")
@@ -221,8 +222,7 @@ def _header(res: dict, quiet: float, disturbed: int) -> list[str]:
     L.append("")
     if any(r["impl"] == "detokd" for r in runs):
         L.append("### Targets\n")
-        L.append("| target | measured | met |")
-        L.append("| --- | --- | --- |")
+        L += md_head("target", "measured", "met")
         for name, val, ok in targets(res):
             L.append(f"| {name} | {val} | {'–' if ok is None else ('yes' if ok else '**no**')} |")
         L.append("")
@@ -232,8 +232,8 @@ def _header(res: dict, quiet: float, disturbed: int) -> list[str]:
 def _latency_table(res, impls, keys, idx) -> list[str]:
     L = []
     L.append("### Step latency (ms): idle = one step in flight, loaded = the throughput phase\n")
-    L.append("| impl | tokenizer | B | ids/row | idle p50 | idle p99 | idle max | loaded p50 | loaded p99 | loaded max | first step |")
-    L.append("|" + " --- |" * 11)
+    L += md_head("impl", "tokenizer", "B", "ids/row", "idle p50", "idle p99", "idle max", "loaded p50", "loaded p99",
+                 "loaded max", "first step")
     for tok, n, B in keys:
         for i in impls:
             r = idx.get((i, tok, B, n))
@@ -248,8 +248,7 @@ def _latency_table(res, impls, keys, idx) -> list[str]:
 
 def _report_tail(res, impls, keys, idx, L, runs) -> str:
     L.append("### Cost: CPU seconds per million tokens and peak RSS of the implementation's process\n")
-    L.append("| tokenizer | B | ids/row | " + " | ".join(f"{i} cpu-s/Mtok" for i in impls) + " | " + " | ".join(f"{i} MB" for i in impls) + " |")
-    L.append("|" + " --- |" * (3 + 2 * len(impls)))
+    L += md_head("tokenizer", "B", "ids/row", *(f"{i} cpu-s/Mtok" for i in impls), *(f"{i} MB" for i in impls))
     for tok, n, B in keys:
         cells = [_f((idx.get((i, tok, B, n)) or {}).get("cpu_s_per_mtok")) for i in impls]
         cells += [_f((idx.get((i, tok, B, n)) or {}).get("peak_rss_mb"), ".0f") for i in impls]
@@ -265,8 +264,8 @@ def _report_tail(res, impls, keys, idx, L, runs) -> str:
         L.append("Medians of the probes in the first and the last eighth of the long run: a step of the long "
                  "streams and a step of the short control streams, each alone in the pipeline, back to back "
                  "(alternating which goes first).\n")
-        L.append("| impl | tokenizer | B | length | probes | tok/s | start: long / control µs | start ratio | end: long (≈length) / control µs | **end ratio** | other cores |")
-        L.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        L += md_head("impl", "tokenizer", "B", "length", "probes", "tok/s", "start: long / control µs", "start ratio",
+                     "end: long (≈length) / control µs", "**end ratio**", "other cores")
         for r in res["flatness"]:
             fl = r["flatness"]
             L.append(f"| {r['impl']} | {r['tokenizer']} | {r['batch']} | {r.get('steps_run', r['steps'])} | {r.get('probes')} | {fmt_rate(r['tok_per_s'])} | "
@@ -281,8 +280,7 @@ def _report_tail(res, impls, keys, idx, L, runs) -> str:
     if not bad:
         L.append(f"Every checked stream ({nchk} in all) matched the reference decode; no error rows.")
     else:
-        L.append("| impl | tokenizer | B | ids/row | streams checked | mismatches | error rows | example |")
-        L.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        L += md_head("impl", "tokenizer", "B", "ids/row", "streams checked", "mismatches", "error rows", "example")
         for r in bad:
             c = r["check"]
             ex = c["examples"][0] if c["examples"] else (c["error_examples"][0] if c["error_examples"] else "")

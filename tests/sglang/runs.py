@@ -13,9 +13,8 @@ import os
 from conftest import vocab
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer as detokd_target
-from detokbench.sglang_replay import (
-    Scripted, SglangDetokenizerUnderTest, embedding_batch, freeze_gc_req, health_check_batch,
-)
+from detokbench.sglang_replay import Scripted, SglangDetokenizerUnderTest, freeze_gc_req
+from replay import embedding_batch, health_check_batch, streams
 
 # The encodings (a transport concern) are crossed with one tokenizer; the other families
 # take one encoding each. (tokenizer, encoding, HTTP workers)
@@ -164,7 +163,7 @@ class Run:
         ]
         self.received = proc.exchange(self.sent, timeout=600)
         # What arrives in the order one process sent it (per receiver and detokenizer).
-        self.streams = proc.streams(self.received)
+        self.streams = streams(proc, self.received)
 
     def lifetimes(self) -> dict[str, list[Scripted]]:
         out: dict[str, list[Scripted]] = {}

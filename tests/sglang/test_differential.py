@@ -17,7 +17,8 @@ import pytest
 from conftest import vocab
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer
-from detokbench.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, accumulate, plain
+from detokbench.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, accumulate
+from replay import plain
 from runs import CASES, MULTI, ROUTED, RUNS, expected_text, ids_of, matches_oracle
 
 ALL = [pytest.param(*c, 1, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]] + [

@@ -1,0 +1,138 @@
+"""The SGLang tests' side of the replay harness (detokbench.sglang_replay): the scheduler's
+other messages, SGLang's prompt context, a comparable view of a message field, and the
+outputs cut into each detokenizer's stream."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from array import array
+from typing import Any, Iterable, Sequence
+
+import msgspec
+
+from detokbench.sglang_replay import (
+    Encoding,
+    SglangDetokenizerUnderTest,
+    _accumulator,
+    _cached_details,
+    ipc_encoding,
+    route,
+)
+
+
+def health_check_batch(*, encoding: Encoding) -> Any:
+    """An idle batch: what the scheduler streams with nothing to report (to_payload with
+    is_idle_batch=True), the shape the health check's empty output comes from."""
+    with ipc_encoding(encoding):
+        return _accumulator(False, [], _cached_details).to_payload(dp_rank=0, is_idle_batch=True)
+
+
+def embedding_batch(
+    rids: Sequence[str],
+    *,
+    encoding: Encoding,
+    http_worker_ipcs: Sequence[str | None] = (None,),
+    workers: Sequence[int] | None = None,
+    dims: int = 4,
+) -> Any:
+    """A BatchEmbeddingOutput shaped as OutputStreamer._stream_output_embedding builds it."""
+    import torch
+    from sglang.srt.managers.io_struct import BatchEmbeddingOutput, wrap_as_pickle
+
+    workers = list(workers) if workers is not None else [0] * len(rids)
+    n = len(rids)
+    with ipc_encoding(encoding):
+        return BatchEmbeddingOutput(
+            rids=list(rids),
+            http_worker_ipcs=[http_worker_ipcs[w] for w in workers],
+            time_stats=wrap_as_pickle([None] * n),
+            finished_reasons=[{"type": "length", "length": 1} for _ in rids],
+            embeddings=[[(i + 1) / (j + 2) for j in range(dims)] for i in range(n)],
+            prompt_tokens=[3 + i for i in range(n)],
+            cached_tokens=[0] * n,
+            cached_tokens_details=[None] * n,
+            placeholder_tokens_idx=None,
+            placeholder_tokens_val=None,
+            retraction_counts=[0] * n,
+            pooled_hidden_states=[torch.full((dims,), float(i)) for i in range(n)],
+        )
+
+
+def prompt_context(messages: Iterable[Any]) -> dict[str, list[int]]:
+    """Per rid, the ids SGLang decodes before the output: the first row's
+    decode_ids[:read_offset] (the last <= 5 prompt ids, INIT_INCREMENTAL_DETOKENIZATION_OFFSET)."""
+    ctx: dict[str, list[int]] = {}
+    live: set[str] = set()
+    for m in messages:
+        if type(m).__name__ != "BatchTokenIDOutput":
+            continue
+        for i, rid in enumerate(m.rids):
+            if rid not in live:
+                ctx.setdefault(rid, list(m.decode_ids[i][: m.read_offsets[i]]))
+                live.add(rid)
+            if m.finished_reasons[i] is not None:
+                live.discard(rid)
+    return ctx
+
+
+def plain(obj: Any) -> Any:
+    """A comparable, encoding-neutral view of a message field (arrays and tensors as
+    (dtype, shape, bytes), structs and dataclasses as dicts of their fields)."""
+    import numpy as np
+    import torch
+
+    if isinstance(obj, (str, int, float, bool, type(None), bytes)):
+        return obj
+    if isinstance(obj, array):
+        return list(obj)
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", str(obj.dtype), tuple(obj.shape), obj.cpu().contiguous().numpy().tobytes())
+    if isinstance(obj, np.ndarray):
+        return ("ndarray", obj.dtype.str, obj.shape, obj.tobytes())
+    if isinstance(obj, (list, tuple)):
+        return [plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, msgspec.Struct):
+        return {"__type__": type(obj).__name__, **{f: plain(getattr(obj, f)) for f in obj.__struct_fields__}}
+    if dataclasses.is_dataclass(obj):
+        # Compare what crosses a process boundary: SchedulerReqTimeStats ships only its
+        # __getstate__ subset. A received copy cannot be pickled again (it lacks the
+        # dropped attributes), so it is taken as it is.
+        try:
+            obj = pickle.loads(pickle.dumps(obj))
+        except Exception:
+            pass
+        # Tracing / metrics handles have no value semantics; their type is what matters.
+        fields = {k: plain(v) if _is_value(v) else type(v).__name__ for k, v in sorted(vars(obj).items())}
+        return {"__type__": type(obj).__name__, **fields}
+    return type(obj).__name__
+
+
+def _is_value(v: Any) -> bool:
+    import numpy as np
+    import torch
+
+    return isinstance(v, (str, int, float, bool, type(None), bytes, list, tuple, dict, array, torch.Tensor, np.ndarray))
+
+
+def streams(proc: SglangDetokenizerUnderTest, received: list[list[Any]]) -> list[list[Any]]:
+    """`received` cut into streams whose order is the detokenizers' own: per receiver,
+    one per detokenizer (the one SGLang's router gives the message's rows), then the
+    messages with no rows, which the router sends to every detokenizer. With one
+    detokenizer, `received` itself."""
+    if proc.detokenizers == 1:
+        return received
+    out = []
+    for got in received:
+        cut: list[list[Any]] = [[] for _ in range(proc.detokenizers + 1)]
+        for msg in got:
+            rids = getattr(msg, "rids", None) or []
+            ipcs = getattr(msg, "http_worker_ipcs", None) or [None] * len(rids)
+            picked = {route(ipc, rid, proc.detokenizers) for ipc, rid in zip(ipcs, rids)}
+            if len(picked) > 1:
+                raise AssertionError(f"one output holds rows of detokenizers {sorted(picked)}: {list(msg.rids)}")
+            cut[picked.pop() if picked else -1].append(msg)
+        out.extend(cut)
+    return out
