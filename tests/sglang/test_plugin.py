@@ -239,3 +239,16 @@ def test_detokds_process_dies_with_sglang(children):
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid), f"detokd's detokenizer (pid {pid}) outlived SGLang"
+
+
+def test_sglang_mode_counts_ids_and_special_tokens_as_the_tokenizer_command_does(children):
+    """The count an operator reads in SGLang's log is the one `detokd tokenizer` prints for
+    the same tokenizer (both: the ids skip_special_tokens removes)."""
+    import re
+
+    (line,) = [line for line in children["model path"].result()["stderr"].splitlines()
+               if "decodes with SGLang's tokenizer" in line]
+    name, ids, special = re.search(r"SGLang's tokenizer (\S+): (\d+) ids, (\d+) special", line).groups()
+    out = subprocess.run([sys.executable, "-m", "detokd", "tokenizer", name, "--trials", "1"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
+    assert re.search(r"^ids\s+(\d+) \((\d+) special", out, re.M).groups() == (ids, special), (line, out)
