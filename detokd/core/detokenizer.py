@@ -18,7 +18,7 @@ from . import records as r
 from .decoder import Codec, RunTooLong
 from .outbox import Outbox, Produced
 from .records import OutRow, Row, error_row
-from .request import Request
+from .request import SENT_KEEP, SENT_TAIL, Request
 from .stats import Stats
 from .stops import StopAutomata, StopScanner
 from .table import RequestTable, Tombstones
@@ -118,21 +118,11 @@ class Detokenizer:
         """The common row (a live, plain streaming request's next ids) is handled
         inline; everything else goes through `_row`."""
         limits = self.limits
-        if len(rows) > limits.rows:
-            self.stats.bad_frames += 1
-            log.warning("tokens frame of %d rows dropped: max_rows is %d", len(rows), limits.rows)
-            return
-        if self.closing:
-            self._shut(rows)
-            return
         self.stop_chars_left = limits.frame_stop_chars
-        if ids_at_most is None or ids_at_most > limits.frame_ids:
-            cut = _over_budget(rows, limits.frame_ids)
-            if cut is not None:
-                self._tokens(rows[:cut], 0)
-                for row in rows[cut:]:
-                    self._too_large(row, self.table.get(row.rid), self._oversize(row) or "ids per frame")
-                return
+        # The frame-wide rules cost a call only where they could apply.
+        if ((ids_at_most is None or ids_at_most > limits.frame_ids or self.closing)
+                and self._answered_whole(rows, ids_at_most)):
+            return
         get = self.table.states.get
         vocab_size = self.vocab_size
         max_ids = limits.row_ids
@@ -159,18 +149,48 @@ class Detokenizer:
             else:
                 text = None if n else ""
             n_tok += n
-            try:
-                text = request.emit(ids, text)
-            except RunTooLong:
-                self._too_large(row, request, "open byte run")
-                continue
-            except Exception:
-                self._internal(row, request)
-                continue
-            request.outbox.append(OutRow(row.rid, text, None, request.n_ids, row.meta, None))
+            seq = request.n_ids = request.n_ids + n
+            if text is None:
+                try:
+                    text = request.step(ids)
+                except RunTooLong:
+                    self._too_large(row, request, "open byte run")
+                    continue
+                except Exception:
+                    self._internal(row, request)
+                    continue
+            request.outbox.append(OutRow(row.rid, text, None, seq, row.meta, None))
+            # Request.keep_sent, inline: the sent tail kept for an engine stop string. A call
+            # per row costs ~10% of this loop (measured), so the two fast paths write it out.
+            if text:
+                sent = request.sent + text
+                request.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
         stats = self.stats
         stats.rows += len(rows)
         stats.tokens += n_tok
+
+    def _answered_whole(self, rows: list[Row], ids_at_most: int | None) -> bool:
+        """The frame-wide rules, before any row: a frame beyond max_rows is dropped,
+        one read while closing answered `shutdown`, and the rows past the frame's id
+        budget get too_large (those before it are decoded). True when that answered
+        every row. A caller that passes `ids_at_most` within the budget has capped its
+        rows at max_rows already (both dialects' decoders refuse more)."""
+        limits = self.limits
+        if len(rows) > limits.rows:
+            self.stats.bad_frames += 1
+            log.warning("tokens frame of %d rows dropped: max_rows is %d", len(rows), limits.rows)
+            return True
+        if self.closing:
+            self._shut(rows)
+            return True
+        if ids_at_most is None or ids_at_most > limits.frame_ids:
+            cut = _over_budget(rows, limits.frame_ids)
+            if cut is not None:
+                self._tokens(rows[:cut], 0)
+                for row in rows[cut:]:
+                    self._too_large(row, self.table.get(row.rid), self._oversize(row) or "ids per frame")
+                return True
+        return False
 
     def quick(self, rids: list[str], id_rows: list[list[int]], finishes: list, metas: list[Raw],
               at: int = 0, in_vocab: bool = False) -> list[str]:
@@ -208,15 +228,20 @@ class Detokenizer:
             else:
                 break
             n_tok += n
-            try:
-                text = request.emit(ids, text)
-            except RunTooLong:
-                self._too_large(Row(rids[i], ids, request.n_ids - n, None, None, metas[i]), request, "open byte run")
-                text = ""
-            except Exception:
-                self._internal(Row(rids[i], ids, request.n_ids - n, None, None, metas[i]), request)
-                text = ""
+            request.n_ids += n
+            if text is None:
+                try:
+                    text = request.step(ids)
+                except RunTooLong:
+                    self._too_large(Row(rids[i], ids, request.n_ids - n, None, None, metas[i]), request, "open byte run")
+                    text = ""
+                except Exception:
+                    self._internal(Row(rids[i], ids, request.n_ids - n, None, None, metas[i]), request)
+                    text = ""
             add(text)
+            if text:  # Request.keep_sent, inline (see _tokens)
+                sent = request.sent + text
+                request.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
         stats = self.stats
         stats.rows += len(texts)
         stats.tokens += n_tok
@@ -263,29 +288,12 @@ class Detokenizer:
         self._error(row.rid, worker, r.INTERNAL, row.meta, _n_ids(request))
 
     def _row(self, row: Row) -> None:
-        rid = row.rid
-        request = self.table.get(rid)
-        start = row.start
-        why = self._oversize(row)
-        if why is not None:
-            self._too_large(row, request, why)
+        """Any row off the fast path: its request found or begun (`_request`), checked,
+        fed, and answered."""
+        request = self._request(row)
+        if request is None:
             return
-        if start is not None and request is not None and start.worker != request.worker:
-            self._collision(row, request)
-            return
-        if start is not None and (request is None or request.vid != start.vid):
-            if request is not None:  # a new vid: the engine retracted and re-runs this request
-                self.table.pop(rid)
-            elif self.overloaded:
-                self._refuse_new(row, start)
-                return
-            request = self._begin(row, start)
-            if request is None:
-                return
-        elif request is None:
-            self._unknown(row)
-            return
-        ids = row.ids
+        rid, ids = row.rid, row.ids
         if request.stopped:
             # detokd finished it already and the worker has its finishing row: until the
             # engine catches up, its rows (even malformed ones) get no row at all.
@@ -301,13 +309,8 @@ class Detokenizer:
         self.stats.tokens += len(ids)
         held = request.held
         text, finish, stopped = request.feed(rid, ids, row.finish)
-        if request.held != held and finish is None:  # stream=false text kept for the finishing row
-            if request.held > self.limits.held_text_bytes:
-                self._too_large(row, request, "held text")
-                return
-            if self.overloaded:  # the RSS guard: a live request that keeps growing is failed
-                self._fail(rid, request, r.OVERLOADED, row)
-                return
+        if request.held != held and finish is None and self._holds_too_much(row, request):
+            return
         if stopped is not None:
             self.stats.stops += 1
             self.outbox.stopped.append(stopped)
@@ -316,6 +319,41 @@ class Detokenizer:
         elif finish is not None:
             self.table.pop(rid)
         request.outbox.append(OutRow(rid, text, finish, request.n_ids, row.meta, None))
+
+    def _request(self, row: Row) -> Request | None:
+        """The live request a row is for, begun if the row starts one; None when the row
+        is answered already (beyond a cap, a collision, refused, an unknown rid)."""
+        rid = row.rid
+        request = self.table.get(rid)
+        start = row.start
+        why = self._oversize(row)
+        if why is not None:
+            self._too_large(row, request, why)
+            return None
+        if start is not None and request is not None and start.worker != request.worker:
+            self._collision(row, request)
+            return None
+        if start is not None and (request is None or request.vid != start.vid):
+            if request is not None:  # a new vid: the engine retracted and re-runs this request
+                self.table.pop(rid)
+            elif self.overloaded:
+                self._refuse_new(row, start)
+                return None
+            return self._begin(row, start)
+        if request is None:
+            self._unknown(row)
+        return request
+
+    def _holds_too_much(self, row: Row, request: Request) -> bool:
+        """A stream=false request's held text grew: beyond held_text_bytes it fails
+        too_large, and while the RSS guard is on it fails overloaded. True when failed."""
+        if request.held > self.limits.held_text_bytes:
+            self._too_large(row, request, "held text")
+            return True
+        if self.overloaded:  # the RSS guard: a live request that keeps growing is failed
+            self._fail(row.rid, request, r.OVERLOADED, row)
+            return True
+        return False
 
     def _begin(self, row: Row, start: r.Start) -> Request | None:
         rid = row.rid

@@ -44,19 +44,11 @@ class Request:
         # through feed. A plain streaming request's rows take the dispatcher's fast path.
         self.needs_feed = stops is not None or not start.stream
 
-    def emit(self, ids: list[int], text: str | None) -> str:
-        """Advance past `ids` and return their text: `text` where the caller has it (the
-        decoder's settled table), else the decoder's step. The text is remembered as
-        sent (`sent` keeps its last SENT_TAIL characters or more). The one way every
-        path advances a request; the step's exceptions (RunTooLong, ...) reach the caller
-        with n_ids advanced."""
-        self.n_ids += len(ids)
-        if text is None:
-            text = self.step(ids)
-        if text:
-            sent = self.sent + text
-            self.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
-        return text
+    def keep_sent(self, text: str) -> None:
+        """`text` went out: `sent` keeps its last SENT_TAIL characters or more. The rule
+        of the sent tail; the dispatcher's two fast paths write it out inline."""
+        sent = self.sent + text
+        self.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
 
     def feed(self, rid: str, ids: list[int], finish: Finish | None) -> tuple[str, Finish | None, StoppedRow | None]:
         """The text `ids` add (all in the vocabulary, the row's seq checked), the finish
@@ -85,7 +77,7 @@ class Request:
         if found is None and finish is not None:
             text = trim_engine_stop(self.sent[-SENT_TAIL:], text, finish.matched, self.keep_stop)
         elif text:
-            self.emit((), text)  # as sent
+            self.keep_sent(text)
         return text, finish, stopped
 
     def _decode(self, ids: list[int], final: bool) -> tuple[str, str | None, int]:
