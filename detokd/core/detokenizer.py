@@ -206,9 +206,9 @@ class Detokenizer:
         vocab_size = self.vocab_size
         max_ids = self.limits.row_ids
         n_tok = 0
-        texts: list[str] = []
-        add = texts.append
-        for i in range(at, len(rids)):
+        end = len(rids)
+        texts = [""] * (end - at)  # cut to the rows taken at the end: a store per row, not an append
+        for i in range(at, end):
             if finishes[i] is not None:
                 break
             request = get(rids[i])
@@ -238,12 +238,15 @@ class Detokenizer:
                 except Exception:
                     self._internal(Row(rids[i], ids, request.n_ids - n, None, None, metas[i]), request)
                     text = ""
-            add(text)
+            texts[i - at] = text
             if text:  # Request.keep_sent, inline (see _tokens)
                 sent = request.sent + text
                 request.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
+        else:
+            i = end
+        del texts[i - at :]
         stats = self.stats
-        stats.rows += len(texts)
+        stats.rows += i - at
         stats.tokens += n_tok
         return texts
 
