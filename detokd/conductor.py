@@ -70,8 +70,10 @@ class Conductor:
     def between_batches(self) -> None:
         """Connections that broke fail what was in flight on them; error rows owed to
         workers (a full queue, a broken connection) go out once they have room."""
-        self.delivery.watch_connections()
-        self.fail_broken()
+        delivery = self.delivery
+        delivery.watch_connections()
+        if delivery.broken:
+            self.fail_broken()
         self.send_owed()
 
     def fail_broken(self) -> None:
