@@ -35,6 +35,7 @@ def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
     import zmq
 
     from detokd import gc_policy
+    from detokd.conductor import Conductor
     from detokd.core.decoder import make_codec
     from detokd.core.detokenizer import Detokenizer
     from detokd.core.outbox import Outbox
@@ -81,8 +82,8 @@ def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
     core = Detokenizer(make_codec(vocab, release="char"), vocab.size, outbox, max_states=4 * batch, max_prompt_tail=TAIL, stats=stats)
     delivery = Delivery(ctx, outbox, ["inproc://worker"], feedback=None, hwm=0, queue_bytes=1 << 30, linger_ms=0, stats=stats)
     policy = gc_policy.GcPolicy(stats)
-    dialect = native.NativeDialect(core, delivery, policy, stats)
-    delivery.attach(dialect, lost=core.stalled, live=core.table.__contains__)
+    dialect = native.NativeDialect(core, policy, stats)
+    conductor = Conductor(dialect, core, delivery, stats)
 
     pauses: list[float] = []
     began = [0.0]
@@ -100,8 +101,7 @@ def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
     delivered = 0
     for frame in frames:
         t = time.perf_counter()
-        dialect.handle(frame)  # what Server.process does with a frame: handle, deliver
-        delivery.deliver()
+        conductor.frame(frame)  # what Server.process does with a frame: handle, deliver
         policy.tick(time.monotonic())
         turns.append(time.perf_counter() - t)
         while sink.poll(0):

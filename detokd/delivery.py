@@ -6,8 +6,9 @@ megabytes). Sends never block:
 a worker that stops reading fills its own queue and only its requests fail
 (`worker_stalled`), while every other worker is served as before (SGLang #29366
 fanned out one message per request and stalled everyone behind one slow peer). The
-whole stall policy is `deliver`: a lost message's requests are failed by the core,
-and the worker is owed their error rows, sent by `send_owed` once its queue has room.
+stall policy: `deliver` returns the messages a full queue lost, whose requests the
+loop has the core fail; the worker is owed their error rows (`owe`), which the loop
+sends once its queue has room (`owed_ready`, `settle_owed`).
 
 A worker's queue is ZMQ's (`send_hwm` messages, kept short, and only while the worker
 is connected: ZMQ_IMMEDIATE) and, behind it, a backlog here (`send_queue_bytes`). ZMQ
@@ -17,11 +18,12 @@ the backlog, which the loop drains into ZMQ whenever the socket can take more
 
 ZMQ tells a sender nothing of what a broken connection took with it (its queue, the
 socket buffers). A socket monitor tells that it broke (`watch_connections`), and the
-last messages that entered ZMQ's queue are then taken as possibly lost: the stall
-policy fails the requests they leave live, and the worker is told once it is back;
-those they ended are only counted (`_broken`).
+last messages that entered ZMQ's queue are then taken as possibly lost: the loop
+fails the requests they leave live (`take_broken`, `fail_going`), and the worker is
+told once it is back; those they ended are only counted (`_broken`).
 
-Frames are encoded by the wire dialect; delivery only moves bytes.
+Frames are encoded by the wire dialect, which hands them over in an `Output`; delivery
+only moves bytes and never calls back into the dialect or the core.
 """
 
 from __future__ import annotations
@@ -30,18 +32,18 @@ import fnmatch
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import zmq
+from msgspec import Struct
 from zmq.utils.monitor import recv_monitor_message
 
 from . import logs
 from .config import Config
 from .core.bounded import BoundedMap
 from .core.outbox import Outbox
-from .core.records import OutRow, StoppedRow
+from .core.records import OutRow
 from .core.stats import Stats, WorkerFigures
 from .sockets import Curve, ipc_folder_problem, register_address_problem
 
@@ -56,6 +58,10 @@ IN_FLIGHT_ROWS = 4096
 IN_FLIGHT_BYTES = 1 << 20
 MAX_OWED = 65536  # error rows kept per worker for when it has room again
 MAX_OWED_BYTES = 16 << 20  # and their bytes: rids are the peer's strings, of any length
+# Frames below this size are copied into ZMQ's message; larger ones are handed over
+# zero-copy (tracking a zero-copy frame until ZMQ is done with it costs more than
+# copying a small one).
+COPY_BELOW = 65536
 
 
 def owed_cost(rid: str, row: OutRow) -> int:
@@ -66,18 +72,37 @@ def _owed() -> BoundedMap[str, OutRow]:
     return BoundedMap(MAX_OWED, MAX_OWED_BYTES, owed_cost)
 
 
-class Encoder(Protocol):
-    """What a wire dialect gives delivery: the frames of a worker's rows, of feedback,
-    and of rows that could not be encoded (their requests failed, the worker told)."""
+class WorkerOut(Struct, gc=False):
+    """One worker's share of what a frame produced: the frame(s) to send it, and the
+    core's rows they carry (failed if the message is lost)."""
 
-    def encode_text(self, rows: list[OutRow]) -> bytes | list[bytes]: ...
+    worker: int
+    frames: list[bytes]
+    rows: list[OutRow]
+    # The dialect's note of what else the frames carry, for its `stalled`: SGLang's
+    # quick path answers rows the core never saw as rows.
+    carries: object = None
+    passthrough: bool = False  # frames sent on as they came (embeddings): a loss is counted, no request fails
 
-    def unencodable(self, worker: int, rows: list[OutRow], exc: Exception) -> bytes | list[bytes]: ...
 
-    def encode_stopped(self, rows: list[StoppedRow]) -> bytes: ...
+class Registration(Struct, gc=False):
+    """A peer's `register`: worker `worker` is now at `address`, if the policy allows."""
+
+    worker: int
+    address: str
+
+
+class Output(Struct, gc=False):
+    """What one inbound frame produced, encoded, for delivery to send."""
+
+    workers: list[WorkerOut] = []
+    feedback: bytes | None = None  # the scheduler's `stopped` message
+    feedback_rows: int = 0  # the stopped rows it holds
+    register: Registration | None = None
 
 
 REGISTER_REFUSED = "register_refused"  # detokd_errors kind of a register the policy refused
+BAD_REGISTER = "bad_register"  # detokd_errors kind of a worker address ZMQ cannot connect to
 
 
 @dataclass(frozen=True)
@@ -185,9 +210,7 @@ class Delivery:
         self.queue_bytes = queue_bytes  # each worker's backlog at most
         self.linger_ms = linger_ms
         self.poller: zmq.Poller | None = None  # the loop's: a backlogged worker's POLLOUT wakes it
-        self.encoder: Encoder | None = None  # these three are bound once by `attach`
-        self.lost: Callable[[int, list[OutRow]], list[OutRow]] | None = None
-        self.live: Callable[[str], bool] | None = None
+        self.broken: list[WorkerOut] = []  # live requests' rows lost with a connection, for the loop to fail
         self.backlogged: dict[int, Worker] = {}
         self.stats = stats
         self.workers: dict[int, Worker] = {}
@@ -202,13 +225,6 @@ class Delivery:
         except BaseException:  # any failure (setsockopt's OverflowError too): an open socket would hang ctx.term()
             self.close()
             raise
-
-    def attach(self, encoder: Encoder, *, lost: Callable[[int, list[OutRow]], list[OutRow]], live: Callable[[str], bool]) -> None:
-        """Bind what delivery asks of the dialect and the core: the encoder of a worker's
-        rows and of feedback, and the stall policy: `lost(worker, rows)` fails the
-        requests of rows a worker will never get and returns the error rows it is owed;
-        `live(rid)` says a rid began a new request since (an owed error is not its)."""
-        self.encoder, self.lost, self.live = encoder, lost, live
 
     # --- destinations -------------------------------------------------------------------
 
@@ -248,7 +264,7 @@ class Delivery:
         try:
             sock, monitor = self._connect(address, key, worker=True)
         except zmq.ZMQError as exc:
-            self.stats.error("bad_register")
+            self.stats.error(BAD_REGISTER)
             log.warning("worker %d: cannot connect to %r (%s); register refused", index, address, exc.strerror)
             return False
         if w is None:
@@ -319,8 +335,8 @@ class Delivery:
         ended = len(last) - len(going)
         unconfirmed = self.stats.unconfirmed
         unconfirmed[w.index] = unconfirmed.get(w.index, 0) + ended
-        if going and self.lost is not None:
-            self._fail_going(w, self.lost(w.index, going))
+        if going:
+            self.broken.append(WorkerOut(w.index, [], going))
         # A clean restart of a worker that read everything is no failure: info, not warning.
         log.log(
             logging.WARNING if going else logging.INFO,
@@ -328,22 +344,31 @@ class Delivery:
             "%d ended request(s) whose last row it may not have read (unconfirmed)", w.index, how, len(going), ended,
         )
 
-    def _fail_going(self, w: Worker, errors: list[OutRow]) -> None:
+    def take_broken(self) -> list[WorkerOut]:
+        """The rows of live requests that broken connections took (since the last take):
+        the loop fails their requests and hands the error rows to `fail_going`."""
+        broken, self.broken = self.broken, []
+        return broken
+
+    def ahead(self, index: int, errors: list[OutRow]) -> list[OutRow]:
+        """Those of `errors` whose requests still have rows in the worker's backlog."""
+        queued = {row.rid for q in self.workers[index].backlog for row in q.rows}
+        return [row for row in errors if row.rid in queued]
+
+    def fail_going(self, index: int, errors: list[OutRow], ahead: list[OutRow], frames: list[bytes]) -> None:
         """The error rows of requests that failed with the connection. Those with rows
-        still in the backlog go ahead of it, so the worker hears of the failure before
-        any later row (a finish among them would read as a success); the others are owed
-        for when the worker has room, as a full queue's are."""
-        queued = {row.rid for q in w.backlog for row in q.rows}
-        ahead = [row for row in errors if row.rid in queued]
-        frames = self.encoder.encode_text(ahead) if ahead else []
-        frames = [frames] if type(frames) is bytes else frames
+        still in the backlog (`ahead`, encoded as `frames`) go ahead of it, so the worker
+        hears of the failure before any later row (a finish among them would read as a
+        success); the others are owed for when the worker has room, as a full queue's are."""
+        w = self.workers[index]
         if frames:
             for frame in reversed(frames):
                 w.backlog.appendleft(Queued(frame, ahead))
                 w.backlog_bytes += len(frame)
             for row in ahead:  # told now: an error owed from an earlier loss would repeat it
                 w.owed.pop(row.rid)
-            errors = [row for row in errors if row.rid not in queued]
+            told = {row.rid for row in ahead}
+            errors = [row for row in errors if row.rid not in told]
         self._keep_owed(w, errors)
 
     def _close_socket(self, w: Worker, linger: int) -> None:
@@ -398,7 +423,7 @@ class Delivery:
             self._drain(w)
         if not w.backlog:
             try:
-                w.socket.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+                w.socket.send(frame, zmq.NOBLOCK, copy=len(frame) < COPY_BELOW)
                 w.sent += 1
                 self._took(w, rows, len(frame))
                 return True
@@ -439,7 +464,7 @@ class Delivery:
             queued = backlog[0]
             frame = queued.frame
             try:
-                sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+                sock.send(frame, zmq.NOBLOCK, copy=len(frame) < COPY_BELOW)
             except zmq.Again:
                 # A non-blocking send reads ZMQ's "the I/O thread took them" notices at
                 # most once a millisecond; asking for EVENTS reads them now.
@@ -462,45 +487,47 @@ class Delivery:
         if self.backlogged.pop(w.index, None) is not None and self.poller is not None:
             self.poller.unregister(w.socket)
 
-    def _send_frames(self, index: int, frames: bytes | list[bytes], rows: list[OutRow]) -> bool:
+    def _send_frames(self, index: int, frames: list[bytes], rows: list[OutRow]) -> bool:
         """Queue what a dialect encoded for one worker's rows: a frame, or several."""
-        if type(frames) is not list:
-            return self.send(index, frames, rows)
+        if len(frames) == 1:
+            return self.send(index, frames[0], rows)
         return all([self.send(index, frame, rows) for frame in frames])
 
-    def deliver(self) -> None:
-        """Send the Outbox: each worker its batch rows in one message (or the few a
-        dialect needs for them), the scheduler its feedback. A worker's message lost
-        to a full queue is the stall policy: `lost` fails their requests and gives the
-        error rows the worker is owed when it has room again."""
-        encoder = self.encoder
-        for index, rows in self.outbox.take():
-            try:
-                frames = encoder.encode_text(rows)
-            except Exception as exc:  # a value a peer sent that cannot be sent on: those requests fail, not the process
-                frames = encoder.unencodable(index, rows, exc)
-            if not self._send_frames(index, frames, rows):
-                log.warning("worker %d's queue is full: %d rows lost, their requests failed", index, len(rows))
-                self._keep_owed(self.workers[index], self.lost(index, rows))
-        stopped = self.outbox.take_stopped()
-        if stopped and self.feedback is not None and not self._queue(self.feedback, encoder.encode_stopped(stopped), ()):
-            self.stats.feedback_dropped += len(stopped)
-            log.warning("feedback queue full: %d stopped rows lost (the scheduler generates until its own stop)", len(stopped))
+    def deliver(self, out: Output) -> list[WorkerOut]:
+        """Send what a frame produced: each worker its message (or the few a dialect
+        needs for it), the scheduler its feedback. Returns the workers' messages lost
+        to a full queue: the stall policy (the loop has their requests failed and
+        `owe`s the worker their error rows)."""
+        lost = []
+        for share in out.workers:
+            if not self._send_frames(share.worker, share.frames, share.rows):
+                lost.append(share)
+        if out.feedback is not None and self.feedback is not None and not self._queue(self.feedback, out.feedback, ()):
+            self.stats.feedback_dropped += out.feedback_rows
+            log.warning("feedback queue full: %d stopped rows lost (the scheduler generates until its own stop)",
+                        out.feedback_rows)
+        return lost
+
+    def owe(self, index: int, rows: list[OutRow]) -> None:
+        """Error rows `index` is owed once its queue has room."""
+        w = self.workers.get(index)
+        if w is not None:
+            self._keep_owed(w, rows)
 
     def _keep_owed(self, w: Worker, rows: list[OutRow]) -> None:
         for row in rows:
             w.owed.put(row.rid, row)
 
-    def send_owed(self) -> None:
-        """Send owed error rows to each worker whose queue has room, but for rids that
-        began a new request since."""
-        for w in self.workers.values():
-            if not w.owed or not self.has_room(w):
-                continue
-            rows = [row for rid, row in w.owed.items() if not self.live(rid)]
-            if rows and not self._send_frames(w.index, self.encoder.encode_text(rows), rows):
-                continue
-            w.owed.clear()
+    def owed_ready(self) -> list[Worker]:
+        """The workers owed error rows whose queue has room for them now."""
+        return [w for w in self.workers.values() if w.owed and self.has_room(w)]
+
+    def settle_owed(self, w: Worker, frames: list[bytes], rows: list[OutRow]) -> None:
+        """Send a worker the owed `rows` (encoded as `frames`; the others owed are for
+        rids that began a new request since), and forget them all once queued."""
+        if rows and not self._send_frames(w.index, frames, rows):
+            return
+        w.owed.clear()
 
     @staticmethod
     def has_room(w: Worker) -> bool:

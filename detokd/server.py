@@ -5,8 +5,9 @@ to decode is counted and answered, never fatal; any exception while handling one
 request fails that request alone; a signal stops the input taking new frames, the
 frames already queued are answered (decoded while time allows, `shutdown` error
 rows after), and queued sends get a bounded linger to leave, all within
-shutdown_grace_s. The loop knows no wire format: the dialect decodes frames and
-encodes output, the core decides, delivery sends.
+shutdown_grace_s. The loop knows no wire format: the dialect decodes a frame, has the
+core decide, and returns what the frame produced, encoded; the conductor
+(detokd.conductor) hands that to delivery, which sends.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .config import Config, ConfigError, check
 from .core.decoder import make_codec
 from .core.detokenizer import Detokenizer
 from .core.outbox import Outbox
-from .core.records import INTERNAL, SHUTDOWN
+from .conductor import Conductor
+from .core.records import SHUTDOWN
 from .core.stats import Stats
 from .delivery import Delivery, RegisterPolicy
 from .gc_policy import GcPolicy
@@ -154,7 +156,7 @@ class Server:
         self.gc_policy = GcPolicy(self.stats)
         self.dialect: Dialect = dialect(self.core, self.delivery, self.gc_policy, self.stats, cfg)
         self.stats.dialect = self.dialect.name
-        self.delivery.attach(self.dialect, lost=self.dialect.stalled, live=self.core.table.__contains__)
+        self.conductor = Conductor(self.dialect, self.core, self.delivery, self.stats)
         self.stop_requested_at: float | None = None  # when the first STOP_SIGNAL came
         self.stop_signal = signal.SIGTERM  # which one it was
         self.stopping_notified = False
@@ -243,73 +245,92 @@ class Server:
             self.stop_requested_at = time.monotonic()
 
     def run(self) -> int:
+        """Serve until a STOP_SIGNAL, then answer what is queued and close."""
         watch = GraceWatch(self.cfg.shutdown_grace_s)  # first: every handled signal reaches it
         old = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        drained = 0
+        try:
+            poller = self._start_serving()
+            drained = self._loop(poller)
+        finally:
+            self._shut_down(drained, watch, old)
+        return 0
+
+    def _start_serving(self) -> zmq.Poller:
+        """From here the loop turns: say so (log, /health, systemd), and poll the input."""
         self.gc_policy.start()
-        stats = self.stats
         # The heartbeat starts now: until the first turn, /health measures from here, not
         # from Stats' creation before the seconds of start-up (it said "stuck" at once).
-        stats.last_turn = time.monotonic()
-        stats.ready = True
+        self.stats.last_turn = time.monotonic()
+        self.stats.ready = True
         log.info("serving: input %s, %d worker(s), %s dialect", self.bound, len(self.delivery.workers), self.dialect.name)
         readiness.notify("READY=1")
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
-        delivery = self.delivery
-        delivery.poller = poller  # a worker's backlog registers its socket's POLLOUT here
-        recv = self.input.recv
+        self.delivery.poller = poller  # a worker's backlog registers its socket's POLLOUT here
+        return poller
+
+    def _loop(self, poller: zmq.Poller) -> int:
+        """Turns until stopped and drained; returns how many frames the drain answered."""
+        stats, delivery = self.stats, self.delivery
         monotonic = time.monotonic
         drain_until = None  # once stopping: queued frames are decoded until then, answered `shutdown` after
         drained = 0
-        try:
-            while True:
-                stats.last_turn = monotonic()
-                if drain_until is None and self.stop_requested_at is not None:
-                    drain_until = self._stop_accepting()
-                if not poller.poll(POLL_MS if drain_until is None else 0):
-                    if drain_until is not None:
-                        break  # nothing queued
-                    self._between_batches()
-                    continue
-                if delivery.backlogged:
-                    delivery.flush()
-                empty = False
-                for _ in range(MAX_FRAMES_PER_TURN):
-                    try:
-                        frame = recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        empty = True
-                        break
-                    if drain_until is not None:
-                        drained += 1
-                        if not self.core.closing and monotonic() >= drain_until:
-                            self.core.closing = True
-                            log.warning("shutdown: no time left to decode; the rows still queued get error shutdown")
-                    self.process(frame)
-                    # The heartbeat of /health: a busy loop is alive, only a stuck one is not.
-                    stats.last_turn = monotonic()
-                    if drain_until is None and self.stop_requested_at is not None:
-                        break  # the frame in hand is done: stop taking new ones first
+        while True:
+            stats.last_turn = monotonic()
+            if drain_until is None and self.stop_requested_at is not None:
+                drain_until = self._stop_accepting()
+            if not poller.poll(POLL_MS if drain_until is None else 0):
+                if drain_until is not None:
+                    return drained  # nothing queued
                 self._between_batches()
-                if empty and drain_until is not None:
-                    break
-        finally:
-            self.gc_policy.stop()
-            self._notify_stopping()
-            log.info(
-                "stopping: %d queued frame(s) answered (%d row(s) with shutdown); sends get up to %d ms to leave",
-                drained, stats.errors.get(SHUTDOWN, 0), self.cfg.linger_ms,
-            )
-            self.close()
-            logs.report_suppressed(force=True)
-            # The watch first: a second signal it already heard ends the process with
-            # EXIT_GRACE while close() waits for it. With the old handlers back first,
-            # the next signal of a storm took the default action (killed, status -15).
-            watch.close()
-            for sig, handler in old.items():
-                if handler is not None:  # None: a handler not installed from Python
-                    signal.signal(sig, handler)
-        return 0
+                continue
+            if delivery.backlogged:
+                delivery.flush()
+            taken, empty = self._take_frames(drain_until)
+            drained += taken
+            self._between_batches()
+            if empty and drain_until is not None:
+                return drained
+
+    def _take_frames(self, drain_until: float | None) -> tuple[int, bool]:
+        """Up to MAX_FRAMES_PER_TURN ready frames, each processed; returns how many were
+        taken while draining, and whether the input ran empty."""
+        recv, monotonic, stats = self.input.recv, time.monotonic, self.stats
+        drained = 0
+        for _ in range(MAX_FRAMES_PER_TURN):
+            try:
+                frame = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return drained, True
+            if drain_until is not None:
+                drained += 1
+                if not self.core.closing and monotonic() >= drain_until:
+                    self.core.closing = True
+                    log.warning("shutdown: no time left to decode; the rows still queued get error shutdown")
+            self.process(frame)
+            # The heartbeat of /health: a busy loop is alive, only a stuck one is not.
+            stats.last_turn = monotonic()
+            if drain_until is None and self.stop_requested_at is not None:
+                break  # the frame in hand is done: stop taking new ones first
+        return drained, False
+
+    def _shut_down(self, drained: int, watch: GraceWatch, old: dict) -> None:
+        self.gc_policy.stop()
+        self._notify_stopping()
+        log.info(
+            "stopping: %d queued frame(s) answered (%d row(s) with shutdown); sends get up to %d ms to leave",
+            drained, self.stats.errors.get(SHUTDOWN, 0), self.cfg.linger_ms,
+        )
+        self.close()
+        logs.report_suppressed(force=True)
+        # The watch first: a second signal it already heard ends the process with
+        # EXIT_GRACE while close() waits for it. With the old handlers back first,
+        # the next signal of a storm took the default action (killed, status -15).
+        watch.close()
+        for sig, handler in old.items():
+            if handler is not None:  # None: a handler not installed from Python
+                signal.signal(sig, handler)
 
     def _stop_accepting(self) -> float:
         """The first signal: unbind the input, so that new frames stay with their senders
@@ -334,7 +355,8 @@ class Server:
             readiness.notify("STOPPING=1")
 
     def process(self, frame: bytes) -> None:
-        """One inbound frame, start to finish: decode, handle, deliver."""
+        """One inbound frame, start to finish: the conductor has the dialect handle it
+        and delivery send what it produced."""
         t0 = time.perf_counter()
         stats = self.stats
         stats.frames += 1
@@ -343,17 +365,7 @@ class Server:
             return
         if self.max_rss is not None:  # per frame, not per turn: a turn may be 256 frames of held text
             self._guard_rss(time.monotonic())
-        try:
-            if not self.dialect.handle(frame):
-                return  # not a message at all: counted as a bad frame, nothing to deliver
-        except Exception:  # a bug must cost one batch, never the process
-            stats.error(INTERNAL)
-            log.exception("internal error handling a frame")
-        try:
-            self.delivery.deliver()  # what cannot be encoded is the dialect's to answer; this is for bugs
-        except Exception:
-            stats.error(INTERNAL)
-            log.exception("internal error delivering a frame's output")
+        self.conductor.frame(frame)
         stats.step(time.perf_counter() - t0)
 
     def _drop_multipart(self) -> None:
@@ -392,10 +404,7 @@ class Server:
         if self.max_rss is not None:
             self._guard_rss(now)
         self.gc_policy.tick(now)  # the young generations: every gc_policy.STARTS starts, or a second
-        # Connections that broke fail what was in flight on them; error rows owed to
-        # workers (a full queue, a broken connection) go out once they have room.
-        self.delivery.watch_connections()
-        self.delivery.send_owed()
+        self.conductor.between_batches()
         self._publish_stats()
 
     def _publish_stats(self) -> None:

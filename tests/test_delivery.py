@@ -1,7 +1,8 @@
 """detokd.delivery.Delivery over real ZMQ sockets, fed by a real core.
 
-Workers are PULL sockets on ipc:// addresses; the core (a real Detokenizer) fills the
-Outbox and its `stalled` is the stall policy that Delivery applies to a lost message.
+Workers are PULL sockets on ipc:// addresses; the core (a real Detokenizer) returns
+what a batch produced, the native dialect encodes it, and the conductor hands it to
+Delivery and applies the stall policy (the core's `stalled`) to a lost message.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import zmq
 
 from conftest import fast_codec, vocab
+from detokd.conductor import Conductor
 from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery, RegisterPolicy
@@ -37,8 +39,12 @@ class Rig:
             self.ctx, self.outbox, self.addresses, feedback=None, hwm=hwm, queue_bytes=queue_bytes, linger_ms=0,
             stats=self.stats, policy=open_register,
         )
-        self.delivery.attach(native, lost=self.core.stalled, live=self.core.table.__contains__)
+        self.use(native.NativeDialect(self.core, None, self.stats))
         self.pulls: dict[int, zmq.Socket] = {}
+
+    def use(self, dialect: native.NativeDialect) -> None:
+        self.dialect = dialect
+        self.conductor = Conductor(dialect, self.core, self.delivery, self.stats)
 
     def bind(self, worker: int) -> zmq.Socket:
         s = self.pulls[worker] = self.ctx.socket(zmq.PULL)
@@ -47,8 +53,7 @@ class Rig:
 
     def step(self, rows: list[native.Row]) -> None:
         self.delivery.flush()  # as the loop does at each turn
-        self.core.tokens(rows)
-        self.delivery.deliver()
+        self.conductor.deliver(self.dialect.encoded(self.core.tokens(rows)))
 
     def messages(self, worker: int, n: int) -> list[list[native.OutRow]]:
         """The next n messages of a worker, each its list of rows (fails at a deadline)."""
@@ -122,17 +127,17 @@ def test_a_full_queue_loses_only_that_workers_message_and_send_owed_sends_what_i
     assert r.delivery.workers[1].dropped == 0 and not r.delivery.workers[1].backlog
     assert lost not in r.core.table and r.stats.errors[native.WORKER_STALLED] == 1
     r.delivery.flush()
-    r.delivery.send_owed()  # still no room: still owed
+    r.conductor.send_owed()  # still no room: still owed
     assert set(w0.owed) == {lost}
     r.bind(0)
     wait_until(lambda: r.drained(0), 5, "worker 0's backlog to drain")
     queued = r.messages(0, steps - 1)
     assert [m[0].rid for m in queued] == [f"a{i}" for i in range(1, steps)]  # in order, ZMQ's then the backlog's
     wait_until(lambda: r.delivery.has_room(w0), 5, "room in worker 0's queue")
-    r.delivery.send_owed()
+    r.conductor.send_owed()
     (owed,) = r.messages(0, 1)
     assert [(x.rid, x.error) for x in owed] == [(lost, native.WORKER_STALLED)]
-    r.delivery.send_owed()  # sent once
+    r.conductor.send_owed()  # sent once
     assert not r.pulls[0].poll(50) and not w0.owed and w0.backlog_bytes == 0
 
 
@@ -172,8 +177,7 @@ class Refusing(native.NativeDialect):
 
 def test_a_message_that_cannot_be_encoded_fails_its_own_requests_and_no_other(rig):
     r = rig()
-    dialect = Refusing(r.core, r.delivery, None, r.stats)
-    r.delivery.attach(dialect, lost=dialect.stalled, live=r.core.table.__contains__)
+    r.use(Refusing(r.core, None, r.stats))
     w0, w1 = r.bind(0), r.bind(1)
     wait_until(lambda: all(r.delivery.has_room(w) for w in r.delivery.workers.values()), 5, "both workers connected")
     finish = native.Finish("length")

@@ -32,18 +32,21 @@ class CoreRig:
         self.outbox.open(0)
         self.outbox.open(1)
         self.stats = Stats()
+        self.fed: list[StoppedRow] = []
         self.det = Detokenizer(
             fast_codec(name), self.vocab.size, self.outbox, max_states=max_states, max_prompt_tail=8, stats=self.stats,
             limits=limits,
         )
 
     def step(self, *rows: Row) -> tuple[list[OutRow], list[OutRow]]:
-        self.det.tokens(list(rows))
-        out = dict(self.outbox.take())
-        return out.get(0, []), out.get(1, [])
+        out = self.det.tokens(list(rows))
+        self.fed += out.stopped
+        return out.rows.get(0, []), out.rows.get(1, [])
 
     def stopped(self) -> list[StoppedRow]:
-        return self.outbox.take_stopped()
+        """The feedback of the steps since the last call."""
+        stopped, self.fed = self.fed, []
+        return stopped
 
     def live(self, rid: str) -> bool:
         return rid in self.det.table
@@ -208,7 +211,7 @@ def test_after_any_length_of_text_the_fast_paths_keep_what_an_engine_stop_needs(
     rig.step(a.row(ids[:1]))
     for i in ids[1:-1]:
         if by_position:
-            assert rig.det.quick([a.rid], [[i]], [None], [NIL], [""]) == 1
+            assert len(rig.det.quick([a.rid], [[i]], [None], [NIL])) == 1
             a.seq += 1
         else:
             rig.step(a.row([i]))
@@ -568,8 +571,7 @@ def test_quick_gives_each_live_row_the_text_tokens_gives_it(per_row, in_vocab) -
     for at in range(0, len(ids[0]), per_row):
         rows = [x[at : at + per_row] for x in ids]
         want = [row.text for row in ref.step(*(Row(q.rid, r, at, None) for q, r in zip(reqs, rows)))[0]]
-        got = [""] * len(reqs)
-        assert fast.det.quick(rids, rows, [None] * len(reqs), metas, got, in_vocab=in_vocab) == len(reqs)
+        got = fast.det.quick(rids, rows, [None] * len(reqs), metas, in_vocab=in_vocab)
         assert got == want and fast.step() == ([], [])
     ends = [fast.step(Row(q.rid, [], len(x), None, Finish("length")))[0][0].text for q, x in zip(reqs, ids)]
     assert ends == [row.text for q, x in zip(reqs, ids) for row in ref.step(Row(q.rid, [], len(x), None, Finish("length")))[0]]
@@ -589,9 +591,8 @@ def test_quick_stops_at_the_first_row_tokens_must_take(rig) -> None:
         ([live.rid, live.rid], [ok, []], [None, None], 1),
         ([live.rid], [ok], [None], 1),
     ):
-        texts = [""] * len(rids)
-        assert rig.det.quick(rids, rows, finishes, _positions(len(rids)), texts) == stop
-        assert rig.det.quick(rids, rows, finishes, _positions(len(rids)), texts, at=stop) == stop
+        assert len(rig.det.quick(rids, rows, finishes, _positions(len(rids)))) == stop
+        assert rig.det.quick(rids, rows, finishes, _positions(len(rids)), at=stop) == []
     assert rig.step() == ([], [])
 
 
@@ -603,9 +604,8 @@ def test_a_decoder_error_on_the_quick_path_is_answered_as_tokens_answers_it(mist
     rig.step(q.row())
     piece = {t: i for i, t in enumerate(rig.vocab.tokens) if t}
     han = [piece[f"<0x{b:02X}>"] for b in "中".encode()]
-    texts = ["", ""]
     metas = _positions(2)
-    assert rig.det.quick([q.rid], [han * 21845], [None], metas, texts) == 1 and texts == ["", ""]
-    assert rig.det.quick(["x", q.rid], [[], han], [Finish("length"), None], metas, texts, at=1) == 2
+    assert rig.det.quick([q.rid], [han * 21845], [None], metas) == [""]
+    assert rig.det.quick(["x", q.rid], [[], han], [Finish("length"), None], metas, at=1) == [""]
     (row,), _ = rig.step()
     assert row.error == "too_large" and row.meta == metas[1] and not rig.live(q.rid)

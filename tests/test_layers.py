@@ -28,6 +28,7 @@ LAYERS = [
     ["http", "sockets", "process"],
     ["metrics", "delivery", "launch"],
     ["wire"],  # the native dialect
+    ["conductor"],  # between a dialect and delivery: one frame's way, the stall policy
     ["server", "client"],
     ["sglang", "demo"],  # SGLang's dialect, schema, process and plugin: all of it here
     ["cli"],

@@ -1,4 +1,4 @@
-"""detokd.core.outbox.Outbox: one batch's output rows, by worker."""
+"""detokd.core.outbox.Outbox: one batch's output rows, by worker, handed back by `take`."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def test_take_gives_each_worker_its_rows_in_order_and_empties_the_same_lists() -
     held.append(OutRow("a", "x"))
     box.add(1, OutRow("b", "y"))
     box.add(0, OutRow("a", "z"))
-    assert box.take() == [(0, [OutRow("a", "x"), OutRow("a", "z")]), (1, [OutRow("b", "y")])]
-    assert box.take() == []  # a worker with no rows this batch gets no message
+    assert box.take().rows == {0: [OutRow("a", "x"), OutRow("a", "z")], 1: [OutRow("b", "y")]}
+    assert box.take().rows == {}  # a worker with no rows this batch gets no message
     assert box.rows_of(0) is held and held == []
 
 
@@ -25,12 +25,12 @@ def test_broadcast_reaches_every_known_worker_and_no_other() -> None:
     box.open(0)
     box.open(2)
     box.broadcast(OutRow("nobody", error="unknown_rid"))
-    assert [w for w, _ in box.take()] == [0, 2]
+    assert list(box.take().rows) == [0, 2]
     assert box.known(2) and not box.known(1)
 
 
 def test_stopped_rows_are_taken_once() -> None:
     box = Outbox()
     box.stopped.append(StoppedRow("r", 0, "###", 7))
-    assert box.take_stopped() == [StoppedRow("r", 0, "###", 7)]
-    assert box.take_stopped() == []
+    assert box.take().stopped == [StoppedRow("r", 0, "###", 7)]
+    assert box.take().stopped == []

@@ -13,8 +13,8 @@ from detokd.wire.native import NativeDialect
 METHODS = [name for name, value in vars(Dialect).items() if inspect.isfunction(value) and not name.startswith("__")]
 
 
-def test_the_protocol_is_handle_encode_and_the_stall_policy():
-    assert sorted(METHODS) == ["encode_stopped", "encode_text", "handle", "stalled", "unencodable"]
+def test_the_protocol_is_handle_and_the_stall_policy():
+    assert sorted(METHODS) == ["encode_loose", "handle", "stalled"]
 
 
 @pytest.mark.parametrize("dialect", [NativeDialect, SglangDialect])

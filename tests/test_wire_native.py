@@ -13,6 +13,7 @@ import zmq
 
 from conftest import fast_codec, vocab
 from detokd.core.detokenizer import Detokenizer
+from detokd.conductor import Conductor
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery
 from detokd.gc_policy import GcPolicy
@@ -98,8 +99,8 @@ def dialect():
     v = vocab("deepseek")
     core = Detokenizer(fast_codec("deepseek"), v.size, outbox, max_states=16, max_prompt_tail=8, stats=stats)
     delivery = Delivery(ctx, outbox, ["inproc://native-w0"], feedback=None, hwm=100, queue_bytes=1 << 20, linger_ms=0, stats=stats)
-    d = native.NativeDialect(core, delivery, GcPolicy(stats), stats)
-    delivery.attach(d, lost=core.stalled, live=core.table.__contains__)
+    d = native.NativeDialect(core, GcPolicy(stats), stats)
+    d.conductor = Conductor(d, core, delivery, stats)  # the loop's way from handle to delivery
     yield d, pull
     delivery.close()
     pull.close(0)
@@ -109,12 +110,12 @@ def dialect():
 def test_handle_serves_the_good_rows_of_a_bad_frame_and_fails_the_bad_rows_request(dialect) -> None:
     d, pull = dialect
     ids = vocab("deepseek").backend.encode("héllo wörld", add_special_tokens=False).ids
-    assert d.handle(enc({"type": "tokens", "rows": [{"rid": "bad", "ids": [1], "start": {}}]}))  # starts "bad"
-    assert "bad" in d.core.table
-    assert d.handle(enc({"type": "tokens", "rows": [
+    started = d.handle(enc({"type": "tokens", "rows": [{"rid": "bad", "ids": [1], "start": {}}]}))  # starts "bad"
+    assert started is not None and "bad" in d.core.table
+    out = d.handle(enc({"type": "tokens", "rows": [
         {"rid": "good", "ids": ids, "start": {}, "finish": {"reason": "length"}}, {"rid": "bad", "ids": [1], "seq": "one"}]}))
-    assert d.stats.bad_frames == 1
-    d.delivery.deliver()
+    assert out is not None and d.stats.bad_frames == 1
+    d.conductor.deliver(out)
     rows = {r["rid"]: r for r in dec(pull.recv())["rows"]}
     assert rows["good"]["text"] == vocab("deepseek").reference([], ids) and rows["good"]["finish"]
     assert rows["bad"]["error"] == native.BAD_ROW and "bad" not in d.core.table  # failed, freed
@@ -123,13 +124,12 @@ def test_handle_serves_the_good_rows_of_a_bad_frame_and_fails_the_bad_rows_reque
 def test_a_bad_rows_rid_beyond_max_rid_len_gets_no_row_it_would_be_echoed_to_every_worker(dialect) -> None:
     d, pull = dialect
     long = "r" * (d.core.limits.rid_len + 1)
-    assert d.handle(enc({"type": "tokens", "rows": [{"rid": long, "ids": "no"}, {"rid": "short", "ids": "no"}]}))
-    d.delivery.deliver()
+    d.conductor.frame(enc({"type": "tokens", "rows": [{"rid": long, "ids": "no"}, {"rid": "short", "ids": "no"}]}))
     assert [(r["rid"], r["error"]) for r in dec(pull.recv())["rows"]] == [("short", native.BAD_ROW)]
     assert d.stats.errors == {native.TOO_LARGE: 1, native.BAD_ROW: 1}
 
 
 def test_handle_counts_a_frame_with_no_message_and_says_so(dialect) -> None:
     d, _ = dialect
-    assert d.handle(b"\x93\x01\x02\x03") is False
+    assert d.handle(b"\x93\x01\x02\x03") is None
     assert d.stats.bad_frames == 1

@@ -16,7 +16,7 @@ from msgspec import Raw
 from .. import logs
 from . import records as r
 from .decoder import Codec, RunTooLong
-from .outbox import Outbox
+from .outbox import Outbox, Produced
 from .records import OutRow, Row, error_row
 from .request import SENT_KEEP, SENT_TAIL, Request
 from .stats import Stats
@@ -61,6 +61,11 @@ def _about(rid: str, worker: int | None, error: str) -> dict:
     return {"rid": rid[:64], "worker": worker, "error": error}
 
 
+def _n_ids(request: Request | None) -> int:
+    """The ids a request had consumed, 0 for none: what its error row reports."""
+    return request.n_ids if request is not None else 0
+
+
 def _over_budget(rows: list[Row], budget: int) -> int | None:
     """The index of the first row whose ids take the frame past `budget`, or None."""
     total = 0
@@ -96,47 +101,41 @@ class Detokenizer:
         self.stop_chars_left = limits.frame_stop_chars  # this frame's budget for building stop automata
         self.automata = StopAutomata(limits.stop_bytes)
 
-    def tokens(self, rows: list[Row], ids_at_most: int | None = None) -> None:
-        """One engine step. The common row (a live, plain streaming request's next ids)
-        is handled inline; everything else goes through `_row`.
+    def tokens(self, rows: list[Row], ids_at_most: int | None = None) -> Produced:
+        """One engine step; returns what it produced (with anything produced since the
+        last `take`). `ids_at_most` is a bound on the ids the rows hold, where the caller
+        has one for free (a frame's size in bytes: no id costs less than a byte); the
+        frame's id budget is counted only when it could be exceeded."""
+        self._tokens(rows, ids_at_most)
+        return self.outbox.take()
 
-        `ids_at_most` is a bound on the ids the rows hold, where the caller has one for
-        free (a frame's size in bytes: no id costs less than a byte); the frame's id
-        budget is counted only when it could be exceeded."""
+    def take(self) -> Produced:
+        """What the core produced since the last take (by `fail`, `bad_rows`, `quick`'s
+        errors, ...)."""
+        return self.outbox.take()
+
+    def _tokens(self, rows: list[Row], ids_at_most: int | None) -> None:
+        """The common row (a live, plain streaming request's next ids) is handled
+        inline; everything else goes through `_row`."""
         limits = self.limits
-        if len(rows) > limits.rows:
-            self.stats.bad_frames += 1
-            log.warning("tokens frame of %d rows dropped: max_rows is %d", len(rows), limits.rows)
-            return
-        if self.closing:
-            self._shut(rows)
-            return
         self.stop_chars_left = limits.frame_stop_chars
-        if ids_at_most is None or ids_at_most > limits.frame_ids:
-            cut = _over_budget(rows, limits.frame_ids)
-            if cut is not None:
-                self.tokens(rows[:cut], ids_at_most=0)
-                for row in rows[cut:]:
-                    self._too_large(row, self.table.get(row.rid), self._oversize(row) or "ids per frame")
-                return
+        # The frame-wide rules cost a call only where they could apply.
+        if ((ids_at_most is None or ids_at_most > limits.frame_ids or self.closing)
+                and self._answered_whole(rows, ids_at_most)):
+            return
         get = self.table.states.get
         vocab_size = self.vocab_size
         max_ids = limits.row_ids
         max_meta = limits.meta_bytes
         n_tok = 0
         for row in rows:
-            rid = row.rid
-            request = get(rid)
+            request = get(row.rid)
             if (request is None or request.needs_feed or row.start is not None or row.finish is not None
-                    or len(row.meta) > max_meta):
+                    or len(row.meta) > max_meta or row.seq != request.n_ids):
                 self._guarded(row)
                 continue
             ids = row.ids
             n = len(ids)
-            seq = request.n_ids
-            if row.seq != seq:
-                self._guarded(row)
-                continue
             if n == 1:
                 i = ids[0]
                 if not 0 <= i < vocab_size:
@@ -149,9 +148,8 @@ class Detokenizer:
                 continue
             else:
                 text = None if n else ""
-            seq += n
-            request.n_ids = seq
             n_tok += n
+            seq = request.n_ids = request.n_ids + n
             if text is None:
                 try:
                     text = request.step(ids)
@@ -161,55 +159,59 @@ class Detokenizer:
                 except Exception:
                     self._internal(row, request)
                     continue
-            request.outbox.append(OutRow(rid, text, None, seq, row.meta, None))
-            if text:  # for an engine stop string that begins in it: request.kept, inline
+            request.outbox.append(OutRow(row.rid, text, None, seq, row.meta, None))
+            # Request.keep_sent, inline: the sent tail kept for an engine stop string. A call
+            # per row costs ~10% of this loop (measured), so the two fast paths write it out.
+            if text:
                 sent = request.sent + text
                 request.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
         stats = self.stats
         stats.rows += len(rows)
         stats.tokens += n_tok
 
-    # --- what a dialect may ask and do, besides handing over rows -----------------------
+    def _answered_whole(self, rows: list[Row], ids_at_most: int | None) -> bool:
+        """The frame-wide rules, before any row: a frame beyond max_rows is dropped,
+        one read while closing answered `shutdown`, and the rows past the frame's id
+        budget get too_large (those before it are decoded). True when that answered
+        every row. A caller that passes `ids_at_most` within the budget has capped its
+        rows at max_rows already (both dialects' decoders refuse more)."""
+        limits = self.limits
+        if len(rows) > limits.rows:
+            self.stats.bad_frames += 1
+            log.warning("tokens frame of %d rows dropped: max_rows is %d", len(rows), limits.rows)
+            return True
+        if self.closing:
+            self._shut(rows)
+            return True
+        if ids_at_most is None or ids_at_most > limits.frame_ids:
+            cut = _over_budget(rows, limits.frame_ids)
+            if cut is not None:
+                self._tokens(rows[:cut], 0)
+                for row in rows[cut:]:
+                    self._too_large(row, self.table.get(row.rid), self._oversize(row) or "ids per frame")
+                return True
+        return False
 
-    def seq_of(self, rid: str) -> int | None:
-        """The ids a live request has consumed (its next row's seq), or None."""
-        request = self.table.states.get(rid)
-        return None if request is None else request.n_ids
-
-    def ended(self, rid: str) -> bool:
-        """Whether detokd ended this rid itself (evicted, failed): its rows get that error."""
-        return self.tombstones.get(rid) is not None
-
-    def answer_batch(self, worker: int) -> None:
-        """This batch owes `worker` a message even with no rows (an engine that waits on
-        an answer to every batch: SGLang's health check sends an empty one)."""
-        self.outbox.answer_batch(worker)
-
-    def takes_whole(self, rows: int, ids: int) -> bool:
-        """Whether a frame of this many rows and ids is within the frame caps, and the
-        core decodes (not stopping): then `quick` may answer its rows."""
-        return not self.closing and rows <= self.limits.rows and ids <= self.limits.frame_ids
-
-    def quick(self, rids: list[str], id_rows: list[list[int]], finishes: list, metas: list[Raw], texts: list[str],
-              at: int = 0, in_vocab: bool = False) -> int:
+    def quick(self, rids: list[str], id_rows: list[list[int]], finishes: list, metas: list[Raw],
+              at: int = 0, in_vocab: bool = False) -> list[str]:
         """The fast path of `tokens` for a dialect that places rows by position: from row
         `at` on, each row that is a live plain streaming request's next ids, not
-        finishing (`finishes[i] is None`), all in the vocabulary, has its text put in
-        `texts[i]` (the decoder's settled table, or its step) with no Row or OutRow; an
-        error on the way is answered as `tokens` would, with `metas[i]`. Stops at the
-        first row `tokens` must take (a start, a finish, an unknown rid, an id to
-        clamp) and returns its index, len(rids) when none. `in_vocab`: the caller knows
+        finishing (`finishes[i] is None`), all in the vocabulary, gets its text (the
+        decoder's settled table, or its step) with no Row or OutRow; an error on the way
+        is answered as `tokens` would, with `metas[i]` (its text is then ""). Returns the
+        texts of rows `at`, `at + 1`, ..., up to the first row `tokens` must take (a
+        start, a finish, an unknown rid, an id to clamp). `in_vocab`: the caller knows
         every id of id_rows is in the vocabulary, so rows of several ids skip min and max."""
         get = self.table.states.get
         vocab_size = self.vocab_size
         max_ids = self.limits.row_ids
         n_tok = 0
         end = len(rids)
+        texts = [""] * (end - at)  # cut to the rows taken at the end: a store per row, not an append
         for i in range(at, end):
             if finishes[i] is not None:
                 break
-            rid = rids[i]
-            request = get(rid)
+            request = get(rids[i])
             if request is None or request.needs_feed:
                 break
             ids = id_rows[i]
@@ -225,27 +227,53 @@ class Detokenizer:
                 text = None if parts is None or None in parts else "".join(parts)
             else:
                 break
-            request.n_ids += n
             n_tok += n
+            request.n_ids += n
             if text is None:
                 try:
                     text = request.step(ids)
                 except RunTooLong:
-                    self._too_large(Row(rid, ids, request.n_ids - n, None, None, metas[i]), request, "open byte run")
-                    continue
+                    self._too_large(Row(rids[i], ids, request.n_ids - n, None, None, metas[i]), request, "open byte run")
+                    text = ""
                 except Exception:
-                    self._internal(Row(rid, ids, request.n_ids - n, None, None, metas[i]), request)
-                    continue
-            texts[i] = text
-            if text:  # for an engine stop string that begins in it: request.kept, inline
+                    self._internal(Row(rids[i], ids, request.n_ids - n, None, None, metas[i]), request)
+                    text = ""
+            texts[i - at] = text
+            if text:  # Request.keep_sent, inline (see _tokens)
                 sent = request.sent + text
                 request.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
         else:
             i = end
+        del texts[i - at :]
         stats = self.stats
         stats.rows += i - at
         stats.tokens += n_tok
-        return i
+        return texts
+
+    # --- what a dialect may ask and do, besides handing over rows -----------------------
+
+    def seq_of(self, rid: str) -> int | None:
+        """The ids a live request has consumed (its next row's seq), or None."""
+        request = self.table.states.get(rid)
+        return None if request is None else request.n_ids
+
+    def ended(self, rid: str) -> bool:
+        """Whether detokd ended this rid itself (evicted, failed): its rows get that error."""
+        return self.tombstones.get(rid) is not None
+
+    def live(self, rid: str) -> bool:
+        """Whether the rid is a live request (an error owed to its worker from an earlier
+        request of the rid is then not its)."""
+        return rid in self.table
+
+    def known(self, worker: int) -> bool:
+        """Whether rows may be routed to `worker` (delivery has its address)."""
+        return self.outbox.known(worker)
+
+    def takes_whole(self, rows: int, ids: int) -> bool:
+        """Whether a frame of this many rows and ids is within the frame caps, and the
+        core decodes (not stopping): then `quick` may answer its rows."""
+        return not self.closing and rows <= self.limits.rows and ids <= self.limits.frame_ids
 
     def _guarded(self, row: Row) -> None:
         try:
@@ -260,32 +288,15 @@ class Detokenizer:
         if request is not None and self.table.get(row.rid) is request:
             self.table.pop(row.rid)
         worker = request.worker if request is not None else None
-        self._error(row.rid, worker, r.INTERNAL, row.meta, request.n_ids if request else 0)
+        self._error(row.rid, worker, r.INTERNAL, row.meta, _n_ids(request))
 
     def _row(self, row: Row) -> None:
-        rid = row.rid
-        request = self.table.get(rid)
-        start = row.start
-        why = self._oversize(row)
-        if why is not None:
-            self._too_large(row, request, why)
+        """Any row off the fast path: its request found or begun (`_request`), checked,
+        fed, and answered."""
+        request = self._request(row)
+        if request is None:
             return
-        if start is not None and request is not None and start.worker != request.worker:
-            self._collision(row, request)
-            return
-        if start is not None and (request is None or request.vid != start.vid):
-            if request is not None:  # a new vid: the engine retracted and re-runs this request
-                self.table.pop(rid)
-            elif self.overloaded:
-                self._refuse_new(row, start)
-                return
-            request = self._begin(row, start)
-            if request is None:
-                return
-        elif request is None:
-            self._unknown(row)
-            return
-        ids = row.ids
+        rid, ids = row.rid, row.ids
         if request.stopped:
             # detokd finished it already and the worker has its finishing row: until the
             # engine catches up, its rows (even malformed ones) get no row at all.
@@ -301,13 +312,8 @@ class Detokenizer:
         self.stats.tokens += len(ids)
         held = request.held
         text, finish, stopped = request.feed(rid, ids, row.finish)
-        if request.held != held and finish is None:  # stream=false text kept for the finishing row
-            if request.held > self.limits.held_text_bytes:
-                self._too_large(row, request, "held text")
-                return
-            if self.overloaded:  # the RSS guard: a live request that keeps growing is failed
-                self._fail(rid, request, r.OVERLOADED, row)
-                return
+        if request.held != held and finish is None and self._holds_too_much(row, request):
+            return
         if stopped is not None:
             self.stats.stops += 1
             self.outbox.stopped.append(stopped)
@@ -316,6 +322,41 @@ class Detokenizer:
         elif finish is not None:
             self.table.pop(rid)
         request.outbox.append(OutRow(rid, text, finish, request.n_ids, row.meta, None))
+
+    def _request(self, row: Row) -> Request | None:
+        """The live request a row is for, begun if the row starts one; None when the row
+        is answered already (beyond a cap, a collision, refused, an unknown rid)."""
+        rid = row.rid
+        request = self.table.get(rid)
+        start = row.start
+        why = self._oversize(row)
+        if why is not None:
+            self._too_large(row, request, why)
+            return None
+        if start is not None and request is not None and start.worker != request.worker:
+            self._collision(row, request)
+            return None
+        if start is not None and (request is None or request.vid != start.vid):
+            if request is not None:  # a new vid: the engine retracted and re-runs this request
+                self.table.pop(rid)
+            elif self.overloaded:
+                self._refuse_new(row, start)
+                return None
+            return self._begin(row, start)
+        if request is None:
+            self._unknown(row)
+        return request
+
+    def _holds_too_much(self, row: Row, request: Request) -> bool:
+        """A stream=false request's held text grew: beyond held_text_bytes it fails
+        too_large, and while the RSS guard is on it fails overloaded. True when failed."""
+        if request.held > self.limits.held_text_bytes:
+            self._too_large(row, request, "held text")
+            return True
+        if self.overloaded:  # the RSS guard: a live request that keeps growing is failed
+            self._fail(row.rid, request, r.OVERLOADED, row)
+            return True
+        return False
 
     def _begin(self, row: Row, start: r.Start) -> Request | None:
         rid = row.rid
@@ -397,7 +438,7 @@ class Detokenizer:
             worker = row.start.worker
         if worker is not None:
             self.tombstones.add(rid, worker, r.TOO_LARGE)
-        self._error(rid, worker, r.TOO_LARGE, meta, request.n_ids if request is not None else 0)
+        self._error(rid, worker, r.TOO_LARGE, meta, _n_ids(request))
 
     def _collision(self, row: Row, request: Request, meta: Raw | None = None) -> None:
         """Two schedulers started one rid for two workers: neither can be served
@@ -463,7 +504,7 @@ class Detokenizer:
                 worker = row.start.worker
             else:
                 worker = None
-            self._error(rid, worker, r.SHUTDOWN, row.meta, request.n_ids if request is not None else 0)
+            self._error(rid, worker, r.SHUTDOWN, row.meta, _n_ids(request))
 
     def fail(self, rid: str, worker: int, error: str, meta: Raw) -> None:
         """A row its dialect could not read: its request fails with `error` (its state, if
@@ -472,7 +513,7 @@ class Detokenizer:
         if request is not None:
             worker = request.worker
         self.tombstones.add(rid, worker, error)
-        self._error(rid, worker, error, meta, request.n_ids if request is not None else 0)
+        self._error(rid, worker, error, meta, _n_ids(request))
 
     def bad_rows(self, rids: list[str]) -> None:
         """Rows that failed the schema: their request, if live, is failed too. A rid
@@ -484,7 +525,7 @@ class Detokenizer:
             request = self.table.pop(rid)
             if request is not None:
                 self.tombstones.add(rid, request.worker, r.BAD_ROW)
-            self._error(rid, request.worker if request else None, r.BAD_ROW, r.NIL, request.n_ids if request else 0)
+            self._error(rid, request.worker if request else None, r.BAD_ROW, r.NIL, _n_ids(request))
 
     def stalled(self, worker: int, rows: list[OutRow], error: str = r.WORKER_STALLED) -> list[OutRow]:
         """A message to `worker` was lost to its full queue (or could not be encoded:

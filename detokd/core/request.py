@@ -23,12 +23,6 @@ SENT_TAIL = 128
 SENT_KEEP = 2 * SENT_TAIL
 
 
-def kept(sent: str, text: str) -> str:
-    """`sent` once `text` went out too: its last SENT_TAIL characters or more."""
-    sent += text
-    return sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
-
-
 class Request:
     __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "held", "stopped",
                  "needs_feed", "decoder", "sent")
@@ -49,6 +43,12 @@ class Request:
         # True with stop strings to scan or stream=false text to hold: every row then goes
         # through feed. A plain streaming request's rows take the dispatcher's fast path.
         self.needs_feed = stops is not None or not start.stream
+
+    def keep_sent(self, text: str) -> None:
+        """`text` went out: `sent` keeps its last SENT_TAIL characters or more. The rule
+        of the sent tail; the dispatcher's two fast paths write it out inline."""
+        sent = self.sent + text
+        self.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
 
     def feed(self, rid: str, ids: list[int], finish: Finish | None) -> tuple[str, Finish | None, StoppedRow | None]:
         """The text `ids` add (all in the vocabulary, the row's seq checked), the finish
@@ -77,7 +77,7 @@ class Request:
         if found is None and finish is not None:
             text = trim_engine_stop(self.sent[-SENT_TAIL:], text, finish.matched, self.keep_stop)
         elif text:
-            self.sent = kept(self.sent, text)
+            self.keep_sent(text)
         return text, finish, stopped
 
     def _decode(self, ids: list[int], final: bool) -> tuple[str, str | None, int]:

@@ -26,16 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..core.records import BAD_ROW, WORKER_STALLED, Finish, OutRow, Row, Start, StoppedRow
 from .. import logs
+from ..core.outbox import Produced
+from ..core.records import BAD_ROW, WORKER_STALLED, Finish, OutRow, Row, Start
+from ..delivery import Output, WorkerOut
 from . import schema
 from .id_rows import in_vocabulary
 
 if TYPE_CHECKING:
-    from ..core.detokenizer import Detokenizer
+    from ..core.api import Core
+    from ..core.stats import Stats
     from ..delivery import Delivery
     from ..gc_policy import GcPolicy
-    from ..core.stats import Stats
 
 log = logs.get(__name__)
 
@@ -44,7 +46,10 @@ GPT_OSS_CALL = 200012  # <|call|>: a stop token SGLang keeps with the gpt-oss to
 
 # A row's meta is its position in the batch, as opaque bytes like every meta (the core
 # neither reads nor sizes it differently); rows detokd sends on its own (an eviction
-# notice) carry nil there.
+# notice, a collision's notice to the other worker, error rows owed after a stall)
+# carry nil there. The position is what tells those apart from the batch's own rows,
+# which the core answers in order but not one for one (an eviction notice, a
+# collision's two rows, none for a rid beyond max_rid_len).
 _position = msgspec.msgpack.Decoder(int | None).decode
 
 
@@ -106,11 +111,15 @@ def cause_of(exc: BaseException) -> str:
 
 
 class SglangDialect:
+    """SGLang's messages in, by type (`handlers`); each BatchTokenIDOutput's answer out,
+    built from what the core returns for it. Nothing of one frame stays here for the
+    next: the batch in hand, its texts and why it is aborted are the handler's locals."""
+
     name = "sglang"
 
     def __init__(
         self,
-        core: Detokenizer,
+        core: Core,
         delivery: Delivery,
         gc_policy: GcPolicy,
         stats: Stats,
@@ -123,7 +132,7 @@ class SglangDialect:
         split: Any = None,
     ) -> None:
         self.core = core
-        self.delivery = delivery
+        self.delivery = delivery  # only to connect the HTTP workers the batches name
         self.gc_policy = gc_policy
         self.stats = stats
         self.ipc = ipc
@@ -138,61 +147,61 @@ class SglangDialect:
         self.split = split
         self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
         self.positions: list[msgspec.Raw] = []  # each position's meta, up to the largest batch within max_rows
-        self.batch: Any = None  # the BatchTokenIDOutput being answered
-        self.blank: Any = None  # its BatchStrOutput with empty texts, for splitting per worker
-        self.cause: str | None = None  # why the batch in hand is answered with aborts, if it is
-        self.texts: list[str] | None = None  # its output_strs so far: the quick path's rows
-        self.quick_batch: Any = None  # the last batch the quick path answered
         self.beam_warned = False
+        by_name = {
+            "BatchTokenIDOutput": self.tokens,
+            "BatchEmbeddingOutput": self.embeddings,
+            "FreezeGCReq": self._freeze_gc,
+            "ConfigureLoggingReq": self._configure_logging,
+        }
+        self.handlers = {cls: by_name[name] for cls, name in ipc.classes.items()}  # the decoded type -> its handler
 
     # --- inbound ------------------------------------------------------------------------
 
-    def handle(self, frame: bytes) -> bool:
+    def handle(self, frame: bytes) -> Output | None:
         try:
             msg = self.ipc.decode(frame)
         except Exception as exc:  # a frame of another schema, or not SGLang's at all
             batch = self.ipc.unread_batch(frame, self.core.limits.rows)
             if batch is not None and self._answerable(batch):  # its rids read: each of its requests is answered
-                self._unreadable(batch, exc)
-                return True
+                return self._unreadable(batch, exc)
             self.stats.bad_frames += 1
             log.warning("bad frame (%d bytes): %s", len(frame), cause_of(exc))
-            return False
-        kind = schema.kind(msg)
-        if kind == "BatchTokenIDOutput":
-            self.tokens(msg, len(frame))
-        elif kind == "BatchEmbeddingOutput":
-            self.embeddings(msg, frame)
-        elif kind == "FreezeGCReq":
-            self.gc_policy.freeze()
-        elif kind == "ConfigureLoggingReq":
-            if msg.log_level is not None:
-                logging.getLogger().setLevel(msg.log_level.upper())
-        else:
+            return None
+        handler = self.handlers.get(type(msg))
+        if handler is None:
             self.stats.bad_frames += 1
-            log.warning("%s is not a message for the detokenizer; ignored", kind)
-            return False
-        return True
+            log.warning("%s is not a message for the detokenizer; ignored", type(msg).__name__)
+            return None
+        return handler(msg, frame)
 
-    def tokens(self, batch: Any, frame_bytes: int | None = None) -> None:
-        """One scheduler step: each request's new ids become one core row."""
+    def _freeze_gc(self, msg: Any, frame: bytes) -> Output:
+        self.gc_policy.freeze()
+        return Output()
+
+    def _configure_logging(self, msg: Any, frame: bytes) -> Output:
+        if msg.log_level is not None:
+            logging.getLogger().setLevel(msg.log_level.upper())
+        return Output()
+
+    def tokens(self, batch: Any, frame: bytes) -> Output:
+        """One scheduler step: each request's new ids become one core row (or a quick
+        row's text), and what the core returns the step's answer."""
         if not self._answerable(batch):
             self.stats.bad_frames += 1
-            return
-        self._answering(batch)
+            return Output()
         try:
             if not self.beam_warned and schema.has_beam_search(batch):
                 self.beam_warned = True
                 log.error("a batch carries beam-search results, which detokd does not decode: they pass through as they are")
             ids = self.ipc.ids(batch)
             if self._quick_fits(batch, ids):
-                self._quick(batch, ids)
-                return
+                texts, produced = self._quick(batch, ids)
+                return self._answer(batch, produced, texts)
             rows = self._rows(batch, ids)
         except Exception as exc:
-            self._unreadable(batch, exc)
-            return
-        self.core.tokens(rows, ids_at_most=frame_bytes)
+            return self._unreadable(batch, exc)
+        return self._answer(batch, self.core.tokens(rows, ids_at_most=len(frame)))
 
     def _answerable(self, batch: Any) -> bool:
         """Whether a batch's rids (and HTTP workers) can be answered at all: at most
@@ -214,18 +223,12 @@ class SglangDialect:
         log.error("a batch cannot be answered (%s): dropped, its requests get no answer", why)
         return False
 
-    def _answering(self, batch: Any) -> None:
-        self.batch, self.blank, self.cause, self.texts = batch, None, None, None
-        if not self.http_workers:
-            self.core.answer_batch(0)  # an empty batch still gets its (empty) answer
-
-    def _unreadable(self, batch: Any, exc: Exception) -> None:
+    def _unreadable(self, batch: Any, exc: Exception) -> Output:
         """A batch that does not read as the schema says (a field of another type): each
         of its requests fails with an abort naming the cause, never a success without
         its text; their later rows are aborted too (the core's tombstones)."""
-        self._answering(batch)
-        self.cause = cause_of(exc)
-        log.error("a batch of %d requests cannot be read (%s); each of them is aborted", len(batch.rids or []), self.cause)
+        cause = cause_of(exc)
+        log.error("a batch of %d requests cannot be read (%s); each of them is aborted", len(batch.rids or []), cause)
         ipcs = batch.http_worker_ipcs or []
         positions = grown(self.positions, len(batch.rids or []))
         for i, rid in enumerate(batch.rids or []):
@@ -235,6 +238,7 @@ class SglangDialect:
                 if worker is None:
                     continue
             self.core.fail(rid, worker, BAD_ROW, positions[i])
+        return self._answer(batch, self.core.take(), cause=cause)
 
     def _rows(self, batch: Any, id_rows: list[list[int]]) -> list[Row]:
         rids = batch.rids or []
@@ -295,33 +299,41 @@ class SglangDialect:
         return (not self.http_workers and len(batch.rids or []) == len(ids)
                 and self.core.takes_whole(len(ids), sum(map(len, ids))))
 
-    def _quick(self, batch: Any, id_rows: list[list[int]]) -> None:
+    def _quick(self, batch: Any, id_rows: list[list[int]]) -> tuple[list[str], Produced]:
+        """The batch's output_strs (a core row's is "" here: its OutRow has the text) and
+        what the core produced for the rest."""
         core = self.core
         quick = core.quick
         rids = batch.rids
         reasons = batch.finished_reasons
         n = len(rids)
         positions = grown(self.positions, n)
-        texts = [""] * n
         in_vocab = in_vocabulary(id_rows, self.vocab_size)
+        texts: list[str] = []
+        produced: Produced | None = None
         pending: list[Row] = []
         start = False  # whether pending holds a start
         i = 0
         while i < n:
             if reasons[i] is None:
                 if start:  # a start may evict a request of a later row: the core goes first
-                    core.tokens(pending, ids_at_most=0)
+                    produced = _joined(produced, core.tokens(pending, ids_at_most=0))
                     pending, start = [], False
-                i = quick(rids, id_rows, reasons, positions, texts, i, in_vocab)
+                got = quick(rids, id_rows, reasons, positions, i, in_vocab)
+                if texts:
+                    texts += got
+                else:
+                    texts = got
+                i += len(got)
                 if i == n:
                     break
             row = self._row(batch, i, rids[i], id_rows[i], 0)
             pending.append(row)
+            texts.append("")
             start = start or row.start is not None
             i += 1
-        if pending:
-            core.tokens(pending, ids_at_most=0)  # 0: takes_whole checked the frame's id budget
-        self.texts, self.quick_batch = texts, batch
+        # 0: takes_whole checked the frame's id budget
+        return texts, _joined(produced, core.tokens(pending, ids_at_most=0) if pending else core.take())
 
     def _finish(self, reason: dict | None, ids: list[int], no_stop_trim: bool) -> tuple[Finish | None, bool]:
         """The core's Finish for SGLang's finish reason, and whether to drop the row's
@@ -356,42 +368,37 @@ class SglangDialect:
             log.warning("a row names no http worker ipc: it cannot be answered and is skipped")
             return None
         # SGLang's scheduler names the HTTP worker of each row, as its own detokenizer
-        # trusts it to: a destination of the engine's, not a peer's `register`.
+        # trusts it to: a destination of the engine's, not a peer's `register`. Connected
+        # now: the core routes the batch's rows to it.
         w = len(self.delivery.workers)
         if not self.delivery.connect_worker(w, ipc):
             return None
         self.worker_of[ipc] = w
         return w
 
-    def embeddings(self, msg: Any, frame: bytes) -> None:
+    def embeddings(self, msg: Any, frame: bytes) -> Output:
         """Not decoded: SGLang's detokenizer returns the message unchanged, so the frame
         as received is what it would send (to each worker its rows, with several)."""
         if not self.http_workers:
-            self.delivery.send(0, frame)
-            return
+            return Output([WorkerOut(0, [frame], [], passthrough=True)])
         full = msg if self.ipc.name == "pickle" else _io().msgpack_decode(frame)
-        for worker, out in self._split(full, msg.http_worker_ipcs or []):
-            self.delivery.send(worker, self._encode_object(out))
+        return Output([WorkerOut(worker, [self._encode_object(out)], [], passthrough=True)
+                       for worker, out in self._split(full, msg.http_worker_ipcs or [])])
 
-    def stalled(self, worker: int, rows: list[OutRow]) -> list[OutRow]:
-        """The message holding `rows` was lost to `worker`'s full queue (delivery's stall
-        policy): the core fails their requests, and those of the quick path's rows the
-        message held, which the core never saw as rows."""
-        return self._fail(worker, rows, WORKER_STALLED)
+    def stalled(self, out: WorkerOut) -> list[OutRow]:
+        """`out` was lost to its worker (a full queue, a broken connection): the core
+        fails the requests of its rows, and those of the quick path's rows it held
+        (`carries`: the batch), which the core never saw as rows."""
+        return self._fail(out.worker, list(out.rows), WORKER_STALLED, out.carries)
 
-    def unencodable(self, worker: int, rows: list[OutRow], exc: Exception) -> bytes | list[bytes]:
-        """The answer holds a value SGLang's encoder refuses (a copied field the
-        scheduler filled with something else): each request of it is aborted, in an
-        answer that copies nothing from the batch but its rids."""
-        self.cause = cause_of(exc)
-        log.error("the answer to a batch of %d requests cannot be encoded (%s); each of them is aborted",
-                  len(self.batch.rids or []), self.cause)
-        self._fail(worker, list(rows), BAD_ROW)
-        return self._aborts(rows)
+    def encode_loose(self, worker: int, rows: list[OutRow]) -> list[bytes]:
+        """Rows of no batch in hand have no place in an answer (SGLang's rows are
+        answered within their own batch): their requests' next rows are answered from
+        their tombstones instead."""
+        return []
 
-    def _fail(self, worker: int, rows: list[OutRow], error: str) -> list[OutRow]:
-        batch = self.batch
-        if self.quick_batch is batch and not self.http_workers:
+    def _fail(self, worker: int, rows: list[OutRow], error: str, batch: Any) -> list[OutRow]:
+        if batch is not None:
             core_rows = {_position(row.meta) for row in rows}
             seq_of = self.core.seq_of
             for i, rid in enumerate(batch.rids):
@@ -401,57 +408,84 @@ class SglangDialect:
 
     # --- outbound -----------------------------------------------------------------------
 
-    def encode_text(self, rows: list[OutRow]) -> bytes | list[bytes]:
-        """The BatchStrOutput answering the batch in hand, for one worker's rows."""
-        batch = self.batch
-        # Rows of this batch, by position; a notice for a request of another batch (an
-        # eviction, error rows owed after a stall) has none: its next row is answered
-        # from its tombstone instead.
-        mine = [(i, row) for row in rows if (i := _position(row.meta)) is not None]
-        if rows and not mine:
-            return []
-        if self.cause is not None:
-            return self._aborts(rows)
-        if not self.http_workers:
-            texts, self.texts = self.texts or [""] * len(batch.rids or []), None
-            aborts = {}
-            for i, row in mine:
-                texts[i] = row.text
-                if row.error is not None:
-                    aborts[i] = abort_reason(row.error, self.cause if row.error == BAD_ROW else None)
-            out = self.ipc.str_output(batch, texts)
-            if aborts:
-                out.finished_reasons = [aborts.get(i, r) for i, r in enumerate(out.finished_reasons)]
-            return self.ipc.encode(out)
+    def _answer(self, batch: Any, produced: Produced, texts: list[str] | None = None, cause: str | None = None) -> Output:
+        """The answer to `batch`, for each worker its rows: from `texts`, the quick path's
+        output_strs, and the core's rows placed by position; aborts throughout when the
+        batch cannot be read (`cause`). With one TokenizerManager every batch is
+        answered, an empty one too (its health check waits on that)."""
+        shares = produced.rows
+        if not self.http_workers and 0 not in shares:
+            shares = {0: [], **shares}
+        carries = batch if texts is not None and not self.http_workers else None
+        blank = None  # the batch's BatchStrOutput with empty texts, for splitting per worker
+        out = []
+        for worker, rows in shares.items():
+            # Rows of this batch, by position; a notice for a request of another batch (an
+            # eviction) has none: its next row is answered from its tombstone instead.
+            mine = [(i, row) for row in rows if (i := _position(row.meta)) is not None]
+            if rows and not mine:
+                frames = []
+            elif cause is not None:
+                frames = [self._aborts(batch, rows, cause)]
+            else:
+                try:
+                    if self.http_workers:
+                        frames, blank = self._sub_batches(batch, mine, blank)
+                    else:
+                        frames = [self._whole(batch, mine, texts)]
+                except Exception as exc:  # a value the scheduler sent that SGLang's encoder refuses
+                    cause = cause_of(exc)
+                    log.error("the answer to a batch of %d requests cannot be encoded (%s); each of them is aborted",
+                              len(batch.rids or []), cause)
+                    self._fail(worker, list(rows), BAD_ROW, carries)
+                    frames = [self._aborts(batch, rows, cause)]
+                texts = None  # the quick path's texts are the first worker's
+            out.append(WorkerOut(worker, frames, rows, carries))
+        return Output(out)
+
+    def _whole(self, batch: Any, mine: list[tuple[int, OutRow]], texts: list[str] | None) -> bytes:
+        """The one BatchStrOutput answering the whole batch."""
+        texts = texts or [""] * len(batch.rids or [])
+        aborts = {}
+        for i, row in mine:
+            texts[i] = row.text
+            if row.error is not None:
+                aborts[i] = abort_reason(row.error)
+        out = self.ipc.str_output(batch, texts)
+        if aborts:
+            out.finished_reasons = [aborts.get(i, r) for i, r in enumerate(out.finished_reasons)]
+        return self.ipc.encode(out)
+
+    def _sub_batches(self, batch: Any, mine: list[tuple[int, OutRow]], blank: Any) -> tuple[list[bytes], Any]:
+        """One HTTP worker's rows of the batch, as SGLang splits a batch for it; and the
+        blank answer they were split from, made once a batch."""
         if not mine:
-            return []
-        if self.blank is None:
+            return [], blank
+        if blank is None:
             blank = self.ipc.str_output(batch, [""] * len(batch.rids))
-            self.blank = blank if self.ipc.name == "pickle" else _io().msgpack_decode(self.ipc.encode(blank))
+            blank = blank if self.ipc.name == "pickle" else _io().msgpack_decode(self.ipc.encode(blank))
         frames = []
-        for sub, picked in self._subsets(self.blank, [i for i, _ in mine], [row for _, row in mine]):
+        for sub, picked in self._subsets(blank, [i for i, _ in mine], [row for _, row in mine]):
             sub.output_strs = [row.text for row in picked]
             sub.finished_reasons = [
-                abort_reason(row.error, self.cause if row.error == BAD_ROW else None) if row.error is not None else r
-                for row, r in zip(picked, sub.finished_reasons)
+                abort_reason(row.error) if row.error is not None else r for row, r in zip(picked, sub.finished_reasons)
             ]
             frames.append(self._encode_object(sub))
-        return frames
+        return frames, blank
 
-    def _aborts(self, rows: list[OutRow]) -> bytes:
-        """The answer that aborts the requests of this batch's `rows` (with one HTTP
+    def _aborts(self, batch: Any, rows: list[OutRow], cause: str) -> bytes:
+        """The answer that aborts the requests of the batch's `rows` (with one HTTP
         worker: every request of the batch), each with its row's error word."""
-        batch = self.batch
         rids = batch.rids or []
         reasons: dict[int, dict] = {}
         for row in rows:
             i = _position(row.meta)
             if i is not None:  # a row of another batch's request is answered from its tombstone
                 error = row.error or BAD_ROW
-                reasons[i] = abort_reason(error, self.cause if error == BAD_ROW else None)
+                reasons[i] = abort_reason(error, cause if error == BAD_ROW else None)
         if not self.http_workers:
             for i in range(len(rids)):
-                reasons.setdefault(i, abort_reason(BAD_ROW, self.cause))
+                reasons.setdefault(i, abort_reason(BAD_ROW, cause))
         order = sorted(reasons)
         ipcs = batch.http_worker_ipcs if self.http_workers else None  # (unchecked with one worker)
         picked = None if ipcs is None else [ipcs[i] if i < len(ipcs) else None for i in order]
@@ -485,7 +519,12 @@ class SglangDialect:
             for sub, _ in self._subsets(full, indices, [None] * len(indices)):
                 yield w, sub
 
-    @staticmethod
-    def encode_stopped(rows: list[StoppedRow]) -> bytes:
-        # SGLang sends no stop strings, so detokd never finds one of its own.
-        raise AssertionError("the sglang dialect has no feedback socket")
+
+def _joined(first: Produced | None, then: Produced) -> Produced:
+    """What the core produced over several calls, in order."""
+    if first is None:
+        return then
+    for worker, rows in then.rows.items():
+        first.rows.setdefault(worker, []).extend(rows)
+    first.stopped += then.stopped
+    return first

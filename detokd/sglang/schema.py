@@ -67,12 +67,11 @@ import msgspec
 from msgspec import Raw
 from msgspec.msgpack import Ext
 
+from ..core.records import NIL  # msgpack nil: the encoding of a None field, the default of every optional passthrough
 from ..wire import msgpack_scan
 from .id_rows import IdRows, ids_of, int64_rows
 from .types import EmbeddingBatch, StrBatch, TokenBatch
 
-# msgpack nil: the encoding of a None field, the default of every optional passthrough.
-NIL = Raw(b"\xc0")
 _EXT_TENSOR = 2
 
 FinishReason = Union[dict[str, Union[str, int, list[int], None]], None]
@@ -98,6 +97,7 @@ class SchemaMismatch(RuntimeError):
 
 
 MIRRORED = ("BatchTokenIDOutput", "BatchStrOutput", "BatchEmbeddingOutput", "FreezeGCReq", "ConfigureLoggingReq")
+_INBOUND = ("BatchTokenIDOutput", "BatchEmbeddingOutput", "FreezeGCReq", "ConfigureLoggingReq")  # the scheduler's to the detokenizer
 _BATCH = {"rids": ("Optional[List[str]]", Optional[list[str]]),
           "http_worker_ipcs": ("Optional[List[Optional[str]]]", Optional[list[Optional[str]]])}
 _SINGLE = {"rid": ("Optional[str]", Optional[str]), "http_worker_ipc": ("Optional[str]", Optional[str])}
@@ -335,12 +335,15 @@ class MsgpackCodec:
     def __init__(self, built: Schema | None = None) -> None:
         s = self.schema = built or installed()
         tok = s.structs["BatchTokenIDOutput"]
-        others = [s.structs[n] for n in ("BatchEmbeddingOutput", "FreezeGCReq", "ConfigureLoggingReq")]
+        others = [s.structs[n] for n in _INBOUND[1:]]
         # decode_ids left raw, read by the codec itself (each run of rows of one length in
         # numpy views over those bytes, with no Ext object per row).
         self.raw_ids = msgspec.defstruct("BatchTokenIDOutput", [("decode_ids", Raw)], bases=(tok,), kw_only=True,
                                          module=__name__)
         self._str = s.structs["BatchStrOutput"]
+        # Each decoded type, by the SGLang class it stands for: the dialect's dispatch.
+        self.classes: dict[type, str] = {self.raw_ids: "BatchTokenIDOutput", tok: "BatchTokenIDOutput",
+                                         **{s.structs[n]: n for n in _INBOUND[1:]}}
         self._decoder = msgspec.msgpack.Decoder(Union[(self.raw_ids, *others)])
         self._typed = msgspec.msgpack.Decoder(Union[(tok, *others)])
         self._exts = msgspec.msgpack.Decoder(list[Ext])
@@ -411,8 +414,9 @@ class PickleCodec:
 
         self.schema = built or installed()
         self._out = io_struct.BatchStrOutput
+        self.classes: dict[type, str] = {getattr(io_struct, n): n for n in _INBOUND}  # see MsgpackCodec
         self._id_rows = pickled.id_rows
-        self.decode = pickled.loader([n for n in MIRRORED if n != "BatchStrOutput"], allow)
+        self.decode = pickled.loader(_INBOUND, allow)
         self.encode = pickled.dumps
         self._compact = pickled.compact
 

@@ -1,10 +1,11 @@
 """What the loop asks of a wire dialect, whichever protocol it speaks.
 
-A dialect turns an inbound frame into calls on the core (rows, aborts, flushes) and
-delivery (registers, passthrough frames), and the core's output rows back into frames.
-It holds no request state: what it needs to know of a request it asks the core
-(`Detokenizer.seq_of`, `ended`, `quick`). Both dialects (detokd.wire.native,
-detokd.sglang.dialect) implement it, and the loop knows no other.
+A dialect turns an inbound frame into calls on the core (detokd.core.api.Core) and
+returns what the frame produced, encoded (`delivery.Output`): the loop hands that to
+delivery, which only moves bytes. It holds no request state, and nothing of one frame
+waits on it for the next: what it needs to know of a request it asks the core. Both
+dialects (detokd.wire.native, detokd.sglang.dialect) implement it, and the loop knows
+no other.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from ..core.records import OutRow, StoppedRow
+from ..core.records import OutRow
+from ..delivery import Output, WorkerOut
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..core.detokenizer import Detokenizer
+    from ..core.api import Core
     from ..core.stats import Stats
     from ..delivery import Delivery
     from ..gc_policy import GcPolicy
@@ -25,25 +27,22 @@ if TYPE_CHECKING:
 class Dialect(Protocol):
     name: str
 
-    def handle(self, frame: bytes) -> bool:
-        """One inbound frame, done; False when it held no message at all (counted)."""
+    def handle(self, frame: bytes) -> Output | None:
+        """One inbound frame, done: what it produced, encoded; None when it held no
+        message at all (counted)."""
 
-    def encode_text(self, rows: list[OutRow]) -> bytes | list[bytes]:
-        """One worker's rows of this batch as the frame(s) to send it."""
+    def stalled(self, out: WorkerOut) -> list[OutRow]:
+        """`out` will never reach its worker (a full queue), or was lost with its
+        connection: fail the requests of its rows with worker_stalled (and any the
+        message held that the core never saw as rows), and return the error rows the
+        worker is owed."""
 
-    def unencodable(self, worker: int, rows: list[OutRow], exc: Exception) -> bytes | list[bytes]:
-        """`encode_text(rows)` raised `exc` (a value the engine sent that cannot be sent
-        on): fail the requests of the rows, and return the frame(s) that tell `worker`
-        so, built from nothing the engine sent but the rids."""
-
-    def encode_stopped(self, rows: list[StoppedRow]) -> bytes:
-        """The feedback frame of the stop strings detokd found."""
-
-    def stalled(self, worker: int, rows: list[OutRow]) -> list[OutRow]:
-        """A message of these rows will never reach `worker`: fail their requests (and
-        any the message held that the core never saw as rows), and return the error
-        rows the worker is owed once it can be reached again."""
+    def encode_loose(self, worker: int, rows: list[OutRow]) -> list[bytes]:
+        """Rows of no frame in hand (error rows owed after a loss, rows a failed
+        `handle` left with the core) as the frames that tell `worker`: none where the
+        protocol places rows only within their own batch (the rows' requests are then
+        answered from their tombstones)."""
 
 
 # A dialect is built over the parts it drives, once the server has made them.
-DialectFactory = Callable[["Detokenizer", "Delivery", "GcPolicy", "Stats", "Config"], Dialect]
+DialectFactory = Callable[["Core", "Delivery", "GcPolicy", "Stats", "Config"], Dialect]

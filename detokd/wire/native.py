@@ -3,7 +3,7 @@
 One ZMQ frame holds one MessagePack map; `type` tags the message. Unknown keys are
 ignored and missing optional keys take their defaults, so older and newer peers
 interoperate. v1's rows are the core's records (detokd.core.records) as they are;
-this module adds the envelopes and the dispatch. `meta` and embedding `data` stay
+this module adds the envelopes and the dispatch (one `match` over the tagged union). `meta` and embedding `data` stay
 msgspec.Raw: they are copied into the output as the exact bytes that came in,
 never decoded.
 """
@@ -40,12 +40,15 @@ from ..core.records import (  # noqa: F401 (v1's rows and error words, re-export
     StoppedRow,
 )
 
+from ..delivery import Output, Registration, WorkerOut
+
 if TYPE_CHECKING:
     from ..config import Config
-    from ..core.detokenizer import Detokenizer
+    from ..core.api import Core
+    from ..core.outbox import Produced
+    from ..core.stats import Stats
     from ..delivery import Delivery
     from ..gc_policy import GcPolicy
-    from ..core.stats import Stats
 
 log = logs.get(__name__)
 
@@ -209,80 +212,105 @@ def encode_stopped(rows: list[StoppedRow]) -> bytes:
 
 
 class NativeDialect:
-    """Frames of PROTOCOL v1 in, the core's calls and delivery's passthrough out."""
+    """Frames of PROTOCOL v1 in; the core's calls, and what they produced encoded, out."""
 
     name = "native"
 
-    def __init__(self, core: Detokenizer, delivery: Delivery, gc_policy: GcPolicy, stats: Stats) -> None:
+    def __init__(self, core: Core, gc_policy: GcPolicy, stats: Stats) -> None:
         self.core = core
-        self.delivery = delivery
         self.gc_policy = gc_policy
         self.stats = stats
         self.decode = capped(core.limits.rows).decode  # every list of rows within max_rows
 
-    encode_text = staticmethod(encode_text)
-    encode_stopped = staticmethod(encode_stopped)
+    encode_text = staticmethod(encode_text)  # a method: a test's dialect may refuse to encode
 
-    def stalled(self, worker: int, rows: list[OutRow]) -> list[OutRow]:
-        return self.core.stalled(worker, rows)  # every row of a message is the core's
+    @classmethod
+    def make(cls, core: Core, delivery: Delivery, gc_policy: GcPolicy, stats: Stats, cfg: Config) -> NativeDialect:
+        """The DialectFactory of `detokd serve`."""
+        return cls(core, gc_policy, stats)
 
-    def unencodable(self, worker: int, rows: list[OutRow], exc: Exception) -> bytes:
+    def handle(self, frame: bytes) -> Output | None:
+        """One inbound frame: decode it, do what it says, and return what it produced.
+        A frame that does not decode is counted; the rows of a tokens frame that still
+        decode go on. None when the frame held no message at all."""
+        try:
+            msg = self.decode(frame)
+        except Exception as exc:  # DecodeError; RecursionError for nesting deeper than msgspec goes
+            msg = self._salvage(frame, exc)
+            if msg is None:
+                return None
+        match msg:
+            case Tokens(rows=rows):
+                return self.encoded(self.core.tokens(rows, len(frame)))
+            case Embeddings(rows=rows):
+                return self.embeddings(rows)
+            case Abort(rids=rids):
+                self.core.abort(rids)
+            case Register(worker=worker, address=address):
+                return Output(register=Registration(worker, address))
+            case Control(op=op):
+                self.control(op)
+        return Output()
+
+    def _salvage(self, frame: bytes, exc: Exception) -> Tokens | None:
+        """A frame that did not decode: counted; the rows of a tokens frame that still
+        decode, as a Tokens message (the others answered bad_row), or None."""
+        self.stats.bad_frames += 1
+        salvaged = salvage_rows(frame, self.core.limits.rows)
+        if salvaged is None:
+            log.warning("bad frame (%d bytes): %s", len(frame), exc)
+            return None
+        rows, bad = salvaged
+        log.warning("tokens frame (%d bytes) with %d bad row(s), answered bad_row; %d good row(s) go on: %s",
+                    len(frame), len(bad), len(rows), exc)
+        self.core.bad_rows(bad)
+        return Tokens(rows)
+
+    def encoded(self, produced: Produced, first: list[WorkerOut] | None = None) -> Output:
+        """What the core produced, as each worker's `text` message and the `stopped` one."""
+        workers = first or []
+        for worker, rows in produced.rows.items():
+            try:
+                frame = self.encode_text(rows)
+            except Exception as exc:  # a value a peer sent that cannot be sent on: those requests fail, not the process
+                frame = self._unencodable(worker, rows, exc)
+            workers.append(WorkerOut(worker, [frame], rows))
+        stopped = produced.stopped
+        if stopped:
+            return Output(workers, encode_stopped(stopped), len(stopped))
+        return Output(workers)
+
+    def _unencodable(self, worker: int, rows: list[OutRow], exc: Exception) -> bytes:
         log.error("%d row(s) for worker %d cannot be encoded (%s: %.200s); their requests fail with internal",
                   len(rows), worker, type(exc).__name__, exc)
         return encode_text(self.core.stalled(worker, rows, INTERNAL))
 
-    @classmethod
-    def make(cls, core: Detokenizer, delivery: Delivery, gc_policy: GcPolicy, stats: Stats, cfg: Config) -> NativeDialect:
-        """The DialectFactory of `detokd serve`."""
-        return cls(core, delivery, gc_policy, stats)
+    def stalled(self, out: WorkerOut) -> list[OutRow]:
+        return self.core.stalled(out.worker, out.rows)  # every row of a message is the core's
 
-    def handle(self, frame: bytes) -> bool:
-        """One inbound frame: decode it and do what it says. A frame that does not
-        decode is counted; the rows of a tokens frame that still decode go on.
-        False when the frame held no message at all."""
-        try:
-            msg = self.decode(frame)
-        except Exception as exc:  # DecodeError; RecursionError for nesting deeper than msgspec goes
-            self.stats.bad_frames += 1
-            salvaged = salvage_rows(frame, self.core.limits.rows)
-            if salvaged is None:
-                log.warning("bad frame (%d bytes): %s", len(frame), exc)
-                return False
-            rows, bad = salvaged
-            log.warning("tokens frame (%d bytes) with %d bad row(s), answered bad_row; %d good row(s) go on: %s",
-                        len(frame), len(bad), len(rows), exc)
-            self.core.bad_rows(bad)
-            msg = Tokens(rows)
-        if isinstance(msg, Tokens):
-            self.core.tokens(msg.rows, len(frame))
-        elif isinstance(msg, Embeddings):
-            self.embeddings(msg.rows)
-        elif isinstance(msg, Abort):
-            self.core.abort(msg.rids)
-        elif isinstance(msg, Register):
-            self.delivery.register(msg.worker, msg.address)
-        elif isinstance(msg, Control):
-            self.control(msg.op)
-        return True
+    def encode_loose(self, worker: int, rows: list[OutRow]) -> list[bytes]:
+        return [encode_text(rows)]
 
-    def embeddings(self, rows: list[EmbeddingRow]) -> None:
+    def embeddings(self, rows: list[EmbeddingRow]) -> Output:
         """Not decoded: each worker gets its rows in one `embeddings` message. The caps
         of a tokens row hold: a rid beyond max_rid_len gets no row (it would be echoed to
         every worker), a meta beyond max_meta_bytes a `too_large` row, not the embedding."""
-        limits = self.core.limits
+        core = self.core
+        limits = core.limits
         by_worker: dict[int, list[EmbeddingRow]] = {}
         for row in rows:
             if len(row.rid) > limits.rid_len or len(row.meta) > limits.meta_bytes:
-                self.core.too_large_embedding(row.rid, row.worker)
+                core.too_large_embedding(row.rid, row.worker)
                 continue
             by_worker.setdefault(row.worker, []).append(row)
+        passed = []
         for worker, batch in by_worker.items():
-            if not self.delivery.known(worker):
+            if not core.known(worker):
                 self.stats.error(BAD_START)
                 log.warning("embeddings for worker %d, which has no address: %d rows dropped", worker, len(batch))
                 continue
-            if not self.delivery.send(worker, encode(Embeddings(batch))):
-                self.stats.error(WORKER_STALLED)
+            passed.append(WorkerOut(worker, [encode(Embeddings(batch))], [], passthrough=True))
+        return self.encoded(core.take(), passed)
 
     def control(self, op: str) -> None:
         if op == "freeze_gc":

@@ -25,6 +25,11 @@ from detokd.sglang import id_rows
 from conftest import vocab
 
 
+def encode_str_output(codec, tok, output_strs: list[str]) -> bytes:
+    """The BatchStrOutput answering `tok` with these texts, as a codec encodes it."""
+    return codec.encode(codec.str_output(tok, output_strs))
+
+
 def sglang_detokenizer(tokenizer) -> DetokenizerManager:
     """SGLang's real DetokenizerManager, without the sockets and server args of __init__."""
     m = object.__new__(DetokenizerManager)

@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from conftest import fast_codec, vocab
+from detokd.conductor import Conductor
 from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
 from detokd.delivery import Delivery
@@ -54,7 +55,7 @@ class Rig:
         )
         ipc = schema.MsgpackCodec() if encoding == "msgpack" else schema.PickleCodec()
         self.dialect = SglangDialect(self.core, self.delivery, GcPolicy(self.stats), self.stats, ipc=ipc, vocab_size=self.v.size)
-        self.delivery.attach(self.dialect, lost=self.dialect.stalled, live=self.core.table.__contains__)
+        self.conductor = Conductor(self.dialect, self.core, self.delivery, self.stats)
         self.got: list = []
 
     def encode(self, message) -> bytes:
@@ -71,8 +72,7 @@ class Rig:
     def step(self, frame: bytes) -> None:
         """One turn of detokd's loop."""
         self.delivery.flush()
-        self.dialect.handle(frame)
-        self.delivery.deliver()
+        self.conductor.frame(frame)
 
     def read(self, wait_ms: int) -> None:
         """What reaches the reader, the backlog moving on meanwhile, until nothing does."""

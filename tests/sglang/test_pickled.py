@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from detokd.sglang import id_rows, pickled, schema
-from messages import ROW_RUNS, Calls, arrays_of, assert_bounds, sglang_detokenizer, token_batch
+from messages import ROW_RUNS, Calls, arrays_of, assert_bounds, encode_str_output, sglang_detokenizer, token_batch
 from messages import tok as tok  # a fixture, re-exported: no F811 where a test takes it
 
 received = pickled.loader()  # unpickles what a message holds (arrays, time stats) as detokd does
@@ -42,7 +42,7 @@ def test_pickled_time_stats_reach_the_tokenizer_manager_as_sglangs_detokenizer_s
     expected = pickle.loads(pickle.dumps(sglang_detokenizer(tok).handle_batch_token_id_out(pickle.loads(frame)),
                                          protocol=pickle.HIGHEST_PROTOCOL))
     codec = schema.PickleCodec()
-    got = pickle.loads(codec.encode_str_output(codec.decode(frame), expected.output_strs))
+    got = pickle.loads(encode_str_output(codec, codec.decode(frame), expected.output_strs))
     assert [type(o) for o in got.time_stats] == [type(o) for o in expected.time_stats]
     assert [vars(o) for o in got.time_stats] == [vars(o) for o in expected.time_stats]
     # output_ids: arrays of the same type and items (detokd pickles them compactly)

@@ -18,7 +18,7 @@ with warnings.catch_warnings():
     from sglang.srt.managers import io_struct
 
 from detokd.sglang import id_rows, schema
-from messages import sglang_detokenizer, sglang_wire, token_batch
+from messages import encode_str_output, sglang_detokenizer, sglang_wire, token_batch
 from messages import tok as tok  # a fixture, re-exported: no F811 where a test takes it
 
 
@@ -41,7 +41,7 @@ def test_a_forwarded_msgpack_batch_decodes_in_sglang_to_what_its_own_detokenizer
     codec = schema.MsgpackCodec()
     mine = codec.decode(frame)
     assert isinstance(mine, schema.BatchTokenIDOutput)
-    got = io_struct.msgpack_decode(codec.encode_str_output(mine, expected.output_strs))
+    got = io_struct.msgpack_decode(encode_str_output(codec, mine, expected.output_strs))
 
     assert type(got) is io_struct.BatchStrOutput
     assert got.output_strs == expected.output_strs
@@ -126,7 +126,7 @@ def test_a_pickled_batch_rebuilt_by_detokd_unpickles_to_what_sglang_produces(tok
     expected = sglang_detokenizer(tok).handle_batch_token_id_out(pickle.loads(frame))
 
     codec = schema.PickleCodec()
-    got = pickle.loads(codec.encode_str_output(codec.decode(frame), expected.output_strs))
+    got = pickle.loads(encode_str_output(codec, codec.decode(frame), expected.output_strs))
     assert type(got) is io_struct.BatchStrOutput
     assert got.time_stats == expected.time_stats and got.routed_experts == expected.routed_experts
     # Compare every field through a common encoding (PickleWrap the opaque ones).
