@@ -1,7 +1,7 @@
 """Between a wire dialect and delivery: one frame's way, and the stall policy's decisions.
 
 A frame goes one way: the dialect handles it (the core decides) and returns what it
-produced, encoded (`delivery.Output`); delivery sends it and returns what it could not.
+produced, encoded (`detokd.output.Output`); delivery sends it and returns what it could not.
 Where the stall policy needs requests failed or error rows encoded (a message a full
 queue lost, rows a broken connection took, rows owed to a worker), the conductor asks
 the dialect (which asks the core) and hands delivery the result: delivery never calls
@@ -14,7 +14,8 @@ from . import logs
 from .core.api import Core
 from .core.records import INTERNAL, WORKER_STALLED
 from .core.stats import Stats
-from .delivery import Delivery, Output, WorkerOut
+from .delivery import Delivery
+from .output import Output, WorkerOut
 from .wire.dialect import Dialect
 
 log = logs.get(__name__)
@@ -27,13 +28,13 @@ class Conductor:
         self.delivery = delivery
         self.stats = stats
 
-    def frame(self, frame: bytes) -> None:
+    def frame(self, frame: bytes) -> bool:
         """One inbound frame: handled by the dialect, what it produced sent. A bug costs
-        that frame, never the process."""
+        that frame, never the process. False when the frame held no message at all."""
         try:
             out = self.dialect.handle(frame)
             if out is None:
-                return  # not a message at all: counted as a bad frame, nothing to deliver
+                return False  # counted as a bad frame, nothing to deliver
         except Exception:
             self.stats.error(INTERNAL)
             log.exception("internal error handling a frame")
@@ -43,6 +44,7 @@ class Conductor:
         except Exception:
             self.stats.error(INTERNAL)
             log.exception("internal error delivering a frame's output")
+        return True
 
     def deliver(self, out: Output) -> None:
         """Send `out`; a worker's message lost to a full queue fails its requests, and the

@@ -36,7 +36,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import zmq
-from msgspec import Struct
 from zmq.utils.monitor import recv_monitor_message
 
 from . import logs
@@ -45,6 +44,7 @@ from .core.bounded import BoundedMap
 from .core.outbox import Outbox
 from .core.records import OutRow
 from .core.stats import Stats, WorkerFigures
+from .output import Output, WorkerOut
 from .sockets import Curve, ipc_folder_problem, register_address_problem
 
 log = logs.get(__name__)
@@ -70,35 +70,6 @@ def owed_cost(rid: str, row: OutRow) -> int:
 
 def _owed() -> BoundedMap[str, OutRow]:
     return BoundedMap(MAX_OWED, MAX_OWED_BYTES, owed_cost)
-
-
-class WorkerOut(Struct, gc=False):
-    """One worker's share of what a frame produced: the frame(s) to send it, and the
-    core's rows they carry (failed if the message is lost)."""
-
-    worker: int
-    frames: list[bytes]
-    rows: list[OutRow]
-    # The dialect's note of what else the frames carry, for its `stalled`: SGLang's
-    # quick path answers rows the core never saw as rows.
-    carries: object = None
-    passthrough: bool = False  # frames sent on as they came (embeddings): a loss is counted, no request fails
-
-
-class Registration(Struct, gc=False):
-    """A peer's `register`: worker `worker` is now at `address`, if the policy allows."""
-
-    worker: int
-    address: str
-
-
-class Output(Struct, gc=False):
-    """What one inbound frame produced, encoded, for delivery to send."""
-
-    workers: list[WorkerOut] = []
-    feedback: bytes | None = None  # the scheduler's `stopped` message
-    feedback_rows: int = 0  # the stopped rows it holds
-    register: Registration | None = None
 
 
 REGISTER_REFUSED = "register_refused"  # detokd_errors kind of a register the policy refused

@@ -365,8 +365,8 @@ class Server:
             return
         if self.max_rss is not None:  # per frame, not per turn: a turn may be 256 frames of held text
             self._guard_rss(time.monotonic())
-        self.conductor.frame(frame)
-        stats.step(time.perf_counter() - t0)
+        if self.conductor.frame(frame):  # a step is a decoded frame's: the histogram counts those
+            stats.step(time.perf_counter() - t0)
 
     def _drop_multipart(self) -> None:
         parts = 1

@@ -24,6 +24,7 @@ LAYERS = [
     ["zoo", "readiness", "logs"],  # logs: every module's logger (logs.get), so the floor
     ["tokenizer"],
     ["core"],  # table, decoders, stops, request state, the stats record
+    ["output"],  # what a frame produced, encoded: between a dialect and delivery
     ["config", "gc_policy"],
     ["http", "sockets", "process"],
     ["metrics", "delivery", "launch"],

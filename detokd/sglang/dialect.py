@@ -29,7 +29,7 @@ import msgspec
 from .. import logs
 from ..core.outbox import Produced
 from ..core.records import BAD_ROW, WORKER_STALLED, Finish, OutRow, Row, Start
-from ..delivery import Output, WorkerOut
+from ..output import Output, WorkerOut
 from . import schema
 from .id_rows import in_vocabulary
 

@@ -1,7 +1,7 @@
 """What the loop asks of a wire dialect, whichever protocol it speaks.
 
 A dialect turns an inbound frame into calls on the core (detokd.core.api.Core) and
-returns what the frame produced, encoded (`delivery.Output`): the loop hands that to
+returns what the frame produced, encoded (`detokd.output.Output`): the loop hands that to
 delivery, which only moves bytes. It holds no request state, and nothing of one frame
 waits on it for the next: what it needs to know of a request it asks the core. Both
 dialects (detokd.wire.native, detokd.sglang.dialect) implement it, and the loop knows
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from ..core.records import OutRow
-from ..delivery import Output, WorkerOut
+from ..output import Output, WorkerOut
 
 if TYPE_CHECKING:
     from ..config import Config

@@ -40,7 +40,7 @@ from ..core.records import (  # noqa: F401 (v1's rows and error words, re-export
     StoppedRow,
 )
 
-from ..delivery import Output, Registration, WorkerOut
+from ..output import Output, Registration, WorkerOut
 
 if TYPE_CHECKING:
     from ..config import Config
