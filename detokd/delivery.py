@@ -90,7 +90,8 @@ class RegisterPolicy:
     allow: tuple[str, ...] = ()
     replace: bool = False
     max_added: int = 16
-    tcp_needs_curve: bool = False  # CURVE is on: a registered tcp worker would be plaintext (no key comes in a register)
+    # CURVE is on: a registered tcp worker would be plaintext (no key comes in a register).
+    tcp_needs_curve: bool = False
 
     @classmethod
     def of(cls, cfg: Config, curve: bool) -> RegisterPolicy:
@@ -276,7 +277,8 @@ class Delivery:
     def _read_events(self, w: Worker) -> None:
         # Asked first: a read that finds nothing raises zmq.Again, several times dearer,
         # and nearly every turn finds nothing.
-        while w.monitor is not None and w.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+        # pyzmq types every option's value int | bytes; EVENTS is an int.
+        while w.monitor is not None and w.monitor.get(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
             try:
                 event = recv_monitor_message(w.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
@@ -343,15 +345,18 @@ class Delivery:
         self._keep_owed(w, errors)
 
     def _close_socket(self, w: Worker, linger: int) -> None:
+        if w.socket is None:  # a monitor comes only with its socket
+            return
         if w.monitor is not None:
             w.socket.disable_monitor()
             w.monitor.close(linger=0)
             w.monitor = None
-        if w.socket is not None:
-            w.socket.close(linger=linger)
-            w.socket = None
+        w.socket.close(linger=linger)
+        w.socket = None
 
-    def _connect(self, address: str, server_key: bytes | None = None, *, worker: bool = False) -> tuple[zmq.Socket, zmq.Socket | None]:
+    def _connect(
+        self, address: str, server_key: bytes | None = None, *, worker: bool = False
+    ) -> tuple[zmq.Socket, zmq.Socket | None]:
         """A PUSH socket connected to `address`, and for a worker the monitor of its
         connection (enabled before the connect: its first event may come at once).
         A worker's socket is ZMQ_IMMEDIATE: ZMQ queues a frame only on a completed
@@ -365,6 +370,7 @@ class Delivery:
                 s.setsockopt(zmq.IMMEDIATE, 1)
                 monitor = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             if server_key is not None:
+                assert self.curve is not None, "a server key comes only from the CURVE config"
                 self.curve.connect_to(s, server_key)
             s.setsockopt(zmq.SNDHWM, self.hwm)
             s.setsockopt(zmq.LINGER, self.linger_ms)
@@ -430,6 +436,7 @@ class Delivery:
 
     def _drain(self, w: Worker) -> None:
         backlog, sock = w.backlog, w.socket
+        assert sock is not None, "a worker's socket closes only at shutdown, after the last drain"
         asked = False
         while backlog:
             queued = backlog[0]
@@ -439,7 +446,7 @@ class Delivery:
             except zmq.Again:
                 # A non-blocking send reads ZMQ's "the I/O thread took them" notices at
                 # most once a millisecond; asking for EVENTS reads them now.
-                if asked or not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                if asked or not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:  # type: ignore[arg-type, operator]  # an int (_read_events)
                     return
                 asked = True
                 continue
@@ -504,7 +511,10 @@ class Delivery:
     def has_room(w: Worker) -> bool:
         """Whether a frame would go straight into the worker's ZMQ queue: no backlog,
         and ZMQ's queue below its mark (ZMQ exposes no depth, only this)."""
-        return w.socket is not None and not w.backlog and bool(w.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+        return (
+            w.socket is not None and not w.backlog
+            and bool(w.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT)  # type: ignore[arg-type, operator]  # an int (_read_events)
+        )
 
     def publish(self) -> None:
         """Per-worker figures for /metrics."""
@@ -529,7 +539,10 @@ class Delivery:
             if poller.poll(int(left * 1000) + 1):
                 self.flush()
         for w in self.backlogged.values():
-            log.warning("worker %d: %d queued messages (%d bytes) not sent at shutdown", w.index, len(w.backlog), w.backlog_bytes)
+            log.warning(
+                "worker %d: %d queued messages (%d bytes) not sent at shutdown",
+                w.index, len(w.backlog), w.backlog_bytes,
+            )
         linger = max(0, int((deadline - time.monotonic()) * 1000))
         for w in self.workers.values():
             self._close_socket(w, linger)

@@ -23,11 +23,11 @@ from typing import NoReturn
 import zmq
 
 from . import logs, readiness, sockets
+from .conductor import Conductor
 from .config import Config, ConfigError, check
 from .core.decoder import make_codec
 from .core.detokenizer import Detokenizer
 from .core.outbox import Outbox
-from .conductor import Conductor
 from .core.records import SHUTDOWN
 from .core.stats import Stats
 from .delivery import Delivery, RegisterPolicy
@@ -97,7 +97,10 @@ class GraceWatch:
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                exit_now(f"not stopped within shutdown_grace_s = {self.grace} s: exiting now, unsent output is lost", self.words)
+                exit_now(
+                    f"not stopped within shutdown_grace_s = {self.grace} s: exiting now, unsent output is lost",
+                    self.words,
+                )
             self.reader.settimeout(left)
             try:
                 data = self.reader.recv(64)
@@ -137,7 +140,6 @@ class Server:
         self.stats = Stats()
         self.metrics: MetricsServer | None = None
         self.ctx = zmq.Context()
-        self.delivery: Delivery | None = None
         self.auth = None
         self.refusals = threading.Lock()
         try:
@@ -158,7 +160,7 @@ class Server:
         self.stats.dialect = self.dialect.name
         self.conductor = Conductor(self.dialect, self.core, self.delivery, self.stats)
         self.stop_requested_at: float | None = None  # when the first STOP_SIGNAL came
-        self.stop_signal = signal.SIGTERM  # which one it was
+        self.stop_signal: int = signal.SIGTERM  # which one it was
         self.stopping_notified = False
         self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None
         self.rss_checked = 0.0
@@ -263,7 +265,9 @@ class Server:
         # from Stats' creation before the seconds of start-up (it said "stuck" at once).
         self.stats.last_turn = time.monotonic()
         self.stats.ready = True
-        log.info("serving: input %s, %d worker(s), %s dialect", self.bound, len(self.delivery.workers), self.dialect.name)
+        log.info(
+            "serving: input %s, %d worker(s), %s dialect", self.bound, len(self.delivery.workers), self.dialect.name
+        )
         readiness.notify("READY=1")
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
@@ -279,7 +283,7 @@ class Server:
         while True:
             stats.last_turn = monotonic()
             if drain_until is None and self.stop_requested_at is not None:
-                drain_until = self._stop_accepting()
+                drain_until = self._stop_accepting(self.stop_requested_at)
             if not poller.poll(POLL_MS if drain_until is None else 0):
                 if drain_until is not None:
                     return drained  # nothing queued
@@ -332,10 +336,11 @@ class Server:
             if handler is not None:  # None: a handler not installed from Python
                 signal.signal(sig, handler)
 
-    def _stop_accepting(self) -> float:
-        """The first signal: unbind the input, so that new frames stay with their senders
-        (a PUSH queues them for the next detokd) while those queued here are answered.
-        Returns when decoding them must end: a share of the grace after the signal."""
+    def _stop_accepting(self, requested_at: float) -> float:
+        """The first signal (it came at `requested_at`): unbind the input, so that new
+        frames stay with their senders (a PUSH queues them for the next detokd) while
+        those queued here are answered. Returns when decoding them must end: a share of
+        the grace after the signal."""
         self.stats.stopping = True  # /readyz fails first: no new traffic is sent here
         try:
             self.input.unbind(self.endpoint)
@@ -347,7 +352,7 @@ class Server:
             signal.Signals(self.stop_signal).name, self.endpoint, share,
         )
         self._notify_stopping()  # now, not after the drain: systemd shows the unit deactivating
-        return self.stop_requested_at + share
+        return requested_at + share
 
     def _notify_stopping(self) -> None:
         if not self.stopping_notified:
@@ -382,15 +387,22 @@ class Server:
         if now - self.rss_checked < RSS_EVERY:
             return
         self.rss_checked = now
+        assert self.max_rss is not None, "the loop guards RSS only with max_rss_mb set"
         rss = rss_bytes()
         over = rss > self.max_rss
         if over != self.core.overloaded:
             self.core.overloaded = self.stats.overloaded = over
             self.stats.overload_transitions += 1
             if over:
-                log.warning("RSS %.0f MB is above max_rss_mb = %d: new requests are refused (overloaded)", rss / 2**20, self.cfg.max_rss_mb)
+                log.warning(
+                    "RSS %.0f MB is above max_rss_mb = %d: new requests are refused (overloaded)",
+                    rss / 2**20, self.cfg.max_rss_mb,
+                )
             else:
-                log.warning("RSS %.0f MB is below max_rss_mb = %d again: new requests are served", rss / 2**20, self.cfg.max_rss_mb)
+                log.warning(
+                    "RSS %.0f MB is below max_rss_mb = %d again: new requests are served",
+                    rss / 2**20, self.cfg.max_rss_mb,
+                )
 
     def _curve_refused(self) -> None:  # on the authenticator's two threads (ZAP, the handshake watch)
         with self.refusals:
@@ -424,8 +436,9 @@ class Server:
             self.metrics.close()
         if getattr(self, "input", None) is not None:
             self.input.close(linger=0)
-        if self.delivery is not None:
-            self.delivery.close()
+        delivery = getattr(self, "delivery", None)  # absent when start-up failed before it
+        if delivery is not None:
+            delivery.close()
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()

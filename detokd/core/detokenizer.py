@@ -233,7 +233,9 @@ class Detokenizer:
                 try:
                     text = request.step(ids)
                 except RunTooLong:
-                    self._too_large(Row(rids[i], ids, request.n_ids - n, None, None, metas[i]), request, "open byte run")
+                    self._too_large(
+                        Row(rids[i], ids, request.n_ids - n, None, None, metas[i]), request, "open byte run"
+                    )
                     text = ""
                 except Exception:
                     self._internal(Row(rids[i], ids, request.n_ids - n, None, None, metas[i]), request)
@@ -334,7 +336,7 @@ class Detokenizer:
             self._too_large(row, request, why)
             return None
         if start is not None and request is not None and start.worker != request.worker:
-            self._collision(row, request)
+            self._collision(row, start, request)
             return None
         if start is not None and (request is None or request.vid != start.vid):
             if request is not None:  # a new vid: the engine retracted and re-runs this request
@@ -362,7 +364,10 @@ class Detokenizer:
         rid = row.rid
         self.tombstones.discard(rid)
         if not self.outbox.known(start.worker):
-            log.warning("rid %r names worker %d, which has no address", rid, start.worker, extra=_about(rid, start.worker, r.BAD_START))
+            log.warning(
+                "rid %r names worker %d, which has no address", rid, start.worker,
+                extra=_about(rid, start.worker, r.BAD_START),
+            )
             self._error(rid, None, r.BAD_START, row.meta, 0)
             return None
         tail = start.prompt_tail[-self.max_tail :] if self.max_tail > 0 else []
@@ -421,7 +426,9 @@ class Detokenizer:
         dialect may place the row by it: SGLang's batch position); a rid beyond the
         cap gets no row at all: it would be echoed to every worker."""
         rid = row.rid
-        log.warning("row of rid %r beyond the cap on %s: too_large", rid[:64], why, extra=_about(rid, None, r.TOO_LARGE))
+        log.warning(
+            "row of rid %r beyond the cap on %s: too_large", rid[:64], why, extra=_about(rid, None, r.TOO_LARGE)
+        )
         if request is not None:
             self.table.pop(rid)
         if why == "rid":
@@ -431,7 +438,7 @@ class Detokenizer:
         if request is not None and row.start is not None and row.start.worker != request.worker:
             # Another scheduler's live rid: a collision first, so the sender's worker
             # hears nothing of that request (its n_ids, its later rows' meta).
-            self._collision(row, request, meta)
+            self._collision(row, row.start, request, meta)
             return
         worker = request.worker if request is not None else None
         if row.start is not None and self.outbox.known(row.start.worker):
@@ -440,12 +447,12 @@ class Detokenizer:
             self.tombstones.add(rid, worker, r.TOO_LARGE)
         self._error(rid, worker, r.TOO_LARGE, meta, _n_ids(request))
 
-    def _collision(self, row: Row, request: Request, meta: Raw | None = None) -> None:
+    def _collision(self, row: Row, start: r.Start, request: Request, meta: Raw | None = None) -> None:
         """Two schedulers started one rid for two workers: neither can be served
         without the other never hearing of its request, so both are told and the
         state is dropped (later rows of the rid are unknown to every worker). Each
         row carries only its own request's state: the newcomer's n_ids is 0."""
-        rid, other = row.rid, row.start.worker
+        rid, other = row.rid, start.worker
         meta = row.meta if meta is None else meta
         log.warning(
             "rid %r started for worker %d while live for worker %d: rid_collision", rid, other, request.worker,
@@ -553,7 +560,9 @@ class Detokenizer:
     def too_large_embedding(self, rid: str, worker: int) -> None:
         """An embeddings row beyond max_rid_len (no row, as in `_too_large`) or
         max_meta_bytes (a `too_large` row to its worker, meta not echoed)."""
-        log.warning("embeddings row of rid %r beyond the caps: too_large", rid[:64], extra=_about(rid, worker, r.TOO_LARGE))
+        log.warning(
+            "embeddings row of rid %r beyond the caps: too_large", rid[:64], extra=_about(rid, worker, r.TOO_LARGE)
+        )
         if len(rid) > self.limits.rid_len or not self.outbox.known(worker):
             self.stats.error(r.TOO_LARGE)
         else:

@@ -27,7 +27,9 @@ class Request:
     __slots__ = ("worker", "outbox", "vid", "n_ids", "step", "stops", "keep_stop", "parts", "held", "stopped",
                  "needs_feed", "decoder", "sent")
 
-    def __init__(self, worker: int, outbox: list[OutRow], start: Start, decoder: Decoder, stops: StopScanner | None) -> None:
+    def __init__(
+        self, worker: int, outbox: list[OutRow], start: Start, decoder: Decoder, stops: StopScanner | None
+    ) -> None:
         self.worker = worker
         self.outbox = outbox  # the Outbox list of this request's worker
         self.vid = start.vid

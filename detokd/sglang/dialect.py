@@ -22,7 +22,8 @@ differs from SGLang on purpose, docs/sglang.md says so.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from ..gc_policy import GcPolicy
 
 log = logs.get(__name__)
+_R = TypeVar("_R")  # what _subsets carries along with each row of a sub-batch
 
 GPT_OSS_CALL = 200012  # <|call|>: a stop token SGLang keeps with the gpt-oss tool parser
 
@@ -88,8 +90,8 @@ def aborted_output(rids: list[str], ipcs: list[str | None] | None, reasons: list
 
     cls = _io().BatchStrOutput
     n = len(rids)
-    values = {"rids": rids, "http_worker_ipcs": ipcs, "finished_reasons": reasons,
-              "output_strs": [""] * n, "output_ids": [array("q")] * n}
+    values: dict[str, Any] = {"rids": rids, "http_worker_ipcs": ipcs, "finished_reasons": reasons,
+                              "output_strs": [""] * n, "output_ids": [array("q")] * n}
     values.update((name, [0] * n) for name in _COUNTS)
     return cls(**{name: values.get(name) for name in schema.field_names(cls)})
 
@@ -193,7 +195,9 @@ class SglangDialect:
         try:
             if not self.beam_warned and schema.has_beam_search(batch):
                 self.beam_warned = True
-                log.error("a batch carries beam-search results, which detokd does not decode: they pass through as they are")
+                log.error(
+                    "a batch carries beam-search results, which detokd does not decode: they pass through as they are"
+                )
             ids = self.ipc.ids(batch)
             if self._quick_fits(batch, ids):
                 texts, produced = self._quick(batch, ids)
@@ -216,7 +220,9 @@ class SglangDialect:
             why = "its rids are not a list of strings"
         elif len(rids) > most:
             why = f"{len(rids)} rows, more than max_rows = {most}"
-        elif not checked and self.http_workers and not _strings([i for i in batch.http_worker_ipcs or () if i is not None]):
+        elif not checked and self.http_workers and not _strings(
+            [i for i in batch.http_worker_ipcs or () if i is not None]
+        ):
             why = "its http_worker_ipcs are not strings"
         else:
             return True
@@ -231,6 +237,7 @@ class SglangDialect:
         log.error("a batch of %d requests cannot be read (%s); each of them is aborted", len(batch.rids or []), cause)
         ipcs = batch.http_worker_ipcs or []
         positions = grown(self.positions, len(batch.rids or []))
+        worker: int | None  # None: a row of no HTTP worker, skipped
         for i, rid in enumerate(batch.rids or []):
             worker = 0
             if self.http_workers:
@@ -245,7 +252,10 @@ class SglangDialect:
         ipcs = batch.http_worker_ipcs
         rows = []
         grown(self.positions, len(rids))
-        for i, (rid, ids) in enumerate(zip(rids, id_rows)):
+        worker: int | None  # None: a row of no HTTP worker, skipped
+        # Strict: decode_ids of another length than rids is a batch that does not read as
+        # the schema says (`tokens` aborts it), not one whose surplus rows go unanswered.
+        for i, (rid, ids) in enumerate(zip(rids, id_rows, strict=True)):
             worker = 0
             if self.http_workers:
                 worker = self._worker(ipcs[i] if ipcs else None)
@@ -356,7 +366,7 @@ class SglangDialect:
         so does detokd, counted."""
         vocab_size = self.vocab_size
         out = [i if 0 <= i < vocab_size else 0 for i in ids]
-        self.stats.clamped_ids += sum(1 for a, b in zip(ids, out) if a != b)
+        self.stats.clamped_ids += sum(1 for a, b in zip(ids, out, strict=True) if a != b)
         return out
 
     def _worker(self, ipc: str | None) -> int | None:
@@ -408,7 +418,9 @@ class SglangDialect:
 
     # --- outbound -----------------------------------------------------------------------
 
-    def _answer(self, batch: Any, produced: Produced, texts: list[str] | None = None, cause: str | None = None) -> Output:
+    def _answer(
+        self, batch: Any, produced: Produced, texts: list[str] | None = None, cause: str | None = None
+    ) -> Output:
         """The answer to `batch`, for each worker its rows: from `texts`, the quick path's
         output_strs, and the core's rows placed by position; aborts throughout when the
         batch cannot be read (`cause`). With one TokenizerManager every batch is
@@ -468,7 +480,8 @@ class SglangDialect:
         for sub, picked in self._subsets(blank, [i for i, _ in mine], [row for _, row in mine]):
             sub.output_strs = [row.text for row in picked]
             sub.finished_reasons = [
-                abort_reason(row.error) if row.error is not None else r for row, r in zip(picked, sub.finished_reasons)
+                abort_reason(row.error) if row.error is not None else r
+                for row, r in zip(picked, sub.finished_reasons, strict=True)  # the split keeps each row's reason
             ]
             frames.append(self._encode_object(sub))
         return frames, blank
@@ -497,7 +510,7 @@ class SglangDialect:
             return self.ipc.encode(obj)
         return _io().msgpack_encode(obj)
 
-    def _subsets(self, full: Any, indices: list[int], rows: list[OutRow]):
+    def _subsets(self, full: Any, indices: list[int], rows: list[_R]) -> Iterator[tuple[Any, list[_R]]]:
         """SGLang's own split of a batch into one worker's rows, as the release splits:
         one sub-batch, or one message per row (older releases, or where a field cannot
         be split, as its detokenizer falls back)."""
@@ -505,11 +518,11 @@ class SglangDialect:
             from .release import detect
 
             self.split = detect().split
-        row_at = dict(zip(indices, rows))
+        row_at = dict(zip(indices, rows, strict=True))
         for sub, held in self.split(full, indices):
             yield sub, [row_at[i] for i in held]
 
-    def _split(self, full: Any, ipcs: list[str | None]):
+    def _split(self, full: Any, ipcs: list[str | None]) -> Iterator[tuple[int, Any]]:
         by_worker: dict[int, list[int]] = {}
         for i, ipc in enumerate(ipcs):
             w = self._worker(ipc)

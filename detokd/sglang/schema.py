@@ -97,7 +97,8 @@ class SchemaMismatch(RuntimeError):
 
 
 MIRRORED = ("BatchTokenIDOutput", "BatchStrOutput", "BatchEmbeddingOutput", "FreezeGCReq", "ConfigureLoggingReq")
-_INBOUND = ("BatchTokenIDOutput", "BatchEmbeddingOutput", "FreezeGCReq", "ConfigureLoggingReq")  # the scheduler's to the detokenizer
+# The scheduler's to the detokenizer.
+_INBOUND = ("BatchTokenIDOutput", "BatchEmbeddingOutput", "FreezeGCReq", "ConfigureLoggingReq")
 _BATCH = {"rids": ("Optional[List[str]]", Optional[list[str]]),
           "http_worker_ipcs": ("Optional[List[Optional[str]]]", Optional[list[Optional[str]]])}
 _SINGLE = {"rid": ("Optional[str]", Optional[str]), "http_worker_ipc": ("Optional[str]", Optional[str])}

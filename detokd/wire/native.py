@@ -17,8 +17,6 @@ import msgspec
 from msgspec import Meta, Raw, Struct
 
 from .. import logs
-from . import msgpack_scan
-
 from ..core.records import (  # noqa: F401 (v1's rows and error words, re-exported for peers)
     BAD_IDS,
     BAD_ROW,
@@ -39,8 +37,8 @@ from ..core.records import (  # noqa: F401 (v1's rows and error words, re-export
     Start,
     StoppedRow,
 )
-
 from ..output import Output, Registration, WorkerOut
+from . import msgpack_scan
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -118,13 +116,16 @@ def capped(max_rows: int) -> msgspec.msgpack.Decoder:
     one element is read: 60 M empty rids fit in a 57 MiB abort, 3 s to decode alone.
     Their messages are subclasses of the ones above."""
 
-    def many(name: str, base: type, field: str, item: type, **tag: str) -> type:
-        return msgspec.defstruct(name, [(field, Annotated[list[item], Meta(max_length=max_rows)])], bases=(base,), **tag)
+    # The classes are built at run time (msgspec reads their annotations then), so mypy
+    # sees variables where types go: valid-type is ignored on those lines.
+    def many(name: str, base: type, field: str, item: type, tag: str) -> type:
+        items = Annotated[list[item], Meta(max_length=max_rows)]  # type: ignore[valid-type]
+        return msgspec.defstruct(name, [(field, items)], bases=(base,), tag=tag)
 
     CappedTokens = many("CappedTokens", Tokens, "rows", Row, tag="tokens")
     CappedEmbeddings = many("CappedEmbeddings", Embeddings, "rows", EmbeddingRow, tag="embeddings")
     CappedAbort = many("CappedAbort", Abort, "rids", str, tag="abort")
-    inbound = Union[CappedTokens, CappedEmbeddings, CappedAbort, Register, Control]
+    inbound = Union[CappedTokens, CappedEmbeddings, CappedAbort, Register, Control]  # type: ignore[valid-type]
     return msgspec.msgpack.Decoder(inbound)
 
 
@@ -136,9 +137,8 @@ class _LooseTokens(Struct):
 @functools.cache
 def _loose(max_rows: int) -> msgspec.msgpack.Decoder:
     """A tokens frame's rows as raw bytes each, at most `max_rows` (from the length header)."""
-    return msgspec.msgpack.Decoder(
-        msgspec.defstruct("CappedLooseTokens", [("rows", Annotated[list[Raw], Meta(max_length=max_rows)])], bases=(_LooseTokens,))
-    )
+    rows = Annotated[list[Raw], Meta(max_length=max_rows)]
+    return msgspec.msgpack.Decoder(msgspec.defstruct("CappedLooseTokens", [("rows", rows)], bases=(_LooseTokens,)))
 
 
 def salvage_rows(frame: bytes, max_rows: int) -> tuple[list[Row], list[str]] | None:
