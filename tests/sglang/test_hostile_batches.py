@@ -54,17 +54,20 @@ def nested(depth: int) -> list:
 # exception detokd names in the abort. The first three fail only when the answer is
 # encoded (pickle: the value, its pickling, SGLang's own __setstate__); the stride-0
 # tensor would expand to 1.2 GB; msgpack's ext 1 is no tensor; its 2,000-deep field
-# sinks the typed decode and its fallback alike.
+# sinks the typed decode and its fallback alike. A batch with fewer id rows than rids
+# leaves no row unanswered (a row without ids would be a finish with no text).
 CASES = {
     "pickle": {
         "str-as-tensor": ("routed_experts", lambda n: ["x"] * n, "AttributeError"),
         "nested-5000": ("output_hidden_states", lambda n: [nested(5000)] * n, "RecursionError"),
         "time-stats": ("time_stats", RefusedState(), "KeyError"),
         "expanded-tensor": ("routed_experts", lambda n: [torch.ones(1).expand(300_000_000)] * n, "max_frame_bytes"),
+        "ids-short": ("decode_ids", lambda n: [torch.tensor([100, 101])] * (n - 1), "ValueError"),
     },
     "msgpack": {
         "array-as-tensor": ("routed_experts", lambda n: [array("q", [1])] * n, "ValidationError"),
         "nested-2000": ("output_hidden_states", lambda n: msgspec.Raw(b"\x91" * 2000 + b"\xc0"), "RecursionError"),
+        "ids-short": ("decode_ids", lambda n: [array("q", [100, 101])] * (n - 1), "ValueError"),
     },
 }
 
