@@ -8,12 +8,13 @@ back what all that produced (`take`; `tokens` returns it too).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from msgspec import Raw
 
 from .outbox import Produced
-from .records import WORKER_STALLED, Finish, OutRow, Row
+from .records import WORKER_STALLED, OutRow, Row
 
 if TYPE_CHECKING:
     from .detokenizer import Limits
@@ -25,10 +26,11 @@ class Core(Protocol):
     def tokens(self, rows: list[Row], ids_at_most: int | None = None) -> Produced:
         """One engine step's rows; returns what the core produced."""
 
-    def quick(self, rids: list[str], id_rows: list[list[int]], finishes: list[Finish | None], metas: list[Raw],
+    def quick(self, rids: list[str], id_rows: list[list[int]], finishes: Sequence[object], metas: list[Raw],
               at: int = 0, in_vocab: bool = False) -> list[str]:
         """The texts of rows `at`, `at + 1`, ... that are a live plain request's next ids,
-        up to the first row `tokens` must take."""
+        up to the first row `tokens` must take. Of `finishes` only whether each is None
+        is read (a dialect passes its own finish reasons)."""
 
     def take(self) -> Produced:
         """What the core produced since the last take."""

@@ -9,6 +9,7 @@ the engine's finishing row frees the state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from msgspec import Raw
@@ -192,7 +193,7 @@ class Detokenizer:
                 return True
         return False
 
-    def quick(self, rids: list[str], id_rows: list[list[int]], finishes: list, metas: list[Raw],
+    def quick(self, rids: list[str], id_rows: list[list[int]], finishes: Sequence[object], metas: list[Raw],
               at: int = 0, in_vocab: bool = False) -> list[str]:
         """The fast path of `tokens` for a dialect that places rows by position: from row
         `at` on, each row that is a live plain streaming request's next ids, not

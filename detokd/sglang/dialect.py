@@ -22,8 +22,8 @@ differs from SGLang on purpose, docs/sglang.md says so.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ..core.stats import Stats
     from ..delivery import Delivery
     from ..gc_policy import GcPolicy
+    from .types import ConfigureLoggingReq, EmbeddingBatch, FreezeGCReq, RoutedBatch, TokenBatch
 
 log = logs.get(__name__)
 _R = TypeVar("_R")  # what _subsets carries along with each row of a sub-batch
@@ -150,13 +151,16 @@ class SglangDialect:
         self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
         self.positions: list[msgspec.Raw] = []  # each position's meta, up to the largest batch within max_rows
         self.beam_warned = False
-        by_name = {
+        by_name: dict[str, Callable[[Any, bytes], Output | None]] = {
             "BatchTokenIDOutput": self.tokens,
             "BatchEmbeddingOutput": self.embeddings,
             "FreezeGCReq": self._freeze_gc,
             "ConfigureLoggingReq": self._configure_logging,
         }
-        self.handlers = {cls: by_name[name] for cls, name in ipc.classes.items()}  # the decoded type -> its handler
+        # The decoded type -> its handler.
+        self.handlers: dict[type, Callable[[Any, bytes], Output | None]] = {
+            cls: by_name[name] for cls, name in ipc.classes.items()
+        }
 
     # --- inbound ------------------------------------------------------------------------
 
@@ -177,16 +181,16 @@ class SglangDialect:
             return None
         return handler(msg, frame)
 
-    def _freeze_gc(self, msg: Any, frame: bytes) -> Output:
+    def _freeze_gc(self, msg: FreezeGCReq, frame: bytes) -> Output:
         self.gc_policy.freeze()
         return Output()
 
-    def _configure_logging(self, msg: Any, frame: bytes) -> Output:
+    def _configure_logging(self, msg: ConfigureLoggingReq, frame: bytes) -> Output:
         if msg.log_level is not None:
             logging.getLogger().setLevel(msg.log_level.upper())
         return Output()
 
-    def tokens(self, batch: Any, frame: bytes) -> Output:
+    def tokens(self, batch: TokenBatch, frame: bytes) -> Output:
         """One scheduler step: each request's new ids become one core row (or a quick
         row's text), and what the core returns the step's answer."""
         if not self._answerable(batch):
@@ -207,7 +211,7 @@ class SglangDialect:
             return self._unreadable(batch, exc)
         return self._answer(batch, self.core.tokens(rows, ids_at_most=len(frame)))
 
-    def _answerable(self, batch: Any) -> bool:
+    def _answerable(self, batch: RoutedBatch) -> bool:
         """Whether a batch's rids (and HTTP workers) can be answered at all: at most
         max_rows of them, checked before anything is sized by them, and strings (a
         pickle can hold any value; msgpack's decoder has checked them). A batch that is
@@ -229,7 +233,7 @@ class SglangDialect:
         log.error("a batch cannot be answered (%s): dropped, its requests get no answer", why)
         return False
 
-    def _unreadable(self, batch: Any, exc: Exception) -> Output:
+    def _unreadable(self, batch: RoutedBatch, exc: Exception) -> Output:
         """A batch that does not read as the schema says (a field of another type): each
         of its requests fails with an abort naming the cause, never a success without
         its text; their later rows are aborted too (the core's tombstones)."""
@@ -245,9 +249,10 @@ class SglangDialect:
                 if worker is None:
                     continue
             self.core.fail(rid, worker, BAD_ROW, positions[i])
-        return self._answer(batch, self.core.take(), cause=cause)
+        # With a cause, _answer reads only the batch's rids and HTTP workers.
+        return self._answer(cast("TokenBatch", batch), self.core.take(), cause=cause)
 
-    def _rows(self, batch: Any, id_rows: list[list[int]]) -> list[Row]:
+    def _rows(self, batch: TokenBatch, id_rows: list[list[int]]) -> list[Row]:
         rids = batch.rids or []
         ipcs = batch.http_worker_ipcs
         rows = []
@@ -264,7 +269,7 @@ class SglangDialect:
             rows.append(self._row(batch, i, rid, ids, worker))
         return rows
 
-    def _row(self, batch: Any, i: int, rid: str, ids: list[int], worker: int) -> Row:
+    def _row(self, batch: TokenBatch, i: int, rid: str, ids: list[int], worker: int) -> Row:
         """Row i of the batch as the core's row: a live request's next ids, or the start
         of a new one (its ids begin with the prompt context)."""
         vocab_size = self.vocab_size
@@ -303,18 +308,18 @@ class SglangDialect:
     # before the next quick row. (A batch naming a rid twice: a later quick row cannot
     # overtake an earlier row of its rid unnoticed, the core sees its seq gap.)
 
-    def _quick_fits(self, batch: Any, ids: list[list[int]]) -> bool:
+    def _quick_fits(self, batch: TokenBatch, ids: list[list[int]]) -> bool:
         """Whether the quick path may take this batch: one TokenizerManager (several get
         sub-batches, built from the core's rows), and a batch the core would take whole."""
         return (not self.http_workers and len(batch.rids or []) == len(ids)
                 and self.core.takes_whole(len(ids), sum(map(len, ids))))
 
-    def _quick(self, batch: Any, id_rows: list[list[int]]) -> tuple[list[str], Produced]:
+    def _quick(self, batch: TokenBatch, id_rows: list[list[int]]) -> tuple[list[str], Produced]:
         """The batch's output_strs (a core row's is "" here: its OutRow has the text) and
         what the core produced for the rest."""
         core = self.core
         quick = core.quick
-        rids = batch.rids
+        rids = batch.rids or []
         reasons = batch.finished_reasons
         n = len(rids)
         positions = grown(self.positions, n)
@@ -386,7 +391,7 @@ class SglangDialect:
         self.worker_of[ipc] = w
         return w
 
-    def embeddings(self, msg: Any, frame: bytes) -> Output:
+    def embeddings(self, msg: EmbeddingBatch, frame: bytes) -> Output:
         """Not decoded: SGLang's detokenizer returns the message unchanged, so the frame
         as received is what it would send (to each worker its rows, with several)."""
         if not self.http_workers:
@@ -419,7 +424,7 @@ class SglangDialect:
     # --- outbound -----------------------------------------------------------------------
 
     def _answer(
-        self, batch: Any, produced: Produced, texts: list[str] | None = None, cause: str | None = None
+        self, batch: TokenBatch, produced: Produced, texts: list[str] | None = None, cause: str | None = None
     ) -> Output:
         """The answer to `batch`, for each worker its rows: from `texts`, the quick path's
         output_strs, and the core's rows placed by position; aborts throughout when the
@@ -455,7 +460,7 @@ class SglangDialect:
             out.append(WorkerOut(worker, frames, rows, carries))
         return Output(out)
 
-    def _whole(self, batch: Any, mine: list[tuple[int, OutRow]], texts: list[str] | None) -> bytes:
+    def _whole(self, batch: TokenBatch, mine: list[tuple[int, OutRow]], texts: list[str] | None) -> bytes:
         """The one BatchStrOutput answering the whole batch."""
         texts = texts or [""] * len(batch.rids or [])
         aborts = {}
@@ -468,13 +473,13 @@ class SglangDialect:
             out.finished_reasons = [aborts.get(i, r) for i, r in enumerate(out.finished_reasons)]
         return self.ipc.encode(out)
 
-    def _sub_batches(self, batch: Any, mine: list[tuple[int, OutRow]], blank: Any) -> tuple[list[bytes], Any]:
+    def _sub_batches(self, batch: TokenBatch, mine: list[tuple[int, OutRow]], blank: Any) -> tuple[list[bytes], Any]:
         """One HTTP worker's rows of the batch, as SGLang splits a batch for it; and the
         blank answer they were split from, made once a batch."""
         if not mine:
             return [], blank
         if blank is None:
-            blank = self.ipc.str_output(batch, [""] * len(batch.rids))
+            blank = self.ipc.str_output(batch, [""] * len(batch.rids or []))
             blank = blank if self.ipc.name == "pickle" else _io().msgpack_decode(self.ipc.encode(blank))
         frames = []
         for sub, picked in self._subsets(blank, [i for i, _ in mine], [row for _, row in mine]):
@@ -486,7 +491,7 @@ class SglangDialect:
             frames.append(self._encode_object(sub))
         return frames, blank
 
-    def _aborts(self, batch: Any, rows: list[OutRow], cause: str) -> bytes:
+    def _aborts(self, batch: TokenBatch, rows: list[OutRow], cause: str) -> bytes:
         """The answer that aborts the requests of the batch's `rows` (with one HTTP
         worker: every request of the batch), each with its row's error word."""
         rids = batch.rids or []
