@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -55,7 +56,10 @@ def model_folder(root: Path, name: str | None) -> Path:
     folder = root / f"model-{name or 'bare'}"
     if folder.exists():
         return folder
-    folder.mkdir(parents=True)
+    # Built aside and renamed into place: tests that start servers side by side may ask
+    # for the same folder at once, and none may see it half written.
+    root.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=root))
     config = {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -64,12 +68,16 @@ def model_folder(root: Path, name: str | None) -> Path:
     if name is not None:
         for f in zoo.build(name).iterdir():
             if f.is_file():
-                shutil.copy(f, folder / f.name)
+                shutil.copy(f, building / f.name)
         v, eos = vocab(name), eos_of(name)
-        tc_path = folder / "tokenizer_config.json"
+        tc_path = building / "tokenizer_config.json"
         tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
         tc.update(eos_token=v.hf.convert_ids_to_tokens(eos), chat_template=CHAT_TEMPLATE)
         tc_path.write_text(json.dumps(tc))
         config.update(vocab_size=v.size, eos_token_id=eos)
-    (folder / "config.json").write_text(json.dumps(config))
+    (building / "config.json").write_text(json.dumps(config))
+    try:
+        building.rename(folder)
+    except OSError:  # another caller's copy is in place; it is the same
+        shutil.rmtree(building)
     return folder
