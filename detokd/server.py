@@ -303,6 +303,10 @@ class Server:
         recv, monotonic, stats = self.input.recv, time.monotonic, self.stats
         drained = 0
         for _ in range(MAX_FRAMES_PER_TURN):
+            if drain_until is None and self.stop_requested_at is not None:
+                # Stopped: the loop sets the drain's deadline before any frame is taken,
+                # so a frame still queued when the signal came counts as queued.
+                return drained, False
             try:
                 frame = recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -315,8 +319,6 @@ class Server:
             self.process(frame)
             # The heartbeat of /health: a busy loop is alive, only a stuck one is not.
             stats.last_turn = monotonic()
-            if drain_until is None and self.stop_requested_at is not None:
-                break  # the frame in hand is done: stop taking new ones first
         return drained, False
 
     def _shut_down(self, drained: int, watch: GraceWatch, old: dict) -> None:
