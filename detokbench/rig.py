@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import zmq
 
@@ -36,12 +36,12 @@ class Rig:
     the workers' sinks from the context and the worker addresses."""
 
     def __init__(self, prefix: str, sinks: Callable[[zmq.Context, list[str]], list] | None = None, *,
-                 args: Sequence[str] = (), root: str | None = None, **settings: Any) -> None:
+                 root: str | None = None, **settings: Any) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
         self.cfg = ipc_config(self.folder, **{"metrics_port": 0, "log_level": "info", **settings})
         self.ctx = zmq.Context()
         self.sinks = sinks(self.ctx, self.cfg.workers) if sinks else []
-        self.detokd = detokd_process(self.cfg, self.folder, args)
+        self.detokd = detokd_process(self.cfg, self.folder)
         self.port: int | None = None
         self.died = False  # detokd exited before `stop`
         self._peers: list = []

@@ -46,8 +46,7 @@ from .waits import wait_until
 # --------------------------------------------------------------------------- the engine: requests and their fates
 
 
-# The soak's own multilingual pieces (longer than frames.CORPUS): its figures were
-# measured on these.
+# Longer than frames.CORPUS: the soak's figures were measured on these.
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Streaming text must arrive exactly once. ",
     "数据库连接失败，请稍后重试。深度学习模型的推理速度取决于批量大小和序列长度。",
@@ -69,8 +68,6 @@ class Fate(IntEnum):
 
 @dataclass(slots=True)
 class EReq:
-    """A request the engine is sending."""
-
     rid: str
     ids: list[int]
     tail: list[int]
@@ -176,9 +173,7 @@ class Worker(Sink):
     def __init__(self, ctx: zmq.Context, addresses: list[str], lengths, fates) -> None:
         self.lengths, self.fates = lengths, fates
         self.ended = bytearray(len(lengths))
-        self.rows = 0
-        self.messages = 0
-        self.duplicate_endings = 0
+        self.rows = self.messages = self.duplicate_endings = 0
         self.texts: dict[str, list[str]] = {}  # watched rids only
         self.errors: dict[str, int] = {}
         super().__init__(ctx, addresses, rcvhwm=100_000)
@@ -235,15 +230,14 @@ def flatness(samples: list[dict], threshold: float) -> dict:
         return sum(xs) / len(xs)
 
     q3, end = mean_rss(0.70, 0.80), mean_rss(0.90, 1.0)
-    growth = (end - q3) / q3
     return {
         "rss_start_mb": samples[0]["rss_mb"],
         "rss_q3_mb": round(q3, 2),
         "rss_end_mb": round(end, 2),
         "rss_peak_mb": max(s["rss_mb"] for s in samples),
-        "last_quarter_growth": round(growth, 5),
+        "last_quarter_growth": round((end - q3) / q3, 5),
         "threshold": threshold,
-        "flat": growth < threshold,
+        "flat": (end - q3) / q3 < threshold,
     }
 
 
@@ -253,9 +247,9 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = [s["t"] for s in samples]
+    t, rss = [s["t"] for s in samples], [s["rss_mb"] for s in samples]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    ax1.plot(t, [s["rss_mb"] for s in samples], color="tab:blue")
+    ax1.plot(t, rss, color="tab:blue")
     ax1.set_ylabel("detokd RSS (MB)")
     f = summary["flatness"]
     ax1.set_title(
@@ -264,9 +258,7 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
         f"RSS {'flat' if f.get('flat') else 'NOT flat'} (last quarter {f.get('last_quarter_growth', 0):+.2%})",
         fontsize=10,
     )
-    rss = [s["rss_mb"] for s in samples]
-    mid = (max(rss) + min(rss)) / 2
-    half = max(10.0, (max(rss) - min(rss)) * 0.6)  # at least a 20 MB window: noise stays small
+    mid, half = (max(rss) + min(rss)) / 2, max(10.0, (max(rss) - min(rss)) * 0.6)  # at least 20 MB: noise stays small
     ax1.set_ylim(mid - half, mid + half)
     ax1.axvspan(0.75 * t[-1], t[-1], color="0.9")
     ax2.plot(t, [s["live"] for s in samples], color="tab:orange", label="live requests (/metrics)")
@@ -276,8 +268,7 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
     ax3 = ax2.twinx()
     ax3.plot(t, [s["tokens"] / 1e6 for s in samples], color="tab:green", label="tokens (M)")
     ax3.set_ylabel("tokens decoded (M)")
-    h1, l1 = ax2.get_legend_handles_labels()
-    h2, l2 = ax3.get_legend_handles_labels()
+    (h1, l1), (h2, l2) = ax2.get_legend_handles_labels(), ax3.get_legend_handles_labels()
     ax2.legend(h1 + h2, l1 + l2, loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

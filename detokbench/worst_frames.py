@@ -2,15 +2,12 @@
 
 /health must tell a stuck loop from a busy one and SIGTERM must end detokd within
 shutdown_grace_s, so the caps bound the longest frame: this measures it. Each scenario
-(below, one function each: mass_start, longest_token, malformed, stop_holdback,
-stop_distinct, abort_*, embeddings_mass, register_huge, control_huge, window_byte_run)
-builds one `tokens`/... frame just under max_frame_bytes with detokd.wire.native's
-Structs and sends it to a fresh detokd (default caps, deepseek, one worker) after a
-warm-up checked against Vocab.reference. Per scenario: seconds until its answer and
-until a probe request's (text checked); /health polled every 50 ms (worst latency,
-non-200 answers); VmHWM/VmRSS before and after; on another fresh detokd, SIGTERM ~100 ms
-after the same frame: seconds to exit and the status. Scenarios and figures:
-docs/reliability.md, "Worst frames".
+(one function below) builds one frame just under max_frame_bytes and sends it to a fresh
+detokd (default caps, deepseek, one worker) after a warm-up checked against
+Vocab.reference. Per scenario: seconds until its answer and until a probe request's
+(text checked); /health polled every 50 ms; VmHWM/VmRSS before and after; on another
+fresh detokd, SIGTERM ~100 ms after the same frame: seconds to exit and the status.
+Scenarios and figures: docs/reliability.md, "Worst frames".
 
     python -m detokbench worst-frames                  # ~150 s, docs/bench/worst.json
     python -m detokbench worst-frames --quick --json /tmp/worst.json  # 128 KiB frames: a smoke run
