@@ -249,7 +249,6 @@ class OverCaps:
         self.caps = caps
         self.quiet_id = quiet_id
         self.n = 0
-        self.counts: collections.Counter = collections.Counter()
         self._oversized = b"\x00" * (caps.max_frame_bytes + 1)  # built once: 64 MiB by default
 
     def rid(self) -> str:

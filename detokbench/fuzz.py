@@ -39,18 +39,19 @@ from .commands import command_line, parser
 from .frames import CORPUS, Hostile, OverCaps, mixed_ids
 from .proc import Memory
 from .rig import Rig, header, verdict
-from .sink import Sink
+from .sink import Recorder
 
 enc = msgspec.msgpack.encode
 SEND_MS = 30_000  # a send detokd does not take in this long: detokd is stuck, the run fails
 WAIT_S = 120  # for fences and the last honest rows
 # Frames per kind, relative. Hostile's own generators keep their weights (53 in all).
 OTHER_WEIGHTS = {
-    "honest": 25, "session": 8, "huge_rid": 3, "many_stops": 2, "long_stops": 2,
-    "over_prompt_tail": 1, "over_row_ids": 1, "over_frame_ids": 0.5, "huge_meta": 0.5, "over_rows": 0.1, "oversized": 0.1,
+    "honest": 25, "session": 8, "huge_rid": 3, "many_stops": 2, "long_stops": 2, "over_prompt_tail": 1,
+    "over_row_ids": 1, "over_frame_ids": 0.5, "huge_meta": 0.5, "over_rows": 0.1, "oversized": 0.1,
 }
 # Every row over a cap but over_rows (a bad frame) is one too_large error.
-CAPPED_KINDS = ("huge_rid", "over_row_ids", "over_frame_ids", "over_prompt_tail", "many_stops", "long_stops", "huge_meta")
+CAPPED_KINDS = ("huge_rid", "over_row_ids", "over_frame_ids", "over_prompt_tail", "many_stops", "long_stops",
+                "huge_meta")
 
 
 @dataclass
@@ -78,7 +79,8 @@ class Honest:
         for _ in range(rng.randint(1, 8)):
             ids = mixed_ids(rng, rng.randint(10, 300), self.pieces, self.size)
             tail = mixed_ids(rng, rng.randint(1, 8), self.pieces, self.size) if rng.random() < 0.5 else []
-            self.live.append(HonestReq(f"h-{len(self.all)}", ids, tail, rng.random() < 0.8, rng.randrange(self.workers)))
+            skip, worker = rng.random() < 0.8, rng.randrange(self.workers)
+            self.live.append(HonestReq(f"h-{len(self.all)}", ids, tail, skip, worker))
             self.all.append(self.live[-1])
 
     def step(self) -> str:
@@ -101,7 +103,8 @@ class Honest:
         r.pos += len(chunk)
         finish = Finish("length") if r.pos >= len(r.ids) else None
         if first:
-            self.client.begin(r.rid, chunk, worker=r.worker, prompt_tail=r.tail, skip_special_tokens=r.skip, finish=finish)
+            self.client.begin(r.rid, chunk, worker=r.worker, prompt_tail=r.tail, skip_special_tokens=r.skip,
+                              finish=finish)
         else:
             self.client.add(r.rid, chunk, finish=finish)
 
@@ -140,7 +143,8 @@ class Sessions:
         del self.live[rid]
         if u < 0.7:
             self.ends["seq_gap"] += 1
-            return enc({"type": "tokens", "rows": [{"rid": rid, "ids": ids, "seq": seq + rng.choice([-1, 1, 7, 2**40])}]})
+            seq += rng.choice([-1, 1, 7, 2**40])
+            return enc({"type": "tokens", "rows": [{"rid": rid, "ids": ids, "seq": seq}]})
         if u < 0.85:
             self.ends["abort"] += 1
             return enc({"type": "abort", "rids": [rid, f"x-nobody-{rng.randrange(10**9)}", "h-never"]})
@@ -171,21 +175,17 @@ def send_oversized(ctx: zmq.Context, address: str, frame: bytes, send_ms: int) -
         s.close(0)
 
 
-class Worker(Sink):
+class Worker(Recorder):
     """Keeps the rows of honest ("h-") requests and the fences; of the others only
     counts (errors by kind, hostile rows that got text), so its memory stays small."""
 
     def __init__(self, ctx: zmq.Context, index: int, address: str) -> None:
         self.index = index
-        self.honest: dict[str, list[dict]] = collections.defaultdict(list)
         self.fences: set[str] = set()
-        self.errors: collections.Counter = collections.Counter()
+        self.error_kinds: collections.Counter = collections.Counter()
         self.problems: list[str] = []
         self.hostile_text = 0  # rows of "x-" rids that carried text: never allowed
         super().__init__(ctx, [address])
-
-    def read(self, frame: bytes) -> dict:
-        return msgspec.msgpack.decode(frame)
 
     def keep(self, msg: dict) -> None:
         if msg.get("type") != "text":
@@ -194,18 +194,12 @@ class Worker(Sink):
         for row in msg["rows"]:
             rid = row["rid"]
             if row["error"] is not None:
-                self.errors[row["error"]] += 1
-            if rid.startswith("h-"):
-                self.honest[rid].append(row)
-            elif rid.startswith("fence-"):
+                self.error_kinds[row["error"]] += 1
+            if rid.startswith("fence-"):
                 self.fences.add(rid)
             elif rid.startswith("x-") and row["text"]:
                 self.hostile_text += 1
-
-    def ended(self, rid: str) -> bool:
-        """An honest request's last row arrived: a finish, or an error."""
-        rows = self.honest.get(rid, ())
-        return bool(rows) and rows[-1]["finish"] is not None or any(x["error"] for x in rows)
+        super().keep({"type": "text", "rows": [r for r in msg["rows"] if r["rid"].startswith("h-")]})
 
 
 class Fuzz:
@@ -216,7 +210,8 @@ class Fuzz:
         self.args = args
         self.rng = random.Random(args.seed)
         self.t_start = time.monotonic()
-        self.rig = Rig("detokd-fuzz-", lambda ctx, addresses: [Worker(ctx, i, a) for i, a in enumerate(addresses)], workers=args.workers)
+        self.rig = Rig("detokd-fuzz-", lambda ctx, addrs: [Worker(ctx, i, a) for i, a in enumerate(addrs)],
+                       workers=args.workers)
         self.cfg, self.workers, self.d = self.rig.cfg, self.rig.sinks, self.rig.detokd
         self.vocab = load(self.cfg.tokenizer)
         self.pieces = [tuple(self.vocab.backend.encode(t, add_special_tokens=False).ids) for t in CORPUS]
@@ -241,7 +236,8 @@ class Fuzz:
         self.over = OverCaps(self.rng, self.cfg, quiet_id=min(self.vocab.special))
         self.sessions = Sessions(self.rng, self.pieces, self.vocab.size, self.args.workers)
         hostile = Hostile(self.rng, self.vocab.size)
-        self.gens = {g.__name__: g for _, g in hostile.gens} | {n: getattr(self.over, n) for n in OTHER_WEIGHTS if hasattr(self.over, n)}
+        self.gens = {g.__name__: g for _, g in hostile.gens}
+        self.gens |= {n: getattr(self.over, n) for n in OTHER_WEIGHTS if hasattr(self.over, n)}
         self.gens["session"] = lambda: (self.sessions.next(), False)
         self.weights = {g.__name__: w for w, g in hostile.gens} | OTHER_WEIGHTS
 
@@ -286,7 +282,7 @@ class Fuzz:
         rids = [f"fence-{self.fences + 1}", f"fence-{self.fences + 2}"]
         self.fences += 2
         self.read += 2
-        self.peer.send({"type": "tokens", "rows": [{"rid": rids[0], "ids": [100], "start": {}, "finish": {"reason": "length"}}]})
+        self.peer.rows([{"rid": rids[0], "ids": [100], "start": {}, "finish": {"reason": "length"}}])
         self.client.begin(rids[1], [100], finish=Finish("length"))
         self.client.flush()
         w = self.workers[0]
@@ -300,7 +296,7 @@ class Fuzz:
         self.kinds["honest_last"] += 1
         for r in self.honest.all:
             w = self.workers[r.worker]
-            w.wait(lambda r=r, w=w: w.ended(r.rid), WAIT_S, f"honest request {r.rid} to end")
+            w.wait(lambda r=r, w=w: w.ended(r.rid) or w.errors(r.rid), WAIT_S, f"honest request {r.rid} to end")
         self.fence()
         self.end = self.rig.memory()
         self.metrics = self.rig.metrics()
@@ -314,14 +310,13 @@ class Fuzz:
         exact = 0
         for r in self.honest.all if self.honest else ():
             w = self.workers[r.worker]
-            rows = w.honest.get(r.rid, [])
-            text = "".join(x["text"] for x in rows if x["error"] is None)
-            errors = [x["error"] for x in rows if x["error"] is not None]
+            rows, text, errors = w.rows(r.rid), w.text(r.rid), w.errors(r.rid)
             want = self.vocab.reference(r.tail, r.ids, r.skip)
-            others = [o.index for o in self.workers if o is not w and r.rid in o.honest]
+            others = [o.index for o in self.workers if o is not w and o.rows(r.rid)]
             if errors or text != want or not rows or rows[-1]["n_ids"] != len(r.ids) or others:
                 if len(self.problems) < 20:
-                    self.problems.append(f"honest {r.rid}: errors {errors}, exact {text == want}, rows on workers {others} too")
+                    self.problems.append(f"honest {r.rid}: errors {errors}, exact {text == want}, "
+                                         f"rows on workers {others} too")
             else:
                 exact += 1
         for w in self.workers:
@@ -399,8 +394,9 @@ def run(args: argparse.Namespace, command: str) -> dict:
             "tolerance": args.rss_tolerance,
             "samples": fz.samples,
         },
-        "metrics": {k: v for k, v in fz.metrics.items() if k.startswith("detokd_") and not k.startswith(("detokd_step", "detokd_loop"))},
-        "worker_errors": {str(w.index): dict(w.errors) for w in fz.workers},
+        "metrics": {k: v for k, v in fz.metrics.items()
+                    if k.startswith("detokd_") and not k.startswith(("detokd_step", "detokd_loop"))},
+        "worker_errors": {str(w.index): dict(w.error_kinds) for w in fz.workers},
         "honest": {
             "requests": checked,
             "exact": exact,
@@ -416,12 +412,14 @@ def run(args: argparse.Namespace, command: str) -> dict:
 def summary(res: dict) -> str:
     r, m, h = res["rss_kb"], res["metrics"], res["honest"]
     return "\n".join([
-        f"{res['frames']} frames in {res['wall_s']} s (seed {res['seed']}): {res['frames_read_by_detokd']} read by detokd, "
+        f"{res['frames']} frames in {res['wall_s']} s (seed {res['seed']}): "
+        f"{res['frames_read_by_detokd']} read by detokd, "
         f"{res['bad_frames_sent']} bad; by kind: {res['frames_by_kind']}",
         f"honest: {h['exact']}/{h['requests']} requests exact ({h['ids']} ids, {h['flushes']} flushes)",
         f"RSS kB: after warm-up {r['after_warmup']}, end {r['end']}, peak {r['peak_hwm']}, growth {r['growth']}",
         f"detokd: frames {m.get('detokd_frames_total')}, bad frames {m.get('detokd_bad_frames_total')}, "
-        f"errors {m.get('detokd_errors_total')}, memory entries {m.get('detokd_memory_entries')}, bytes {m.get('detokd_memory_bytes')}, "
+        f"errors {m.get('detokd_errors_total')}, memory entries {m.get('detokd_memory_entries')}, "
+        f"bytes {m.get('detokd_memory_bytes')}, "
         f"log lines {res['log_lines']}",
     ])
 
@@ -432,8 +430,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=20250101)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--warmup", type=float, default=0.05, help="share of the frames before the first RSS sample")
-    ap.add_argument("--rss-tolerance", type=float, default=0.10, help="end RSS may be this much above the post-warm-up RSS")
-    ap.add_argument("--deadline", type=float, default=1800, help="seconds: the run fails if it has not finished by then")
+    ap.add_argument("--rss-tolerance", type=float, default=0.10, help="end RSS may be this much above post-warm-up")
+    ap.add_argument("--deadline", type=float, default=1800, help="seconds: the run fails if not finished by then")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     res = run(args, command_line("fuzz", argv))

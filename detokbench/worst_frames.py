@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import random
 import subprocess
 import tempfile
@@ -162,11 +161,6 @@ def abort_rids(scale: Scale) -> list[str]:
     return [padded_rid("A-", i, width) for i in range(scale.rows)]
 
 
-def abort_setup(scale: Scale, vocab: Vocab) -> bytes:
-    """abort_mass's rids started, so the abort frees live requests."""
-    return tokens([Row(rid, [], start=Start()) for rid in abort_rids(scale)])
-
-
 def abort_mass(scale: Scale, vocab: Vocab) -> Frame:
     rids = abort_rids(scale)
     return Frame(encode(Abort(rids)), len(rids), 0, f"{len(rids)} rids of {len(rids[0])} chars, each live")
@@ -223,7 +217,8 @@ def scenarios(scale: Scale) -> list[Scenario]:
         Scenario("malformed", malformed),
         Scenario("stop_holdback", stop_holdback),
         Scenario("stop_distinct", stop_distinct),
-        Scenario("abort_mass", abort_mass, setup=abort_setup),
+        Scenario("abort_mass", abort_mass,  # its rids started first, so the abort frees live requests
+                 setup=lambda s, _: tokens([Row(r, [], start=Start()) for r in abort_rids(s)])),
         Scenario("abort_over", abort_over),
         Scenario("embeddings_mass", embeddings_mass),
         Scenario("register_huge", register_huge),
@@ -339,22 +334,13 @@ class Target(Rig):
         super().close()
 
 
-def request_rows(rid: str, ids: list[int], steps: int) -> list[Row]:
-    """One request's ids in `steps` rows: a start on the first, a finish on the last."""
-    cuts = [len(ids) * k // steps for k in range(steps + 1)]
-    return [
-        Row(rid, ids[a:b], seq=a, start=Start() if k == 0 else None,
-            finish=Finish("length") if k == steps - 1 else None)
-        for k, (a, b) in enumerate(itertools.pairwise(cuts))
-    ]
-
-
 def warm_up(t: Target, vocab: Vocab) -> None:
     """A few honest requests in three steps; their text must be the oracle's."""
     reqs = {f"warm-{k}": vocab.backend.encode(s, add_special_tokens=False).ids for k, s in enumerate(WARM_TEXTS)}
-    plans = [request_rows(rid, ids, 3) for rid, ids in reqs.items()]
     for step in range(3):
-        t.send(tokens([plan[step] for plan in plans]))
+        cuts = {rid: (len(ids) * step // 3, len(ids) * (step + 1) // 3) for rid, ids in reqs.items()}
+        t.send(tokens([Row(rid, reqs[rid][a:b], seq=a, start=Start() if step == 0 else None,
+                           finish=Finish("length") if step == 2 else None) for rid, (a, b) in cuts.items()]))
     t.sink.wait(lambda: all(t.sink.ended(rid) for rid in reqs), 60, "warm-up answers")
     wrong = [rid for rid, ids in reqs.items() if t.sink.text(rid) != vocab.reference([], ids)]
     if wrong:
