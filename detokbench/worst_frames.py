@@ -39,7 +39,7 @@ from . import ROOT
 from .commands import command_line, parser, write_json
 from .metrics import get
 from .rig import Rig, header
-from .sink import Sink
+from .sink import Recorder
 
 encode = native.encode
 CAPS = Config()  # the defaults every scenario runs at
@@ -278,12 +278,11 @@ class Message:
     probe: bool
 
 
-class Worker(Sink):
+class Worker(Recorder):
     """Logs every message (a Message); rows of warm-up and probe rids are kept, decoded."""
 
     def __init__(self, ctx: zmq.Context, address: str) -> None:
         self.log: list[Message] = []
-        self.kept: dict[str, list[tuple[str, object, str | None]]] = collections.defaultdict(list)
         super().__init__(ctx, [address], zero_copy=True)
 
     def read(self, buf: memoryview) -> tuple[Message, list]:
@@ -296,24 +295,13 @@ class Worker(Sink):
                 m.errors[row.error] += 1
             if row.rid.startswith(("warm-", "probe-")):
                 m.probe |= row.rid.startswith("probe-")
-                text = msgspec.msgpack.decode(row.text, type=str)
-                kept.append((row.rid, (text, msgspec.msgpack.decode(row.finish), row.error)))
+                text, finish = msgspec.msgpack.decode(row.text, type=str), msgspec.msgpack.decode(row.finish)
+                kept.append({"rid": row.rid, "text": text, "finish": finish, "error": row.error})
         return m, kept
 
     def keep(self, got: tuple[Message, list]) -> None:
-        m, kept = got
-        for rid, row in kept:
-            self.kept[rid].append(row)
-        self.log.append(m)
-
-    def ended(self, rid: str) -> bool:
-        with self.cond:
-            rows = self.kept.get(rid)
-            return bool(rows) and (rows[-1][1] is not None or rows[-1][2] is not None)
-
-    def text(self, rid: str) -> str:
-        with self.cond:
-            return "".join(t for t, _, error in self.kept.get(rid, ()) if error is None)
+        self.log.append(got[0])
+        super().keep({"type": "text", "rows": got[1]})
 
     def since(self, t0: float) -> list[Message]:
         with self.cond:
