@@ -1,13 +1,6 @@
 """Fuzz run: N frames of honest and hostile traffic through a real detokd; does it
-survive, stay exact, and keep its memory? (docs/reliability.md, "Fuzz run")
-
-An honest scheduler (SchedulerClient: waves of 1-8 requests of real text with random
-ids sprinkled in, now and then a `flush`) and a hostile peer (every generator of
-detokbench.frames Hostile and OverCaps, sessions ending in a seq gap, an abort or a
-finish) share detokd; frames over max_frame_bytes go from a short-lived PUSH socket
-each. Two worker threads check every message; honest texts are compared at the end
-with Vocab.reference. RSS is read after the warm-up (--warmup of the frames, every kind
-at least once, so first-use buffers are in place) and at the end, each after a fence.
+survive, stay exact, and keep its memory? docs/reliability.md, "Fuzz run", says what
+is sent and how it is checked.
 
     python -m detokbench fuzz                   # 100,000 frames
     python -m detokbench fuzz --frames 3000 --json /tmp/f.json

@@ -1,13 +1,9 @@
 """What one worst-case inbound frame at detokd's DEFAULT caps costs a real `detokd serve`.
 
 /health must tell a stuck loop from a busy one and SIGTERM must end detokd within
-shutdown_grace_s, so the caps bound the longest frame: this measures it. Each scenario
-(one function below) builds one frame just under max_frame_bytes and sends it to a fresh
-detokd (default caps, deepseek, one worker) after a warm-up checked against
-Vocab.reference. Per scenario: seconds until its answer and until a probe request's
-(text checked); /health polled every 50 ms; VmHWM/VmRSS before and after; on another
-fresh detokd, SIGTERM ~100 ms after the same frame: seconds to exit and the status.
-Scenarios and figures: docs/reliability.md, "Worst frames".
+shutdown_grace_s, so the caps bound the longest frame: this measures it, one scenario
+(a function below) at a time, each on fresh detokds. What is measured, and the
+figures: docs/reliability.md, "Worst frames".
 
     python -m detokbench worst-frames                  # ~150 s, docs/bench/worst.json
     python -m detokbench worst-frames --quick --json /tmp/worst.json  # 128 KiB frames: a smoke run
