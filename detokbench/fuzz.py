@@ -61,7 +61,7 @@ class Honest:
     """The honest scheduler: waves of concurrent requests through SchedulerClient,
     one `tokens` frame per step; between waves, sometimes a `flush`."""
 
-    def __init__(self, rng: random.Random, client: SchedulerClient, pieces, size: int, workers: int) -> None:
+    def __init__(self, rng: random.Random, client: SchedulerClient | None, pieces, size: int, workers: int) -> None:
         self.rng, self.client, self.pieces, self.size, self.workers = rng, client, pieces, size, workers
         self.live: list[HonestReq] = []
         self.all: list[HonestReq] = []
@@ -214,25 +214,23 @@ class Fuzz:
         self.warm_at: int | None = None
         self.end: Memory | None = None
         self.samples: list[list[int]] = []  # [frames sent, RSS kB] on the way (no fence: not the verdict)
-        self.honest: Honest | None = None
-        self.sessions: Sessions | None = None
-        self.metrics: dict = {}
-        self.exit_code: int | str | None = None  # on our SIGTERM
-        self.problems: list[str] = []
-
-    def start(self) -> None:
-        """detokd ready, the peers connected, every kind of frame ready to be made."""
-        self.rig.start()
-        self.client = self.rig.client(send_timeout=SEND_MS / 1000)
-        self.peer = self.rig.engine(SEND_MS)
-        self.honest = Honest(self.rng, self.client, self.pieces, self.vocab.size, self.args.workers)
+        self.honest = Honest(self.rng, None, self.pieces, self.vocab.size, args.workers)  # its client once detokd is up
         self.over = OverCaps(self.rng, self.cfg, quiet_id=min(self.vocab.special))
-        self.sessions = Sessions(self.rng, self.pieces, self.vocab.size, self.args.workers)
+        self.sessions = Sessions(self.rng, self.pieces, self.vocab.size, args.workers)
         hostile = Hostile(self.rng, self.vocab.size)
         self.gens = {g.__name__: g for _, g in hostile.gens}
         self.gens |= {n: getattr(self.over, n) for n in OTHER_WEIGHTS if hasattr(self.over, n)}
         self.gens["session"] = lambda: (self.sessions.next(), False)
         self.weights = {g.__name__: w for w, g in hostile.gens} | OTHER_WEIGHTS
+        self.metrics: dict = {}
+        self.exit_code: int | str | None = None  # on our SIGTERM
+        self.problems: list[str] = []
+
+    def start(self) -> None:
+        """detokd ready, the peers connected."""
+        self.rig.start()
+        self.client = self.honest.client = self.rig.client(send_timeout=SEND_MS / 1000)
+        self.peer = self.rig.engine(SEND_MS)
 
     def traffic(self) -> None:
         """--frames frames; the warm-up starts with every kind once."""
@@ -301,7 +299,7 @@ class Fuzz:
         """(honest requests, exact ones): each answered on its own worker only, its text
         the oracle's, its last row's n_ids its length."""
         exact = 0
-        for r in self.honest.all if self.honest else ():
+        for r in self.honest.all:
             w = self.workers[r.worker]
             rows, text, errors = w.rows(r.rid), w.text(r.rid), w.errors(r.rid)
             want = self.vocab.reference(r.tail, r.ids, r.skip)
@@ -317,7 +315,7 @@ class Fuzz:
         hostile_text = sum(w.hostile_text for w in self.workers)
         if hostile_text:
             self.problems.append(f"{hostile_text} hostile rows got text")
-        return len(self.honest.all) if self.honest else 0, exact
+        return len(self.honest.all), exact
 
     def check_counts(self) -> None:
         """detokd counted every frame it read, the bad ones, the over-cap rows and the
@@ -377,7 +375,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
         "frames_by_kind": dict(sorted(fz.kinds.items(), key=lambda kv: -kv[1])),
         "frames_read_by_detokd": fz.read,
         "bad_frames_sent": fz.bad,
-        "sessions_ended": dict(fz.sessions.ends) if fz.sessions else {},
+        "sessions_ended": dict(fz.sessions.ends),
         "rss_kb": {
             "after_warmup": fz.warm.rss_kb if fz.warm else None,
             "warmup_frames": fz.warm_at,
@@ -393,8 +391,8 @@ def run(args: argparse.Namespace, command: str) -> dict:
         "honest": {
             "requests": checked,
             "exact": exact,
-            "ids": sum(len(r.ids) for r in fz.honest.all) if fz.honest else 0,
-            "flushes": fz.honest.flushes if fz.honest else 0,
+            "ids": sum(len(r.ids) for r in fz.honest.all),
+            "flushes": fz.honest.flushes,
         },
         "log_lines": len(fz.d.log().splitlines()),
         "problems": fz.problems,
