@@ -31,9 +31,8 @@ CORPUS = (
 )
 
 
-def mixed_ids(
-    rng: random.Random, n: int, pieces: Sequence[Sequence[int]], size: int, *, random_share: float = 0.15, max_run: int = 12
-) -> list[int]:
+def mixed_ids(rng: random.Random, n: int, pieces: Sequence[Sequence[int]], size: int, *,
+              random_share: float = 0.15, max_run: int = 12) -> list[int]:
     """n output ids: runs of real multilingual text (1..max_run ids of a piece), and in
     `random_share` of the draws 1-3 random ids from the whole vocabulary (byte tokens
     that never complete, special tokens). `pieces`: a corpus (CORPUS) encoded by the
@@ -64,7 +63,8 @@ def _arr(*items: bytes) -> bytes:
     return bytes([0x90 | len(items)]) + b"".join(items)
 
 
-S = lambda s: _str8(s.encode())  # noqa: E731
+def S(s: str) -> bytes:
+    return _str8(s.encode())
 
 
 class Hostile:
@@ -249,7 +249,6 @@ class OverCaps:
         self.caps = caps
         self.quiet_id = quiet_id
         self.n = 0
-        self.counts: collections.Counter = collections.Counter()
         self._oversized = b"\x00" * (caps.max_frame_bytes + 1)  # built once: 64 MiB by default
 
     def rid(self) -> str:

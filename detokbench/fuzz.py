@@ -1,13 +1,6 @@
 """Fuzz run: N frames of honest and hostile traffic through a real detokd; does it
-survive, stay exact, and keep its memory? (docs/reliability.md, "Fuzz run")
-
-An honest scheduler (SchedulerClient: waves of 1-8 requests of real text with random
-ids sprinkled in, now and then a `flush`) and a hostile peer (every generator of
-detokbench.frames Hostile and OverCaps, sessions ending in a seq gap, an abort or a
-finish) share detokd; frames over max_frame_bytes go from a short-lived PUSH socket
-each. Two worker threads check every message; honest texts are compared at the end
-with Vocab.reference. RSS is read after the warm-up (--warmup of the frames, every kind
-at least once, so first-use buffers are in place) and at the end, each after a fence.
+survive, stay exact, and keep its memory? docs/reliability.md, "Fuzz run", says what
+is sent and how it is checked.
 
     python -m detokbench fuzz                   # 100,000 frames
     python -m detokbench fuzz --frames 3000 --json /tmp/f.json
@@ -22,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import platform
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -37,26 +28,23 @@ from detokd.client import SchedulerClient
 from detokd.tokenizer import load
 from detokd.wire.native import Finish
 
-from .commands import command_line, parser, write_json
+from .commands import command_line, parser
 from .frames import CORPUS, Hostile, OverCaps, mixed_ids
 from .proc import Memory
-from .rig import Rig
-from .sink import Sink
+from .rig import Rig, header, verdict
+from .sink import Recorder
 
 enc = msgspec.msgpack.encode
-
-# --------------------------------------------------------------------------- what the peers send
-
-
+SEND_MS = 30_000  # a send detokd does not take in this long: detokd is stuck, the run fails
+WAIT_S = 120  # for fences and the last honest rows
 # Frames per kind, relative. Hostile's own generators keep their weights (53 in all).
 OTHER_WEIGHTS = {
-    "honest": 25, "session": 8, "huge_rid": 3, "many_stops": 2, "long_stops": 2,
-    "over_prompt_tail": 1, "over_row_ids": 1, "over_frame_ids": 0.5, "huge_meta": 0.5, "over_rows": 0.1, "oversized": 0.1,
+    "honest": 25, "session": 8, "huge_rid": 3, "many_stops": 2, "long_stops": 2, "over_prompt_tail": 1,
+    "over_row_ids": 1, "over_frame_ids": 0.5, "huge_meta": 0.5, "over_rows": 0.1, "oversized": 0.1,
 }
-
-
-
-# --------------------------------------------------------------------------- honest traffic
+# Every row over a cap but over_rows (a bad frame) is one too_large error.
+CAPPED_KINDS = ("huge_rid", "over_row_ids", "over_frame_ids", "over_prompt_tail", "many_stops", "long_stops",
+                "huge_meta")
 
 
 @dataclass
@@ -73,7 +61,7 @@ class Honest:
     """The honest scheduler: waves of concurrent requests through SchedulerClient,
     one `tokens` frame per step; between waves, sometimes a `flush`."""
 
-    def __init__(self, rng: random.Random, client: SchedulerClient, pieces, size: int, workers: int) -> None:
+    def __init__(self, rng: random.Random, client: SchedulerClient | None, pieces, size: int, workers: int) -> None:
         self.rng, self.client, self.pieces, self.size, self.workers = rng, client, pieces, size, workers
         self.live: list[HonestReq] = []
         self.all: list[HonestReq] = []
@@ -82,12 +70,11 @@ class Honest:
     def _wave(self) -> None:
         rng = self.rng
         for _ in range(rng.randint(1, 8)):
-            rid = f"h-{len(self.all)}"
             ids = mixed_ids(rng, rng.randint(10, 300), self.pieces, self.size)
             tail = mixed_ids(rng, rng.randint(1, 8), self.pieces, self.size) if rng.random() < 0.5 else []
-            r = HonestReq(rid, ids, tail, rng.random() < 0.8, rng.randrange(self.workers))
-            self.live.append(r)
-            self.all.append(r)
+            skip, worker = rng.random() < 0.8, rng.randrange(self.workers)
+            self.live.append(HonestReq(f"h-{len(self.all)}", ids, tail, skip, worker))
+            self.all.append(self.live[-1])
 
     def step(self) -> str:
         """Send one frame; its kind ("honest" or "flush")."""
@@ -98,20 +85,19 @@ class Honest:
                 self._wave()
                 return "flush"
             self._wave()
-        batch = self.rng.sample(self.live, self.rng.randint(1, len(self.live)))
-        for r in batch:
+        for r in self.rng.sample(self.live, self.rng.randint(1, len(self.live))):
             self._add(r, self.rng.randint(1, 8))
         self.client.flush()
         self.live = [r for r in self.live if r.pos < len(r.ids)]
         return "honest"
 
     def _add(self, r: HonestReq, k: int) -> None:
-        chunk = r.ids[r.pos : r.pos + k]
-        first = r.pos == 0
+        chunk, first = r.ids[r.pos : r.pos + k], r.pos == 0
         r.pos += len(chunk)
         finish = Finish("length") if r.pos >= len(r.ids) else None
         if first:
-            self.client.begin(r.rid, chunk, worker=r.worker, prompt_tail=r.tail, skip_special_tokens=r.skip, finish=finish)
+            self.client.begin(r.rid, chunk, worker=r.worker, prompt_tail=r.tail, skip_special_tokens=r.skip,
+                              finish=finish)
         else:
             self.client.add(r.rid, chunk, finish=finish)
 
@@ -121,9 +107,6 @@ class Honest:
             self._add(r, len(r.ids))
         self.live = []
         self.client.flush()
-
-
-# --------------------------------------------------------------------------- hostile traffic
 
 
 class Sessions:
@@ -146,15 +129,15 @@ class Sessions:
             start = {"worker": w, "prompt_tail": ids[:3]} if rng.random() < 0.3 else {"worker": w}
             return enc({"type": "tokens", "rows": [{"rid": rid, "ids": ids, "start": start}]})
         rid = rng.choice(list(self.live))
-        seq = self.live[rid][0]
-        u = rng.random()
+        seq, u = self.live[rid][0], rng.random()
         if u < 0.55:
             self.live[rid][0] += len(ids)
             return enc({"type": "tokens", "rows": [{"rid": rid, "ids": ids, "seq": seq}]})
         del self.live[rid]
         if u < 0.7:
             self.ends["seq_gap"] += 1
-            return enc({"type": "tokens", "rows": [{"rid": rid, "ids": ids, "seq": seq + rng.choice([-1, 1, 7, 2**40])}]})
+            seq += rng.choice([-1, 1, 7, 2**40])
+            return enc({"type": "tokens", "rows": [{"rid": rid, "ids": ids, "seq": seq}]})
         if u < 0.85:
             self.ends["abort"] += 1
             return enc({"type": "abort", "rids": [rid, f"x-nobody-{rng.randrange(10**9)}", "h-never"]})
@@ -185,135 +168,73 @@ def send_oversized(ctx: zmq.Context, address: str, frame: bytes, send_ms: int) -
         s.close(0)
 
 
-def build_kinds(hostile: Hostile, over: OverCaps, sessions: Sessions) -> tuple[dict, dict]:
-    """kind -> generator returning (frame(s), bad) and kind -> weight."""
-    gens, weights = {}, {}
-    for w, gen in hostile.gens:
-        gens[gen.__name__] = gen
-        weights[gen.__name__] = w
-    for name, w in OTHER_WEIGHTS.items():
-        weights[name] = w
-        if hasattr(over, name):
-            gens[name] = getattr(over, name)
-    gens["session"] = lambda: (sessions.next(), False)
-    return gens, weights
-
-
-# --------------------------------------------------------------------------- the workers
-
-
-class Worker(Sink):
+class Worker(Recorder):
     """Keeps the rows of honest ("h-") requests and the fences; of the others only
     counts (errors by kind, hostile rows that got text), so its memory stays small."""
 
     def __init__(self, ctx: zmq.Context, index: int, address: str) -> None:
         self.index = index
-        self.honest: dict[str, list[dict]] = collections.defaultdict(list)
         self.fences: set[str] = set()
-        self.errors: collections.Counter = collections.Counter()
-        self.messages = 0
-        self.rows = 0
+        self.error_kinds: collections.Counter = collections.Counter()
         self.problems: list[str] = []
         self.hostile_text = 0  # rows of "x-" rids that carried text: never allowed
         super().__init__(ctx, [address])
 
-    def read(self, frame: bytes) -> dict:
-        return msgspec.msgpack.decode(frame)
-
     def keep(self, msg: dict) -> None:
-        self.messages += 1
         if msg.get("type") != "text":
             self.problems.append(f"worker {self.index}: a {msg.get('type')!r} message")
             return
         for row in msg["rows"]:
-            self.rows += 1
             rid = row["rid"]
             if row["error"] is not None:
-                self.errors[row["error"]] += 1
-            if rid.startswith("h-"):
-                self.honest[rid].append(row)
-            elif rid.startswith("fence-"):
+                self.error_kinds[row["error"]] += 1
+            if rid.startswith("fence-"):
                 self.fences.add(rid)
             elif rid.startswith("x-") and row["text"]:
                 self.hostile_text += 1
-
-    def ended(self, rid: str) -> bool:
-        """An honest request's last row arrived: a finish, or an error."""
-        rows = self.honest.get(rid, ())
-        return bool(rows) and rows[-1]["finish"] is not None or any(x["error"] for x in rows)
-
-
-enc = msgspec.msgpack.encode
-# --------------------------------------------------------------------------- one run, in steps
-
-
-SEND_MS = 30_000  # a send detokd does not take in this long: detokd is stuck, the run fails
-WAIT_S = 120  # for fences and the last honest rows
-# Every row over a cap but over_rows (a bad frame) is one too_large error.
-CAPPED_KINDS = ("huge_rid", "over_row_ids", "over_frame_ids", "over_prompt_tail", "many_stops", "long_stops", "huge_meta")
-
-
-@dataclass
-class Counts:
-    """What was sent, as detokd must count it."""
-
-    read: int = 0  # frames detokd reads
-    bad: int = 0  # the bad ones among them
-    fences: int = 0
-    kinds: collections.Counter = field(default_factory=collections.Counter)
-
-
-@dataclass(frozen=True)
-class RssSample:
-    frames: int  # sent so far
-    rss_kb: int
-
-
-@dataclass
-class RssLog:
-    """detokd's memory after the warm-up and at the end (each after a fence), and a
-    trend sampled on the way (no fence: not the verdict)."""
-
-    warm: Memory | None = None
-    warm_at_frame: int | None = None
-    end: Memory | None = None
-    samples: list[RssSample] = field(default_factory=list)
+        super().keep({"type": "text", "rows": [r for r in msg["rows"] if r["rid"].startswith("h-")]})
 
 
 class Fuzz:
-    """A detokd, its workers and its peers for one run; the steps of the run."""
+    """A detokd, its workers and its peers for one run; the steps of the run and what
+    was sent, as detokd must count it."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
         self.t_start = time.monotonic()
-        self.rig = Rig("detokd-fuzz-", lambda ctx, addresses: [Worker(ctx, i, a) for i, a in enumerate(addresses)], workers=args.workers)
-        self.cfg, self.ctx, self.workers, self.d = self.rig.cfg, self.rig.ctx, self.rig.sinks, self.rig.detokd
+        self.rig = Rig("detokd-fuzz-", lambda ctx, addrs: [Worker(ctx, i, a) for i, a in enumerate(addrs)],
+                       workers=args.workers)
+        self.cfg, self.workers, self.d = self.rig.cfg, self.rig.sinks, self.rig.detokd
         self.vocab = load(self.cfg.tokenizer)
         self.pieces = [tuple(self.vocab.backend.encode(t, add_special_tokens=False).ids) for t in CORPUS]
-        self.counts = Counts()
-        self.rss = RssLog()
-        self.honest: Honest | None = None
-        self.sessions: Sessions | None = None
+        self.read = self.bad = self.fences = 0  # frames detokd reads, the bad ones among them, fences sent
+        self.kinds: collections.Counter = collections.Counter()
+        self.warm: Memory | None = None  # RSS after the warm-up and at the end, each after a fence
+        self.warm_at: int | None = None
+        self.end: Memory | None = None
+        self.samples: list[list[int]] = []  # [frames sent, RSS kB] on the way (no fence: not the verdict)
+        self.honest = Honest(self.rng, None, self.pieces, self.vocab.size, args.workers)  # its client once detokd is up
+        self.over = OverCaps(self.rng, self.cfg, quiet_id=min(self.vocab.special))
+        self.sessions = Sessions(self.rng, self.pieces, self.vocab.size, args.workers)
+        hostile = Hostile(self.rng, self.vocab.size)
+        self.gens = {g.__name__: g for _, g in hostile.gens}
+        self.gens |= {n: getattr(self.over, n) for n in OTHER_WEIGHTS if hasattr(self.over, n)}
+        self.gens["session"] = lambda: (self.sessions.next(), False)
+        self.weights = {g.__name__: w for w, g in hostile.gens} | OTHER_WEIGHTS
         self.metrics: dict = {}
-        self.exit_code: int | None = None  # on our SIGTERM
-        self.died = False  # exited before we stopped it
+        self.exit_code: int | str | None = None  # on our SIGTERM
         self.problems: list[str] = []
 
     def start(self) -> None:
-        """detokd ready, the peers connected, every kind of frame ready to be made."""
+        """detokd ready, the peers connected."""
         self.rig.start()
-        self.client = self.rig.client(send_timeout=SEND_MS / 1000)
+        self.client = self.honest.client = self.rig.client(send_timeout=SEND_MS / 1000)
         self.peer = self.rig.engine(SEND_MS)
-        self.honest = Honest(self.rng, self.client, self.pieces, self.vocab.size, self.args.workers)
-        self.over = OverCaps(self.rng, self.cfg, quiet_id=min(self.vocab.special))
-        self.sessions = Sessions(self.rng, self.pieces, self.vocab.size, self.args.workers)
-        self.gens, self.weights = build_kinds(Hostile(self.rng, self.vocab.size), self.over, self.sessions)
 
     def traffic(self) -> None:
         """--frames frames; the warm-up starts with every kind once."""
-        args = self.args
-        names = list(self.weights)
+        args, names = self.args, list(self.weights)
         wlist = [self.weights[n] for n in names]
         first = names[:]
         self.rng.shuffle(first)
@@ -322,47 +243,39 @@ class Fuzz:
         for i in range(args.frames):
             if i == warm:
                 self.fence()
-                self.rss.warm, self.rss.warm_at_frame = self.rig.memory(), i
+                self.warm, self.warm_at = self.rig.memory(), i
             name = first[i] if i < len(first) else self.rng.choices(names, wlist)[0]
-            self.counts.kinds[self.send(name)] += 1
+            self.kinds[self.send(name)] += 1
             if i % sample_every == sample_every - 1:
-                self.rss.samples.append(RssSample(i + 1, self.rig.memory().rss_kb))
+                self.samples.append([i + 1, self.rig.memory().rss_kb])
             if i % 1000 == 999:
-                self.still_going(i + 1)
+                if self.d.returncode is not None:
+                    raise RuntimeError(f"detokd died (exit {self.d.returncode}) after {i + 1} frames")
+                if time.monotonic() > self.t_start + args.deadline:
+                    raise RuntimeError(f"deadline of {args.deadline} s passed after {i + 1} frames")
 
     def send(self, name: str) -> str:
         """One frame of kind `name`; the kind it was (the honest scheduler may flush)."""
         if name == "honest":
-            self.counts.read += 1
+            self.read += 1
             return self.honest.step()
         if name == "oversized":
-            send_oversized(self.ctx, self.cfg.input, self.over.oversized()[0], SEND_MS)
+            send_oversized(self.rig.ctx, self.cfg.input, self.over.oversized()[0], SEND_MS)
             return name
         frame, is_bad = self.gens[name]()
         self.peer.multipart(frame) if isinstance(frame, list) else self.peer.raw(frame)
-        self.counts.read += 1
-        self.counts.bad += is_bad
+        self.read += 1
+        self.bad += is_bad
         return name
-
-    def still_going(self, sent: int) -> None:
-        if self.d.returncode is not None:
-            raise RuntimeError(f"detokd died (exit {self.d.returncode}) after {sent} frames")
-        if time.monotonic() > self.t_start + self.args.deadline:
-            raise RuntimeError(f"deadline of {self.args.deadline} s passed after {sent} frames")
 
     def fence(self) -> None:
         """A row on each input socket, answered: every frame sent before it is handled."""
-        rids = []
-        for via in ("peer", "client"):
-            self.counts.fences += 1
-            rid = f"fence-{self.counts.fences}"
-            rids.append(rid)
-            if via == "peer":
-                self.peer.send({"type": "tokens", "rows": [{"rid": rid, "ids": [100], "start": {}, "finish": {"reason": "length"}}]})
-            else:
-                self.client.begin(rid, [100], finish=Finish("length"))
-                self.client.flush()
-            self.counts.read += 1
+        rids = [f"fence-{self.fences + 1}", f"fence-{self.fences + 2}"]
+        self.fences += 2
+        self.read += 2
+        self.peer.rows([{"rid": rids[0], "ids": [100], "start": {}, "finish": {"reason": "length"}}])
+        self.client.begin(rids[1], [100], finish=Finish("length"))
+        self.client.flush()
         w = self.workers[0]
         w.wait(lambda: all(r in w.fences for r in rids), WAIT_S, f"fences {rids}")
 
@@ -370,21 +283,68 @@ class Fuzz:
         """The rest of the honest requests, every one answered; the last RSS and
         /metrics; detokd stopped by SIGTERM."""
         self.honest.finish_all()
-        self.counts.read += 1
-        self.counts.kinds["honest_last"] += 1
+        self.read += 1
+        self.kinds["honest_last"] += 1
         for r in self.honest.all:
             w = self.workers[r.worker]
-            w.wait(lambda r=r, w=w: w.ended(r.rid), WAIT_S, f"honest request {r.rid} to end")
+            w.wait(lambda r=r, w=w: w.ended(r.rid) or w.errors(r.rid), WAIT_S, f"honest request {r.rid} to end")
         self.fence()
-        self.rss.end = self.rig.memory()
+        self.end = self.rig.memory()
         self.metrics = self.rig.metrics()
         self.client.close(0)
         self.peer.close()
-        self.died = self.d.returncode is not None
-        self.exit_code = self.d.stop()
+        self.exit_code = self.rig.stop(20)
 
-    def close(self) -> None:
-        self.rig.close()
+    def check_honest(self) -> tuple[int, int]:
+        """(honest requests, exact ones): each answered on its own worker only, its text
+        the oracle's, its last row's n_ids its length."""
+        exact = 0
+        for r in self.honest.all:
+            w = self.workers[r.worker]
+            rows, text, errors = w.rows(r.rid), w.text(r.rid), w.errors(r.rid)
+            want = self.vocab.reference(r.tail, r.ids, r.skip)
+            others = [o.index for o in self.workers if o is not w and o.rows(r.rid)]
+            if errors or text != want or not rows or rows[-1]["n_ids"] != len(r.ids) or others:
+                if len(self.problems) < 20:
+                    self.problems.append(f"honest {r.rid}: errors {errors}, exact {text == want}, "
+                                         f"rows on workers {others} too")
+            else:
+                exact += 1
+        for w in self.workers:
+            self.problems += w.problems[:10]
+        hostile_text = sum(w.hostile_text for w in self.workers)
+        if hostile_text:
+            self.problems.append(f"{hostile_text} hostile rows got text")
+        return len(self.honest.all), exact
+
+    def check_counts(self) -> None:
+        """detokd counted every frame it read, the bad ones, the over-cap rows and the
+        refused registers exactly as they were sent."""
+        m, errors = self.metrics, self.metrics.get("detokd_errors_total", {})
+        if not m:
+            return
+        capped = sum(self.kinds[k] for k in CAPPED_KINDS)
+        for what, got, want, sent in (
+            ("detokd_frames_total", m.get("detokd_frames_total"), self.read, "frames read"),
+            ("detokd_bad_frames_total", m.get("detokd_bad_frames_total"), self.bad, "bad frames sent"),
+            ("too_large errors", errors.get("too_large", 0), capped, "over-cap rows sent"),
+            ("register_refused", errors.get("register_refused", 0), self.kinds["odd_register"], "registers sent"),
+        ):
+            if got != want:
+                self.problems.append(f"{what} {got} != {want} {sent}")
+        if errors.get("internal"):
+            self.problems.append("internal errors")
+
+    def check_rss(self) -> float | None:
+        """End RSS over post-warm-up RSS, minus 1; a problem past --rss-tolerance."""
+        if self.warm is None or self.end is None:
+            if not self.problems:
+                self.problems.append("RSS not sampled")
+            return None
+        growth = self.end.rss_kb / self.warm.rss_kb - 1
+        if growth > self.args.rss_tolerance:
+            self.problems.append(f"RSS grew {growth:.1%} after the warm-up (> {self.args.rss_tolerance:.0%})")
+        return growth
 
 
 def run(args: argparse.Namespace, command: str) -> dict:
@@ -395,158 +355,76 @@ def run(args: argparse.Namespace, command: str) -> dict:
         fz.finish()
     except (RuntimeError, TimeoutError, zmq.ZMQError) as exc:
         fz.problems.append(f"run stopped: {exc!r}")
-        fz.died = fz.d.returncode is not None
+        fz.rig.died = fz.d.returncode is not None
     finally:
-        fz.close()
+        fz.rig.close()
     wall = time.monotonic() - fz.t_start
-    log_lines = fz.d.log().splitlines()
-    checked, exact = check_honest(fz)
-    check_counts(fz)
-    check_exit(fz, log_lines)
-    growth = check_rss(fz)
-    return result(fz, command, wall, log_lines, checked, exact, growth)
-
-
-# --------------------------------------------------------------------------- the verdict
-
-
-def check_honest(fz: Fuzz) -> tuple[int, int]:
-    """(honest requests, exact ones): each answered on its own worker only, its text
-    the oracle's, its last row's n_ids its length."""
-    checked = exact = 0
-    for r in fz.honest.all if fz.honest else ():
-        w = fz.workers[r.worker]
-        rows = w.honest.get(r.rid, [])
-        checked += 1
-        text = "".join(x["text"] for x in rows if x["error"] is None)
-        errors = [x["error"] for x in rows if x["error"] is not None]
-        want = fz.vocab.reference(r.tail, r.ids, r.skip)
-        others = [o.index for o in fz.workers if o is not w and r.rid in o.honest]
-        if errors or text != want or not rows or rows[-1]["n_ids"] != len(r.ids) or others:
-            if len(fz.problems) < 20:
-                fz.problems.append(f"honest {r.rid}: errors {errors}, exact {text == want}, rows on workers {others} too")
-        else:
-            exact += 1
-    for w in fz.workers:
-        fz.problems += w.problems[:10]
-    hostile_text = sum(w.hostile_text for w in fz.workers)
-    if hostile_text:
-        fz.problems.append(f"{hostile_text} hostile rows got text")
-    return checked, exact
-
-
-def check_counts(fz: Fuzz) -> None:
-    """detokd counted every frame it read, the bad ones, the over-cap rows and the
-    refused registers exactly as they were sent."""
-    m, kinds = fz.metrics, fz.counts.kinds
-    if not m:
-        return
-    if m.get("detokd_frames_total") != fz.counts.read:
-        fz.problems.append(f"detokd_frames_total {m.get('detokd_frames_total')} != {fz.counts.read} frames read")
-    if m.get("detokd_bad_frames_total") != fz.counts.bad:
-        fz.problems.append(f"detokd_bad_frames_total {m.get('detokd_bad_frames_total')} != {fz.counts.bad} bad frames sent")
-    errors = m.get("detokd_errors_total", {})
-    capped = sum(kinds[k] for k in CAPPED_KINDS)
-    if errors.get("too_large", 0) != capped:
-        fz.problems.append(f"too_large errors {errors.get('too_large', 0)} != {capped} over-cap rows sent")
-    if errors.get("register_refused", 0) != kinds["odd_register"]:
-        fz.problems.append(f"register_refused {errors.get('register_refused', 0)} != {kinds['odd_register']} registers sent")
-    if errors.get("internal"):
-        fz.problems.append("internal errors")
-
-
-def check_exit(fz: Fuzz, log_lines: list[str]) -> None:
-    if fz.died:
-        fz.problems.append(f"detokd died: exit {fz.d.returncode}\n" + "\n".join(log_lines[-30:]))
-    elif fz.exit_code not in (0, None):
-        fz.problems.append(f"detokd exited {fz.exit_code} on SIGTERM")
-
-
-def check_rss(fz: Fuzz) -> float | None:
-    """End RSS over post-warm-up RSS, minus 1; a problem past --rss-tolerance."""
-    if fz.rss.warm is None or fz.rss.end is None:
-        if not fz.problems:
-            fz.problems.append("RSS not sampled")
-        return None
-    growth = fz.rss.end.rss_kb / fz.rss.warm.rss_kb - 1
-    if growth > fz.args.rss_tolerance:
-        fz.problems.append(f"RSS grew {growth:.1%} after the warm-up (> {fz.args.rss_tolerance:.0%})")
-    return growth
-
-
-def result(fz: Fuzz, command: str, wall: float, log_lines: list[str], checked: int, exact: int, growth: float | None) -> dict:
-    args, rss, last = fz.args, fz.rss, fz.rss.end or fz.rss.warm
+    checked, exact = fz.check_honest()
+    fz.check_counts()
+    if problem := fz.rig.exit_problem(fz.exit_code):
+        fz.problems.append(problem)
+    growth = fz.check_rss()
+    last = fz.end or fz.warm
     return {
-        "command": command,
+        **header(command),
         "frames": args.frames,
         "seed": args.seed,
         "workers": args.workers,
         "caps": {k: v for k, v in msgspec.structs.asdict(fz.cfg).items() if k.startswith("max_")},
         "wall_s": round(wall, 1),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "frames_by_kind": dict(sorted(fz.counts.kinds.items(), key=lambda kv: -kv[1])),
-        "frames_read_by_detokd": fz.counts.read,
-        "bad_frames_sent": fz.counts.bad,
-        "sessions_ended": dict(fz.sessions.ends) if fz.sessions else {},
+        "frames_by_kind": dict(sorted(fz.kinds.items(), key=lambda kv: -kv[1])),
+        "frames_read_by_detokd": fz.read,
+        "bad_frames_sent": fz.bad,
+        "sessions_ended": dict(fz.sessions.ends),
         "rss_kb": {
-            "after_warmup": rss.warm.rss_kb if rss.warm else None,
-            "warmup_frames": rss.warm_at_frame,
-            "end": rss.end.rss_kb if rss.end else None,
+            "after_warmup": fz.warm.rss_kb if fz.warm else None,
+            "warmup_frames": fz.warm_at,
+            "end": fz.end.rss_kb if fz.end else None,
             "peak_hwm": last.hwm_kb if last else None,
             "growth": None if growth is None else round(growth, 4),
             "tolerance": args.rss_tolerance,
-            "samples": [[s.frames, s.rss_kb] for s in rss.samples],
+            "samples": fz.samples,
         },
-        "metrics": {k: v for k, v in fz.metrics.items() if k.startswith("detokd_") and not k.startswith(("detokd_step", "detokd_loop"))},
-        "worker_errors": {str(w.index): dict(w.errors) for w in fz.workers},
+        "metrics": {k: v for k, v in fz.metrics.items()
+                    if k.startswith("detokd_") and not k.startswith(("detokd_step", "detokd_loop"))},
+        "worker_errors": {str(w.index): dict(w.error_kinds) for w in fz.workers},
         "honest": {
             "requests": checked,
             "exact": exact,
-            "ids": sum(len(r.ids) for r in fz.honest.all) if fz.honest else 0,
-            "flushes": fz.honest.flushes if fz.honest else 0,
+            "ids": sum(len(r.ids) for r in fz.honest.all),
+            "flushes": fz.honest.flushes,
         },
-        "log_lines": len(log_lines),
+        "log_lines": len(fz.d.log().splitlines()),
         "problems": fz.problems,
         "ok": not fz.problems,
     }
 
 
-# --------------------------------------------------------------------------- the command line, the summary
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = parser("fuzz", __doc__)
-    ap.add_argument("--frames", type=int, default=100_000, help="frames to send (default 100,000)")
-    ap.add_argument("--seed", type=int, default=20250101)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--warmup", type=float, default=0.05, help="share of the frames before the first RSS sample")
-    ap.add_argument("--rss-tolerance", type=float, default=0.10, help="end RSS may be this much above the post-warm-up RSS")
-    ap.add_argument("--deadline", type=float, default=1800, help="seconds: the run fails if it has not finished by then")
-    ap.add_argument("--json", type=Path, help="write the results here")
-    return ap.parse_args(argv)
-
-
 def summary(res: dict) -> str:
     r, m, h = res["rss_kb"], res["metrics"], res["honest"]
     return "\n".join([
-        f"{res['frames']} frames in {res['wall_s']} s (seed {res['seed']}): {res['frames_read_by_detokd']} read by detokd, "
+        f"{res['frames']} frames in {res['wall_s']} s (seed {res['seed']}): "
+        f"{res['frames_read_by_detokd']} read by detokd, "
         f"{res['bad_frames_sent']} bad; by kind: {res['frames_by_kind']}",
         f"honest: {h['exact']}/{h['requests']} requests exact ({h['ids']} ids, {h['flushes']} flushes)",
         f"RSS kB: after warm-up {r['after_warmup']}, end {r['end']}, peak {r['peak_hwm']}, growth {r['growth']}",
         f"detokd: frames {m.get('detokd_frames_total')}, bad frames {m.get('detokd_bad_frames_total')}, "
-        f"errors {m.get('detokd_errors_total')}, memory entries {m.get('detokd_memory_entries')}, bytes {m.get('detokd_memory_bytes')}, "
+        f"errors {m.get('detokd_errors_total')}, memory entries {m.get('detokd_memory_entries')}, "
+        f"bytes {m.get('detokd_memory_bytes')}, "
         f"log lines {res['log_lines']}",
     ])
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+    ap = parser("fuzz", __doc__)
+    ap.add_argument("--frames", type=int, default=100_000, help="frames to send (default 100,000)")
+    ap.add_argument("--seed", type=int, default=20250101)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--warmup", type=float, default=0.05, help="share of the frames before the first RSS sample")
+    ap.add_argument("--rss-tolerance", type=float, default=0.10, help="end RSS may be this much above post-warm-up")
+    ap.add_argument("--deadline", type=float, default=1800, help="seconds: the run fails if not finished by then")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
     res = run(args, command_line("fuzz", argv))
     print(summary(res))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        write_json(args.json, res)
-    for p in res["problems"]:
-        print("FAIL:", p)
-    print("OK" if res["ok"] else "FAILED")
-    return 0 if res["ok"] else 1
+    return verdict(res["problems"], args.json, res)

@@ -1,19 +1,22 @@
-"""One real detokd and its peers, as every tool sets them up (soak, fuzz, worst-frames).
+"""One real detokd and its peers, and what a run makes of it: soak, fuzz and worst-frames.
 
 A Rig is a `detokd serve` of this checkout on ipc:// addresses in a temporary folder
 (detokbench.children: stopped at exit), the workers' sinks bound first (detokd
 connects to them), a ZMQ context for the peers, the metrics port once it is ready, and
-its memory; a `Sampler` records its RSS, CPU time and /metrics over a run.
+its memory; a `Sampler` records its RSS, CPU time and /metrics over a run. `header`
+and `verdict` open and close every run's results the same way.
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import zmq
 
@@ -21,6 +24,7 @@ from detokd.client import SchedulerClient
 from detokd.process import ipc_config
 
 from .children import detokd_process
+from .commands import write_json
 from .engine import Engine
 from .metrics import Metrics, metrics_port, scrape
 from .proc import Memory, memory, tick_cpu_s
@@ -32,13 +36,14 @@ class Rig:
     the workers' sinks from the context and the worker addresses."""
 
     def __init__(self, prefix: str, sinks: Callable[[zmq.Context, list[str]], list] | None = None, *,
-                 args: Sequence[str] = (), root: str | None = None, **settings: Any) -> None:
+                 root: str | None = None, **settings: Any) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
         self.cfg = ipc_config(self.folder, **{"metrics_port": 0, "log_level": "info", **settings})
         self.ctx = zmq.Context()
         self.sinks = sinks(self.ctx, self.cfg.workers) if sinks else []
-        self.detokd = detokd_process(self.cfg, self.folder, args)
+        self.detokd = detokd_process(self.cfg, self.folder)
         self.port: int | None = None
+        self.died = False  # detokd exited before `stop`
         self._peers: list = []
 
     def spawn(self) -> Rig:
@@ -74,12 +79,25 @@ class Rig:
     def memory(self) -> Memory:
         return memory(self.detokd.pid)
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM; detokd's exit status, None when it was killed past `timeout`."""
+    def memory_mb(self) -> dict[str, float]:
+        """VmHWM (the peak) and VmRSS, in MB."""
+        m = self.memory()
+        return {"hwm_mb": round(m.hwm_kb / 1024, 1), "rss_mb": round(m.rss_kb / 1024, 1)}
+
+    def exit_problem(self, code: int | str | None) -> str | None:
+        """What is wrong with how detokd ended, `code` being its status on our SIGTERM."""
+        if self.died:
+            return f"detokd died: exit {self.detokd.returncode}\n" + "\n".join(self.detokd.log().splitlines()[-30:])
+        return None if code in (0, None) else f"detokd exited {code} on SIGTERM"
+
+    def stop(self, timeout: float = 30.0) -> int | str:
+        """SIGTERM; detokd's exit status, "killed" when it did not exit within
+        `timeout`; `died` says whether it had exited before."""
+        self.died = self.detokd.returncode is not None
         try:
             return self.detokd.stop(timeout)
         except subprocess.TimeoutExpired:
-            return None
+            return "killed"
 
     def close(self) -> None:
         """detokd killed if still running, every peer and sink closed, the context gone."""
@@ -127,3 +145,19 @@ class Sampler(threading.Thread):
         self.halt.set()
         self.join(10)
         self.sample()
+
+
+def header(command: str, **machine: str) -> dict:
+    """The keys every run's results open with: how it was started, on what."""
+    return {"command": command, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), **machine}}
+
+
+def verdict(problems: list[str], json_path: str | os.PathLike | None = None, doc: dict | None = None) -> int:
+    """`doc` written to `json_path` (when given), a FAIL line per problem, OK or
+    FAILED; the exit status."""
+    if json_path is not None and doc is not None:
+        write_json(json_path, doc)
+    for p in problems:
+        print("FAIL:", p)
+    print("FAILED" if problems else "OK")
+    return 1 if problems else 0

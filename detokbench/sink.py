@@ -37,10 +37,8 @@ def pull(ctx: zmq.Context, address: str, *, hwm: int | None = None, rcvbuf: int 
 
 class Sink:
     """Bound at once (detokd connects to it), read by a thread until `close`, or with
-    `read=False` bound and never read (`sock`: the first socket).
-
-    `rcvhwm` None keeps ZMQ's default queue; `zero_copy` hands `read` a memoryview of
-    the received frame instead of bytes (for frames of a gigabyte)."""
+    `read=False` bound and never read (`sock`: the first socket). `zero_copy` hands
+    `read` a memoryview of the frame instead of bytes (for frames of a gigabyte)."""
 
     def __init__(self, ctx: zmq.Context, addresses: str | list[str], *, rcvhwm: int | None = None,
                  rcvbuf: int | None = None, zero_copy: bool = False, read: bool = True) -> None:
@@ -108,8 +106,7 @@ class Sink:
 
 
 def close_all(ctx: zmq.Context) -> None:
-    """Close every open Sink on `ctx` (its thread's socket must close before the
-    context is destroyed)."""
+    """Close every open Sink on `ctx` (its socket must close before the context is destroyed)."""
     for s in [s for s in OPEN if s.ctx is ctx]:
         s.close()
 

@@ -1,27 +1,19 @@
 """Soak test: millions of tokens with churn through a real detokd; is memory flat?
-(docs/reliability.md, "Soak")
-
-The engine keeps --concurrency requests going, one `tokens` frame a step with 1 to
---max-delta new ids for each; lengths log-uniform in [1, --max-len]; real text with
-random ids sprinkled in; half with a prompt tail. Most finish, --abort of them are
-aborted midway and --abandon never sent again, so detokd's table (--max-states) fills
-and eviction frees them. The worker checks every ending and keeps every
---check-every-th text for the oracle; a sampler records RSS and /metrics. RSS is flat
-when it grew by less than --flat-threshold over the last quarter of the run.
+docs/reliability.md, "Soak", says what is sent and how it is checked. RSS is flat when
+it grew by less than --flat-threshold over the last quarter of the run.
 
     python -m detokbench soak --quick     # ~1.4M tokens over 10k requests, seconds
     python -m detokbench soak             # ~135M tokens over 1M requests, minutes
 
-Exit status: 0 when RSS ended flat and every checked text was exact, 1 otherwise.
+Exit status: 0 when RSS ended flat, every checked text was exact and every request
+ended as it was meant to, 1 otherwise.
 """
 
 from __future__ import annotations
 
-import argparse
 import array
 import collections
 import math
-import os
 import platform
 import random
 import sys
@@ -41,16 +33,14 @@ from detokd.wire.native import Finish, Text
 from . import ROOT
 from .commands import command_line, parser, write_json
 from .frames import mixed_ids
-from .metrics import scrape
-from .rig import Rig, Sampler
+from .rig import Rig, Sampler, header, verdict
 from .sink import Sink
 from .waits import wait_until
 
 # --------------------------------------------------------------------------- the engine: requests and their fates
 
 
-# The soak's own multilingual pieces (longer than frames.CORPUS): its figures were
-# measured on these.
+# Longer than frames.CORPUS: the soak's figures were measured on these.
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Streaming text must arrive exactly once. ",
     "数据库连接失败，请稍后重试。深度学习模型的推理速度取决于批量大小和序列长度。",
@@ -72,15 +62,12 @@ class Fate(IntEnum):
 
 @dataclass(slots=True)
 class EReq:
-    """A request the engine is sending."""
-
     rid: str
     ids: list[int]
     tail: list[int]
     worker: int
     fate: Fate
     stop_at: int  # ids sent before it finishes, is aborted or abandoned
-    check: bool
     pos: int = 0
 
 
@@ -110,8 +97,8 @@ class Churn:
         """New requests up to `concurrency`; the rids whose text is to be checked."""
         args, rng, watch = self.args, self.rng, []
         while len(self.active) < args.concurrency and self.made < args.requests:
-            # Lengths log-uniform in [1, max_len] (times --len-scale).
-            n = max(1, int(math.exp(rng.random() * self.log_max) * args.len_scale))
+            # Lengths log-uniform in [1, max_len].
+            n = max(1, int(math.exp(rng.random() * self.log_max)))
             off = rng.randrange(8, len(self.pool) - n)
             ids = self.pool[off : off + n]
             tail = self.pool[off - 8 : off] if rng.random() < 0.5 else []
@@ -119,14 +106,13 @@ class Churn:
             fate = Fate.ABORT if u < args.abort else Fate.ABANDON if u < args.abort + args.abandon else Fate.FINISH
             stop_at = rng.randrange(n) + 1 if fate != Fate.FINISH else n
             rid = f"s{self.made}"
-            check = self.made % args.check_every == 0 and fate == Fate.FINISH
-            if check:
+            if self.made % args.check_every == 0 and fate == Fate.FINISH:
                 self.checked[rid] = (tail, ids)
                 watch.append(rid)
             self.lengths[self.made] = n
             self.fates[self.made] = fate
             self.fate_counts[fate] += 1
-            self.active.append(EReq(rid, ids, tail, self.made % args.workers, fate, stop_at, check))
+            self.active.append(EReq(rid, ids, tail, self.made % args.workers, fate, stop_at))
             self.made += 1
         return watch
 
@@ -181,9 +167,7 @@ class Worker(Sink):
     def __init__(self, ctx: zmq.Context, addresses: list[str], lengths, fates) -> None:
         self.lengths, self.fates = lengths, fates
         self.ended = bytearray(len(lengths))
-        self.rows = 0
-        self.messages = 0
-        self.duplicate_endings = 0
+        self.rows = self.messages = self.duplicate_endings = 0
         self.texts: dict[str, list[str]] = {}  # watched rids only
         self.errors: dict[str, int] = {}
         super().__init__(ctx, addresses, rcvhwm=100_000)
@@ -200,13 +184,10 @@ class Worker(Sink):
         self.rows += len(rows)
         for r in rows:
             t = self.texts.get(r.rid)
-            if r.error is None and r.finish is None:
-                if t is not None:
-                    t.append(r.text)
-                continue
-            self._end(r)
             if r.error is None and t is not None:
                 t.append(r.text)
+            if r.error is not None or r.finish is not None:
+                self._end(r)
 
     def _end(self, r) -> None:
         i = int(r.rid[1:])
@@ -221,7 +202,7 @@ class Worker(Sink):
     def endings(self, made: int) -> collections.Counter:
         """(fate, Ending) -> requests, over the first `made` requests."""
         with self.cond:
-            return collections.Counter(zip(self.fates[:made], map(Ending, self.ended[:made])))
+            return collections.Counter(zip(self.fates[:made], map(Ending, self.ended[:made]), strict=True))
 
 
 # --------------------------------------------------------------------------- RSS flatness, the PNG
@@ -243,15 +224,14 @@ def flatness(samples: list[dict], threshold: float) -> dict:
         return sum(xs) / len(xs)
 
     q3, end = mean_rss(0.70, 0.80), mean_rss(0.90, 1.0)
-    growth = (end - q3) / q3
     return {
         "rss_start_mb": samples[0]["rss_mb"],
         "rss_q3_mb": round(q3, 2),
         "rss_end_mb": round(end, 2),
         "rss_peak_mb": max(s["rss_mb"] for s in samples),
-        "last_quarter_growth": round(growth, 5),
+        "last_quarter_growth": round((end - q3) / q3, 5),
         "threshold": threshold,
-        "flat": growth < threshold,
+        "flat": (end - q3) / q3 < threshold,
     }
 
 
@@ -261,19 +241,18 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = [s["t"] for s in samples]
+    t, rss = [s["t"] for s in samples], [s["rss_mb"] for s in samples]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    ax1.plot(t, [s["rss_mb"] for s in samples], color="tab:blue")
+    ax1.plot(t, rss, color="tab:blue")
     ax1.set_ylabel("detokd RSS (MB)")
     f = summary["flatness"]
     ax1.set_title(
-        f"{summary['tokens'] / 1e6:.1f}M tokens, {summary['requests']:,} requests, max_states {summary['max_states']:,}: "
+        f"{summary['tokens'] / 1e6:.1f}M tokens, {summary['requests']:,} requests, "
+        f"max_states {summary['max_states']:,}: "
         f"RSS {'flat' if f.get('flat') else 'NOT flat'} (last quarter {f.get('last_quarter_growth', 0):+.2%})",
         fontsize=10,
     )
-    rss = [s["rss_mb"] for s in samples]
-    mid = (max(rss) + min(rss)) / 2
-    half = max(10.0, (max(rss) - min(rss)) * 0.6)  # at least a 20 MB window: noise stays small
+    mid, half = (max(rss) + min(rss)) / 2, max(10.0, (max(rss) - min(rss)) * 0.6)  # at least 20 MB: noise stays small
     ax1.set_ylim(mid - half, mid + half)
     ax1.axvspan(0.75 * t[-1], t[-1], color="0.9")
     ax2.plot(t, [s["live"] for s in samples], color="tab:orange", label="live requests (/metrics)")
@@ -283,35 +262,15 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
     ax3 = ax2.twinx()
     ax3.plot(t, [s["tokens"] / 1e6 for s in samples], color="tab:green", label="tokens (M)")
     ax3.set_ylabel("tokens decoded (M)")
-    h1, l1 = ax2.get_legend_handles_labels()
-    h2, l2 = ax3.get_legend_handles_labels()
+    (h1, l1), (h2, l2) = ax2.get_legend_handles_labels(), ax3.get_legend_handles_labels()
     ax2.legend(h1 + h2, l1 + l2, loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-# --------------------------------------------------------------------------- one run, its verdict
-
-
 DRAIN_S = 120  # after the last frame, for detokd to decode it all and the worker to get it
 LOG_EVERY_S = 15
-
-
-@dataclass
-class Verdict:
-    """How the requests ended, against how they were meant to."""
-
-    bad_finished: int  # finished requests without a right finish row
-    evicted_live: int  # evicted while the engine still sent rows
-    aborted_with_ending: int  # aborted requests that got a finish row or an error
-    abandoned_evicted: int
-    abandoned_live: int  # abandoned requests still in detokd's table at the end
-    wrong_texts: list[str]
-
-    def ok(self, worker: Worker, flat: dict, rc) -> bool:
-        return bool(flat.get("flat") and not self.wrong_texts and self.bad_finished == 0 and self.aborted_with_ending == 0
-                    and self.evicted_live == 0 and worker.duplicate_endings == 0 and rc == 0)
 
 
 class Soak:
@@ -321,20 +280,20 @@ class Soak:
         self.args = args
         self.vocab = load("deepseek")
         self.churn = Churn(args, self.vocab.hf, client=None)  # the client comes once detokd is up
-        self.rig = Rig("detokd-soak-", lambda ctx, addresses: [Worker(ctx, addresses, self.churn.lengths, self.churn.fates)],
+        self.rig = Rig("detokd-soak-", lambda ctx, addrs: [Worker(ctx, addrs, self.churn.lengths, self.churn.fates)],
                        workers=args.workers, max_states=args.max_states)
         self.worker = self.rig.sinks[0]
         try:
             self.rig.start()
         except NotReady as e:
             sys.exit(f"detokd did not start:\n{str(e)[-3000:]}")
-        self.detokd, self.port = self.rig.detokd, self.rig.port
         self.churn.client = self.rig.client(sndhwm=1000, send_timeout=30)
         self.t0 = time.monotonic()
         self.sampler = Sampler(self.rig, args.interval, self.t0, log)
         self.sampler.sample()
         self.sampler.start()
-        log(f"detokd pid {self.detokd.pid}, metrics on port {self.port}; {args.requests:,} requests, about {args.tokens:,} tokens")
+        log(f"detokd pid {self.rig.pid}, metrics on port {self.rig.port}; "
+            f"{args.requests:,} requests, about {args.tokens:,} tokens")
 
     def send_all(self) -> float:
         """Churn until every request was made and sent; the seconds it took."""
@@ -343,12 +302,13 @@ class Soak:
             for rid in churn.refill():
                 self.worker.watch(rid)
             churn.step()
-            if self.detokd.proc.poll() is not None:
-                raise RuntimeError(f"detokd exited {self.detokd.proc.returncode}")
+            if self.rig.detokd.proc.poll() is not None:
+                raise RuntimeError(f"detokd exited {self.rig.detokd.proc.returncode}")
             if time.monotonic() - last_log > LOG_EVERY_S:
                 last_log = time.monotonic()
                 s = self.sampler.samples[-1] if self.sampler.samples else {}
-                log(f"{churn.made:,} requests, {churn.sent_tokens / 1e6:.1f}M tokens sent; detokd RSS {s.get('rss_mb')} MB, live {s.get('live'):.0f}")
+                log(f"{churn.made:,} requests, {churn.sent_tokens / 1e6:.1f}M tokens sent; "
+                    f"detokd RSS {s.get('rss_mb')} MB, live {s.get('live'):.0f}")
         return time.monotonic() - self.t0
 
     def drain(self) -> dict:
@@ -360,84 +320,81 @@ class Soak:
         def drained() -> bool:
             with worker.cond:
                 got = sum(1 for i in range(churn.made) if churn.fates[i] == Fate.FINISH and worker.ended[i])
-            return got >= want and scrape(self.port).get("detokd_tokens_total", 0) >= churn.sent_tokens
+            return got >= want and self.rig.metrics().get("detokd_tokens_total", 0) >= churn.sent_tokens
 
         try:
             wait_until(drained, DRAIN_S, "drain", interval=0.2)
         except TimeoutError:
-            got = worker.endings(churn.made)
-            log(f"drain timed out: {sum(n for (f, e), n in got.items() if f == Fate.FINISH and e != Ending.NONE)}/{want} "
-                f"finished requests ended, detokd tokens {scrape(self.port).get('detokd_tokens_total')}")
+            got = sum(n for (f, e), n in worker.endings(churn.made).items() if f == Fate.FINISH and e != Ending.NONE)
+            log(f"drain timed out: {got}/{want} "
+                f"finished requests ended, detokd tokens {self.rig.metrics().get('detokd_tokens_total')}")
         self.sampler.finish()
-        return scrape(self.port)
+        return self.rig.metrics()
 
-    def stop(self):
-        """detokd's exit status ("killed" past 30 s); every socket closed."""
-        rc = self.rig.stop(30)
-        self.rig.close()
-        return "killed" if rc is None else rc
-
-    def verdict(self) -> Verdict:
-        ends = self.worker.endings(self.churn.made)
-        texts = {rid: "".join(parts) for rid, parts in self.worker.texts.items()}
-        return Verdict(
-            bad_finished=sum(n for (f, e), n in ends.items() if f == Fate.FINISH and e != Ending.FINISHED),
-            evicted_live=ends[(Fate.FINISH, Ending.EVICTED)] + ends[(Fate.ABORT, Ending.EVICTED)],
-            aborted_with_ending=sum(ends[(Fate.ABORT, e)] for e in (Ending.FINISHED, Ending.WRONG_END, Ending.OTHER_ERROR)),
-            abandoned_evicted=ends[(Fate.ABANDON, Ending.EVICTED)],
-            abandoned_live=ends[(Fate.ABANDON, Ending.NONE)],
-            wrong_texts=[rid for rid, (tail, ids) in self.churn.checked.items() if texts.get(rid) != self.vocab.reference(tail, ids)],
-        )
-
-
-def summary(s: Soak, v: Verdict, final: dict, rc, command: str, elapsed: float, send_s: float) -> dict:
-    churn, worker, samples = s.churn, s.worker, s.sampler.samples
-    return {
-        "command": command,
-        "tokens": int(final.get("detokd_tokens_total", 0)),
-        "tokens_sent": churn.sent_tokens,
-        "requests": churn.made,
-        "fates": {"finished": churn.fate_counts[Fate.FINISH], "aborted": churn.fate_counts[Fate.ABORT],
-                  "abandoned": churn.fate_counts[Fate.ABANDON]},
-        "steps": churn.steps,
-        "concurrency": s.args.concurrency,
-        "max_states": s.args.max_states,
-        "seconds": round(elapsed, 1),
-        "send_seconds": round(send_s, 1),
-        "tokens_per_second": round(churn.sent_tokens / send_s),
-        "detokd_cpu_seconds": samples[-1]["cpu_s"] if samples else None,
-        "detokd_exit": rc,
-        "metrics": final,
-        "worker": {"messages": worker.messages, "rows": worker.rows, "errors": worker.errors},
-        "evicted_rows": worker.errors.get("evicted", 0),
-        "abandoned_requests_evicted": v.abandoned_evicted,
-        "abandoned_requests_still_live": v.abandoned_live,
-        "requests_evicted_while_going": v.evicted_live,
-        "duplicate_endings": worker.duplicate_endings,
-        "finished_requests_wrong_ending": v.bad_finished,
-        "aborted_requests_with_an_ending_row": v.aborted_with_ending,
-        "checked_texts": len(churn.checked),
-        "checked_texts_wrong": len(v.wrong_texts),
-        "flatness": flatness(samples, s.args.flat_threshold),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-    }
+    def summary(self, final: dict, rc, command: str, elapsed: float, send_s: float) -> tuple[dict, list[str]]:
+        """The run's figures, and the rids whose text was not the oracle's."""
+        churn, worker, samples = self.churn, self.worker, self.sampler.samples
+        ends = worker.endings(churn.made)
+        texts = {rid: "".join(parts) for rid, parts in worker.texts.items()}
+        wrong = [rid for rid, (tail, ids) in churn.checked.items() if texts.get(rid) != self.vocab.reference(tail, ids)]
+        return {
+            **header(command, platform=platform.platform()),
+            "tokens": int(final.get("detokd_tokens_total", 0)),
+            "tokens_sent": churn.sent_tokens,
+            "requests": churn.made,
+            "fates": {"finished": churn.fate_counts[Fate.FINISH], "aborted": churn.fate_counts[Fate.ABORT],
+                      "abandoned": churn.fate_counts[Fate.ABANDON]},
+            "steps": churn.steps,
+            "concurrency": self.args.concurrency,
+            "max_states": self.args.max_states,
+            "seconds": round(elapsed, 1),
+            "send_seconds": round(send_s, 1),
+            "tokens_per_second": round(churn.sent_tokens / send_s),
+            "detokd_cpu_seconds": samples[-1]["cpu_s"] if samples else None,
+            "detokd_exit": rc,
+            "metrics": final,
+            "worker": {"messages": worker.messages, "rows": worker.rows, "errors": worker.errors},
+            "evicted_rows": worker.errors.get("evicted", 0),
+            "abandoned_requests_evicted": ends[(Fate.ABANDON, Ending.EVICTED)],
+            "abandoned_requests_still_live": ends[(Fate.ABANDON, Ending.NONE)],
+            "requests_evicted_while_going": ends[(Fate.FINISH, Ending.EVICTED)] + ends[(Fate.ABORT, Ending.EVICTED)],
+            "duplicate_endings": worker.duplicate_endings,
+            "finished_requests_wrong_ending":
+                sum(n for (f, e), n in ends.items() if f == Fate.FINISH and e != Ending.FINISHED),
+            "aborted_requests_with_an_ending_row":
+                sum(ends[(Fate.ABORT, e)] for e in (Ending.FINISHED, Ending.WRONG_END, Ending.OTHER_ERROR)),
+            "checked_texts": len(churn.checked),
+            "checked_texts_wrong": len(wrong),
+            "flatness": flatness(samples, self.args.flat_threshold),
+        }, wrong
 
 
-def report(sm: dict, v: Verdict, args, written: str) -> None:
+# Each of these figures is a failed run when it is not 0.
+MUST_BE_0 = ("finished_requests_wrong_ending", "aborted_requests_with_an_ending_row", "requests_evicted_while_going",
+             "duplicate_endings", "checked_texts_wrong")
+
+
+def report(sm: dict, wrong: list[str], threshold: float, written: str) -> list[str]:
+    """The run in a few log lines; its problems."""
     f = sm["flatness"]
     log(f"{sm['tokens']:,} tokens decoded over {sm['requests']:,} requests in {sm['seconds']:.0f}s "
         f"({sm['tokens_per_second']:,} tokens/s sent); detokd exit {sm['detokd_exit']}")
-    log(f"fates {sm['fates']}; evictions {sm['metrics'].get('detokd_evictions_total', 0):.0f}; worker errors {sm['worker']['errors']}")
+    log(f"fates {sm['fates']}; evictions {sm['metrics'].get('detokd_evictions_total', 0):.0f}; "
+        f"worker errors {sm['worker']['errors']}")
     log(f"RSS start {f.get('rss_start_mb')} MB, at 75% {f.get('rss_q3_mb')} MB, end {f.get('rss_end_mb')} MB, "
         f"peak {f.get('rss_peak_mb')} MB: last-quarter growth {f.get('last_quarter_growth', 0):+.2%} -> "
-        f"{'FLAT' if f.get('flat') else 'NOT FLAT'} (threshold {args.flat_threshold:.0%})")
-    log(f"checked texts: {sm['checked_texts'] - len(v.wrong_texts)}/{sm['checked_texts']} exact; "
-        f"finished requests with a wrong ending: {v.bad_finished}")
+        f"{'FLAT' if f.get('flat') else 'NOT FLAT'} (threshold {threshold:.0%})")
+    log(f"checked texts: {sm['checked_texts'] - len(wrong)}/{sm['checked_texts']} exact; "
+        f"finished requests with a wrong ending: {sm['finished_requests_wrong_ending']}")
     log(f"wrote {written}")
-    if v.wrong_texts:
-        log(f"first wrong texts: {v.wrong_texts[:5]}")
-    log(f"abandoned requests: {v.abandoned_evicted:,} evicted, {v.abandoned_live:,} still live at the end; "
-        f"requests evicted while going: {v.evicted_live}; aborted requests with an ending row: {v.aborted_with_ending}")
+    if wrong:
+        log(f"first wrong texts: {wrong[:5]}")
+    log(f"abandoned requests: {sm['abandoned_requests_evicted']:,} evicted, {sm['abandoned_requests_still_live']:,} "
+        f"still live at the end; requests evicted while going: {sm['requests_evicted_while_going']}; "
+        f"aborted requests with an ending row: {sm['aborted_requests_with_an_ending_row']}")
+    problems = [f"{k}: {sm[k]}" for k in MUST_BE_0 if sm[k]]
+    problems += [] if f.get("flat") else [f"RSS not flat: {f.get('reason') or f.get('last_quarter_growth')}"]
+    return problems + ([] if sm["detokd_exit"] == 0 else [f"detokd exit {sm['detokd_exit']}"])
 
 
 def run(args, command: str) -> int:
@@ -447,50 +404,40 @@ def run(args, command: str) -> int:
         final = s.drain()
         elapsed = time.monotonic() - s.t0
     finally:
-        rc = s.stop()
-    v = s.verdict()
-    sm = summary(s, v, final, rc, command, elapsed, send_s)
+        rc = s.rig.stop(30)
+        s.rig.close()
+    sm, wrong = s.summary(final, rc, command, elapsed, send_s)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = "soak-quick" if args.quick else "soak"
     write_json(out / f"{stem}.json", {"summary": sm, "samples": s.sampler.samples})
     plot(s.sampler.samples, sm, out / f"{stem}.png")
-    report(sm, v, args, f"{out / (stem + '.json')} and {out / (stem + '.png')}")
-    if s.detokd.proc.returncode not in (0, None):
-        log(s.detokd.log()[-3000:])
-    return 0 if v.ok(s.worker, sm["flatness"], rc) else 1
+    problems = report(sm, wrong, args.flat_threshold, f"{out / (stem + '.json')} and {out / (stem + '.png')}")
+    if s.rig.detokd.returncode not in (0, None):
+        log(s.rig.detokd.log()[-3000:])
+    return verdict(problems)
 
 
-# --------------------------------------------------------------------------- the command line
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def main(argv: list[str]) -> int:
     ap = parser("soak", __doc__)
     ap.add_argument("--quick", action="store_true", help="a short run (~1.4M tokens over 10k requests, seconds)")
     ap.add_argument("--requests", type=int, default=1_000_000, help="requests in all (default 1000000: ~135M tokens)")
-    ap.add_argument("--max-len", type=int, default=1000, help="output lengths are log-uniform in [1, max-len] (default 1000)")
-    ap.add_argument("--len-scale", type=float, default=1.0, help="multiply every length by this")
+    ap.add_argument("--max-len", type=int, default=1000, help="lengths log-uniform in [1, max-len] (default 1000)")
     ap.add_argument("--max-delta", type=int, default=16, help="ids per row: uniform in [1, max-delta] (default 16)")
     ap.add_argument("--concurrency", type=int, default=256, help="requests going at once (default 256)")
     ap.add_argument("--abort", type=float, default=0.08, help="fraction of requests aborted midway (default 0.08)")
     ap.add_argument("--abandon", type=float, default=0.05, help="fraction never finished nor aborted (default 0.05)")
     ap.add_argument("--max-states", type=int, default=2048, help="detokd's --max-states (default 2048)")
     ap.add_argument("--workers", type=int, default=2, help="worker addresses (default 2)")
-    ap.add_argument("--check-every", type=int, default=50, help="check the text of every n-th request, when it finishes (default 50)")
+    ap.add_argument("--check-every", type=int, default=50, help="check every n-th finished text (default 50)")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between RSS samples (default 1)")
-    ap.add_argument("--flat-threshold", type=float, default=0.02, help="RSS growth over the last quarter that still counts as flat (default 0.02)")
+    ap.add_argument("--flat-threshold", type=float, default=0.02, help="last quarter's RSS growth still flat (0.02)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "soak"), help="folder for soak.json and soak.png (default docs/soak)")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "soak"), help="soak.json's and .png's folder (docs/soak)")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests = min(args.requests, 10_000)
         args.interval = min(args.interval, 0.1)
         args.max_states = min(args.max_states, 512)
-    # log-uniform in [1, M] has mean (M - 1) / ln M
-    mean = (args.max_len - 1) / math.log(args.max_len) * args.len_scale
-    args.tokens = int(mean * args.requests)  # roughly, before aborts cut some short
-    return args
-
-
-def main(argv: list[str]) -> int:
-    return run(parse_args(argv), command_line("soak", argv))
+    # log-uniform in [1, M] has mean (M - 1) / ln M; roughly, before aborts cut some short
+    args.tokens = int((args.max_len - 1) / math.log(args.max_len) * args.requests)
+    return run(args, command_line("soak", argv))

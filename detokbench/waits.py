@@ -11,13 +11,11 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: flo
     """Poll `pred` until it is truthy and return its value; TimeoutError naming `what`
     at the deadline."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
+    while not (value := pred()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"no {what} within {timeout:.0f} s")
         time.sleep(interval)
+    return value
 
 
 def wait_on(cond: threading.Condition, pred: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -25,11 +23,8 @@ def wait_on(cond: threading.Condition, pred: Callable[[], Any], timeout: float, 
     (pred runs with the lock held)."""
     deadline = time.monotonic() + timeout
     with cond:
-        while True:
-            value = pred()
-            if value:
-                return value
-            left = deadline - time.monotonic()
-            if left <= 0:
+        while not (value := pred()):
+            if (left := deadline - time.monotonic()) <= 0:
                 raise TimeoutError(f"no {what} within {timeout:.0f} s")
             cond.wait(min(left, 0.2))
+        return value

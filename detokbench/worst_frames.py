@@ -1,16 +1,9 @@
 """What one worst-case inbound frame at detokd's DEFAULT caps costs a real `detokd serve`.
 
 /health must tell a stuck loop from a busy one and SIGTERM must end detokd within
-shutdown_grace_s, so the caps bound the longest frame: this measures it. Each scenario
-(below, one function each: mass_start, longest_token, malformed, stop_holdback,
-stop_distinct, abort_*, embeddings_mass, register_huge, control_huge, window_byte_run)
-builds one `tokens`/... frame just under max_frame_bytes with detokd.wire.native's
-Structs and sends it to a fresh detokd (default caps, deepseek, one worker) after a
-warm-up checked against Vocab.reference. Per scenario: seconds until its answer and
-until a probe request's (text checked); /health polled every 50 ms (worst latency,
-non-200 answers); VmHWM/VmRSS before and after; on another fresh detokd, SIGTERM ~100 ms
-after the same frame: seconds to exit and the status. Scenarios and figures:
-docs/reliability.md, "Worst frames".
+shutdown_grace_s, so the caps bound the longest frame: this measures it, one scenario
+(a function below) at a time, each on fresh detokds. What is measured, and the
+figures: docs/reliability.md, "Worst frames".
 
     python -m detokbench worst-frames                  # ~150 s, docs/bench/worst.json
     python -m detokbench worst-frames --quick --json /tmp/worst.json  # 128 KiB frames: a smoke run
@@ -21,38 +14,30 @@ Exit status 0 when every scenario completed with its probe exact.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import dataclasses
 import functools
-import os
-import platform
 import random
-import signal
 import subprocess
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgspec
 import zmq
 
 from detokd.config import Config
 from detokd.tokenizer import Vocab, load
-from detokd.wire.native import NIL, Abort, Control, EmbeddingRow, Embeddings, Finish, Register, Row, Start, Tokens, encode
+from detokd.wire import native
+from detokd.wire.native import NIL, Abort, Control, EmbeddingRow, Embeddings, Finish, Register, Row, Start, Tokens
 
 from . import ROOT
 from .commands import command_line, parser, write_json
 from .metrics import get
-from .proc import memory
-from .rig import Rig
-from .sink import Sink
+from .rig import Rig, header
+from .sink import Recorder
 
-# --------------------------------------------------------------------------- the scale, each scenario's frame
-
-
+encode = native.encode
 CAPS = Config()  # the defaults every scenario runs at
 
 
@@ -62,11 +47,10 @@ class Scale:
     rows: int
     row_ids: int
     evict_states: int  # max_states of mass_start_evict
-    distinct_starts: int  # 0: no stop_distinct; -1: a full frame of them
 
 
-FULL = Scale(CAPS.max_frame_bytes - 4096, CAPS.max_rows, CAPS.max_row_ids, 1024, -1)  # -1: a full frame
-QUICK = Scale(128 * 1024, 512, 1024, 64, -1)
+FULL = Scale(CAPS.max_frame_bytes - 4096, CAPS.max_rows, CAPS.max_row_ids, 1024)
+QUICK = Scale(128 * 1024, 512, 1024, 64)
 
 
 @dataclass
@@ -75,7 +59,6 @@ class Frame:
     rows: int
     ids: int
     note: str
-    per_start_bytes: int = 0  # stop_distinct: what one more start adds to a frame
     token: int | None = None  # the one id the rows repeat, where they do
 
 
@@ -115,7 +98,8 @@ def longest_token(scale: Scale, vocab: Vocab) -> Frame:
     n = fit(scale.frame_bytes, 16, len(encode(Row("L-000000", ids, start=Start()))), scale.rows)
     rows = [Row(f"L-{i:06d}", ids, start=Start()) for i in range(n)]
     out = len(vocab.decode([tid], True).encode())
-    return Frame(tokens(rows), n, n * len(ids), f"{n} rows x {len(ids)} x id {tid} ({out} bytes of text each)", token=tid)
+    note = f"{n} rows x {len(ids)} x id {tid} ({out} bytes of text each)"
+    return Frame(tokens(rows), n, n * len(ids), note, token=tid)
 
 
 @functools.cache
@@ -159,28 +143,18 @@ def distinct_stops(rng: random.Random) -> list[str]:
 
 
 def stop_distinct(scale: Scale, vocab: Vocab) -> Frame:
-    """New requests, each with its own stop list: its own automaton. As many as fill
-    the frame, or distinct_starts of them (then a full frame is extrapolated)."""
+    """New requests, each with its own stop list (its own automaton), as many as fill the frame."""
     rng = random.Random(13)
     token = vocab.backend.encode("Hello", add_special_tokens=False).ids[0]
     first = Row("D-000000", [token], start=Start(stop=distinct_stops(rng)))
-    per_start = len(encode(first))
-    full = fit(scale.frame_bytes, 16, per_start, scale.rows)
-    n = full if scale.distinct_starts < 0 else min(full, scale.distinct_starts)
+    n = fit(scale.frame_bytes, 16, len(encode(first)), scale.rows)
     rows = [first] + [Row(f"D-{i:06d}", [token], start=Start(stop=distinct_stops(rng))) for i in range(1, n)]
-    partial = n < full
-    note = f"{n} starts of a distinct max stop list each" + (" (partial frame)" if partial else "")
-    return Frame(tokens(rows), n, n, note, per_start if partial else 0)
+    return Frame(tokens(rows), n, n, f"{n} starts of a distinct max stop list each")
 
 
 def abort_rids(scale: Scale) -> list[str]:
     width = min(CAPS.max_rid_len, (scale.frame_bytes - 32) // scale.rows - 16)  # the setup's starts fit too
     return [padded_rid("A-", i, width) for i in range(scale.rows)]
-
-
-def abort_setup(scale: Scale, vocab: Vocab) -> bytes:
-    """abort_mass's rids started, so the abort frees live requests."""
-    return tokens([Row(rid, [], start=Start()) for rid in abort_rids(scale)])
 
 
 def abort_mass(scale: Scale, vocab: Vocab) -> Frame:
@@ -238,8 +212,9 @@ def scenarios(scale: Scale) -> list[Scenario]:
         Scenario("longest_token", longest_token),
         Scenario("malformed", malformed),
         Scenario("stop_holdback", stop_holdback),
-    ] + ([Scenario("stop_distinct", stop_distinct)] if scale.distinct_starts else []) + [
-        Scenario("abort_mass", abort_mass, setup=abort_setup),
+        Scenario("stop_distinct", stop_distinct),
+        Scenario("abort_mass", abort_mass,  # its rids started first, so the abort frees live requests
+                 setup=lambda s, _: tokens([Row(r, [], start=Start()) for r in abort_rids(s)])),
         Scenario("abort_over", abort_over),
         Scenario("embeddings_mass", embeddings_mass),
         Scenario("register_huge", register_huge),
@@ -248,16 +223,19 @@ def scenarios(scale: Scale) -> list[Scenario]:
     ]
 
 
-# --------------------------------------------------------------------------- one fresh detokd's peers, the warm-up
-
-
 SEND_MS = 60_000  # detokd takes no input for a minute: give up
 EXIT_WAIT_S = 120  # after SIGTERM; beyond, detokd is killed and the run says so
+ANSWER_WAIT_S = 1800  # the slowest frame's probe; beyond, the scenario failed
+ANSWER_AFTER_EXIT_S = 5  # for the last of the answer to come in once detokd exited
+HEALTH_EVERY_S = 0.05
+HEALTH_TIMEOUT_S = 10.0
+SIGTERM_AFTER_S = 0.1
 WARM_TEXTS = (
     "Hello, world! The quick brown fox jumps over the lazy dog.",
     "Ünïcödé, 日本語のテキスト, emoji 🎉🚀 and Ελληνικά.",
     "def f(x):\n    return [i * i for i in range(x)]  # code",
 )
+PROBE_TEXT = "The probe after the frame: naïve café, 中文, 🎉 — done."
 
 
 class OutRowLite(msgspec.Struct):
@@ -283,8 +261,7 @@ _text_lite = msgspec.msgpack.Decoder(TextLite)
 def str_bytes(raw: msgspec.Raw) -> int:
     """UTF-8 bytes of a MessagePack str, from its header."""
     b = memoryview(raw)
-    h = b[0]
-    return len(b) - (1 if h < 0xD9 else {0xD9: 2, 0xDA: 3, 0xDB: 5}[h])
+    return len(b) - (1 if b[0] < 0xD9 else {0xD9: 2, 0xDA: 3, 0xDB: 5}[b[0]])
 
 
 @dataclass
@@ -297,45 +274,30 @@ class Message:
     probe: bool
 
 
-class Worker(Sink):
+class Worker(Recorder):
     """Logs every message (a Message); rows of warm-up and probe rids are kept, decoded."""
-
-    KEEP = ("warm-", "probe-")
 
     def __init__(self, ctx: zmq.Context, address: str) -> None:
         self.log: list[Message] = []
-        self.kept: dict[str, list[tuple[str, object, str | None]]] = collections.defaultdict(list)
         super().__init__(ctx, [address], zero_copy=True)
 
     def read(self, buf: memoryview) -> tuple[Message, list]:
-        at = time.monotonic()
         msg = _text_lite.decode(buf)
-        m = Message(at, len(buf), len(msg.rows), 0, collections.Counter(), False)
+        m = Message(time.monotonic(), len(buf), len(msg.rows), 0, collections.Counter(), False)
         kept = []
         for row in msg.rows:
             m.text_bytes += str_bytes(row.text)
             if row.error is not None:
                 m.errors[row.error] += 1
-            if row.rid.startswith(self.KEEP):
+            if row.rid.startswith(("warm-", "probe-")):
                 m.probe |= row.rid.startswith("probe-")
-                text = msgspec.msgpack.decode(row.text, type=str)
-                kept.append((row.rid, (text, msgspec.msgpack.decode(row.finish), row.error)))
+                text, finish = msgspec.msgpack.decode(row.text, type=str), msgspec.msgpack.decode(row.finish)
+                kept.append({"rid": row.rid, "text": text, "finish": finish, "error": row.error})
         return m, kept
 
     def keep(self, got: tuple[Message, list]) -> None:
-        m, kept = got
-        for rid, row in kept:
-            self.kept[rid].append(row)
-        self.log.append(m)
-
-    def ended(self, rid: str) -> bool:
-        with self.cond:
-            rows = self.kept.get(rid)
-            return bool(rows) and (rows[-1][1] is not None or rows[-1][2] is not None)
-
-    def text(self, rid: str) -> str:
-        with self.cond:
-            return "".join(t for t, _, error in self.kept.get(rid, ()) if error is None)
+        self.log.append(got[0])
+        super().keep({"type": "text", "rows": got[1]})
 
     def since(self, t0: float) -> list[Message]:
         with self.cond:
@@ -348,51 +310,25 @@ class Target(Rig):
     def __init__(self, root: str, name: str, settings: dict) -> None:
         super().__init__(f"{name[:12]}-", lambda ctx, addresses: [Worker(ctx, addresses[0])], root=root,
                          **{"tokenizer": "deepseek", **settings})
-        self.settings = settings
-        self.sink, self.proc = self.sinks[0], self.spawn().detokd
-        self.send = self.engine(SEND_MS).raw
+        self.sink = self.sinks[0]
+        self.send = self.spawn().engine(SEND_MS).raw
 
     def close(self) -> None:
         self.stop(EXIT_WAIT_S)
         super().close()
 
 
-def request_rows(rid: str, ids: list[int], steps: int) -> list[Row]:
-    """One request's ids in `steps` rows: a start on the first, a finish on the last."""
-    cuts = [len(ids) * k // steps for k in range(steps + 1)]
-    return [
-        Row(rid, ids[a:b], seq=a, start=Start() if k == 0 else None, finish=Finish("length") if k == steps - 1 else None)
-        for k, (a, b) in enumerate(zip(cuts, cuts[1:]))
-    ]
-
-
 def warm_up(t: Target, vocab: Vocab) -> None:
     """A few honest requests in three steps; their text must be the oracle's."""
     reqs = {f"warm-{k}": vocab.backend.encode(s, add_special_tokens=False).ids for k, s in enumerate(WARM_TEXTS)}
-    plans = [request_rows(rid, ids, 3) for rid, ids in reqs.items()]
     for step in range(3):
-        t.send(tokens([plan[step] for plan in plans]))
+        cuts = {rid: (len(ids) * step // 3, len(ids) * (step + 1) // 3) for rid, ids in reqs.items()}
+        t.send(tokens([Row(rid, reqs[rid][a:b], seq=a, start=Start() if step == 0 else None,
+                           finish=Finish("length") if step == 2 else None) for rid, (a, b) in cuts.items()]))
     t.sink.wait(lambda: all(t.sink.ended(rid) for rid in reqs), 60, "warm-up answers")
     wrong = [rid for rid, ids in reqs.items() if t.sink.text(rid) != vocab.reference([], ids)]
     if wrong:
         raise AssertionError(f"warm-up text differs from the oracle for {wrong}")
-
-
-# --------------------------------------------------------------------------- what one frame costs
-
-
-ANSWER_WAIT_S = 1800  # the slowest frame's probe; beyond, the scenario failed
-ANSWER_AFTER_EXIT_S = 5  # for the last of the answer to come in once detokd exited
-HEALTH_EVERY_S = 0.05
-HEALTH_TIMEOUT_S = 10.0
-SIGTERM_AFTER_S = 0.1
-PROBE_TEXT = "The probe after the frame: naïve café, 中文, 🎉 — done."
-
-
-def memory_mb(pid: int) -> dict:
-    """VmHWM (the peak) and VmRSS of a process, in MB."""
-    m = memory(pid)
-    return {"hwm_mb": round(m.hwm_kb / 1024, 1), "rss_mb": round(m.rss_kb / 1024, 1)}
 
 
 class HealthPoller(threading.Thread):
@@ -400,76 +336,63 @@ class HealthPoller(threading.Thread):
 
     def __init__(self, port: int, t0: float) -> None:
         super().__init__(daemon=True)
-        self.port = port
-        self.t0 = t0
-        self.done = threading.Event()
-        self.polls = 0
-        self.worst_s = 0.0
+        self.port, self.t0, self.done = port, t0, threading.Event()
+        self.polls, self.worst_s = 0, 0.0
         self.bad: list[dict] = []  # non-200 answers and failures (status None)
 
     def run(self) -> None:
         while True:
             start = time.monotonic()
-            status, body = self._get()
+            try:
+                status, body = get(self.port, "/health", HEALTH_TIMEOUT_S)
+            except OSError as e:  # a timeout, a refused connection
+                status, body = None, f"{type(e).__name__}: {e}"
             latency = time.monotonic() - start
             self.polls += 1
             self.worst_s = max(self.worst_s, latency)
             if status != 200:
-                self.bad.append({"at_s": round(start - self.t0, 3), "status": status, "body": body, "latency_s": round(latency, 3)})
+                self.bad.append({"at_s": round(start - self.t0, 3), "status": status, "body": body.strip(),
+                                 "latency_s": round(latency, 3)})
             if self.done.wait(max(0.0, start + HEALTH_EVERY_S - time.monotonic())):
                 return
-
-    def _get(self) -> tuple[int | None, str]:
-        try:
-            status, body = get(self.port, "/health", HEALTH_TIMEOUT_S)
-            return status, body.strip()
-        except OSError as e:  # a timeout, a refused connection
-            return None, f"{type(e).__name__}: {e}"
 
     def stop(self) -> dict:
         self.done.set()
         self.join(HEALTH_TIMEOUT_S + 5)
-        statuses = collections.Counter(str(b["status"]) for b in self.bad)
+        bad = self.bad
         return {
             "polls": self.polls,
             "worst_latency_s": round(self.worst_s, 3),
-            "non_200": len(self.bad),
-            "statuses": dict(statuses),
-            "first_non_200_at_s": self.bad[0]["at_s"] if self.bad else None,
-            "last_non_200_at_s": self.bad[-1]["at_s"] if self.bad else None,
-            "samples": self.bad[:3] + self.bad[-2:] if len(self.bad) > 5 else self.bad,
+            "non_200": len(bad),
+            "statuses": dict(collections.Counter(str(b["status"]) for b in bad)),
+            "first_non_200_at_s": bad[0]["at_s"] if bad else None,
+            "last_non_200_at_s": bad[-1]["at_s"] if bad else None,
+            "samples": bad[:3] + bad[-2:] if len(bad) > 5 else bad,
         }
 
 
-def probe_for(vocab: Vocab, name: str) -> tuple[str, list[int], bytes]:
-    rid = f"probe-{name}"
-    ids = vocab.backend.encode(PROBE_TEXT, add_special_tokens=False).ids
-    return rid, ids, tokens([Row(rid, ids, start=Start(), finish=Finish("length"))])
-
-
 def handle(t: Target, frame: Frame, vocab: Vocab, name: str) -> dict:
-    """(a), (b), (c): the frame, then a probe; time to both answers, /health, memory."""
-    rid, ids, probe = probe_for(vocab, name)
-    before = memory_mb(t.pid)
+    """The frame, then a probe: time to both answers, /health meanwhile, memory."""
+    rid, ids = f"probe-{name}", vocab.backend.encode(PROBE_TEXT, add_special_tokens=False).ids
+    before = t.memory_mb()
     t0 = time.monotonic()
     poller = HealthPoller(t.port, t0)
     poller.start()
     t.send(frame.data)
     sent_s = time.monotonic() - t0
-    t.send(probe)
+    t.send(tokens([Row(rid, ids, start=Start(), finish=Finish("length"))]))
     try:
         t.sink.wait(lambda: t.sink.ended(rid), ANSWER_WAIT_S, "answer to the probe")
     finally:
         health = poller.stop()
-    after = memory_mb(t.pid)
+    after = t.memory_mb()
     msgs = t.sink.since(t0)
     answer = [m for m in msgs if not m.probe]
-    probe_at = next(m.at for m in msgs if m.probe)
     text = t.sink.text(rid)
     return {
         "send_s": round(sent_s, 3),
         "answer_s": round(answer[-1].at - t0, 3) if answer else None,
-        "probe_s": round(probe_at - t0, 3),
+        "probe_s": round(next(m.at for m in msgs if m.probe) - t0, 3),
         "answer": {
             "messages": len(answer),
             "rows": sum(m.rows for m in answer),
@@ -484,17 +407,12 @@ def handle(t: Target, frame: Frame, vocab: Vocab, name: str) -> dict:
 
 
 def sigterm(t: Target, frame: Frame) -> dict:
-    """(d): SIGTERM ~100 ms after the frame was sent; seconds until detokd exited."""
+    """SIGTERM ~100 ms after the frame was sent; seconds until detokd exited."""
     t0 = time.monotonic()
     t.send(frame.data)
     time.sleep(max(0.0, t0 + SIGTERM_AFTER_S - time.monotonic()))
     signalled = time.monotonic()
-    t.proc.proc.send_signal(signal.SIGTERM)
-    try:
-        code = t.proc.proc.wait(EXIT_WAIT_S)
-    except subprocess.TimeoutExpired:
-        t.proc.kill()
-        code = None
+    code = t.stop(EXIT_WAIT_S)
     exit_s = time.monotonic() - signalled
     try:  # what detokd queued before it exited may still be on its way in
         t.sink.wait(lambda: t.sink.since(t0), ANSWER_AFTER_EXIT_S, "answer")
@@ -503,36 +421,21 @@ def sigterm(t: Target, frame: Frame) -> dict:
     return {
         "signal_after_send_s": round(signalled - t0, 3),
         "exit_s": round(exit_s, 3),
-        "returncode": code,  # 0: clean; 3: shutdown_grace_s ran out; None: killed after EXIT_WAIT_S
-        "grace_s": t.proc.config.shutdown_grace_s,
-        "grace_ran_out": "not stopped within shutdown_grace_s" in t.proc.log(),
+        "returncode": None if code == "killed" else code,  # 0: clean; 3: shutdown_grace_s ran out
+        "grace_s": t.cfg.shutdown_grace_s,
+        "grace_ran_out": "not stopped within shutdown_grace_s" in t.detokd.log(),
         "answer_delivered": bool(t.sink.since(t0)),  # the frame's answer reached the worker
     }
 
 
-def extrapolate(frame: Frame, res: dict, scale: Scale) -> dict:
-    """stop_distinct: a full frame's figures from the per-start cost of this one."""
-    starts = fit(scale.frame_bytes, 16, frame.per_start_bytes, scale.rows)
-    per_s = res["answer_s"] / frame.rows
-    per_mb = (res["memory"]["after"]["rss_mb"] - res["memory"]["before"]["rss_mb"]) / frame.rows
-    return {
-        "starts_in_a_full_frame": starts,
-        "seconds_per_start": round(per_s, 4),
-        "rss_mb_per_start": round(per_mb, 2),
-        "full_frame_s": round(starts * per_s, 1),
-        "full_frame_rss_mb": round(starts * per_mb),
-    }
-
-
-# --------------------------------------------------------------------------- every scenario, the table, the JSON
-
-
 def run_scenario(sc: Scenario, pair: tuple[Target, Target], vocab: Vocab, scale: Scale) -> dict:
+    """On one detokd the frame measured; on the other, SIGTERM after the same frame."""
     measured, stopped = pair
     out: dict = {"name": sc.name, "settings": sc.settings, "completed": False}
     try:
         frame = sc.build(scale, vocab)
-        out["frame"] = {"bytes": len(frame.data), "rows": frame.rows, "ids": frame.ids, "token": frame.token, "note": frame.note}
+        out["frame"] = {"bytes": len(frame.data), "rows": frame.rows, "ids": frame.ids, "token": frame.token,
+                        "note": frame.note}
         if len(frame.data) > CAPS.max_frame_bytes:  # ZMQ would drop it unread
             raise ValueError(f"frame of {len(frame.data)} bytes is over max_frame_bytes")
         for t in pair:
@@ -541,13 +444,11 @@ def run_scenario(sc: Scenario, pair: tuple[Target, Target], vocab: Vocab, scale:
             if sc.setup is not None:
                 before = len(t.sink.since(0))
                 t.send(sc.setup(scale, vocab))
-                t.sink.wait(lambda t=t: len(t.sink.since(0)) > before, ANSWER_WAIT_S, "the setup frame's answer")
+                t.sink.wait(lambda t=t, n=before: len(t.sink.since(0)) > n, ANSWER_WAIT_S, "the setup frame's answer")
         out.update(handle(measured, frame, vocab, sc.name))
         measured.close()
-        out["exit_after_normal_stop"] = measured.proc.returncode
+        out["exit_after_normal_stop"] = measured.detokd.returncode
         out["sigterm"] = sigterm(stopped, frame)
-        if frame.per_start_bytes:
-            out["extrapolated"] = extrapolate(frame, out, scale)
         out["completed"] = out["probe"]["exact"]
     except Exception as exc:  # a failed scenario is a figure too; the others still run
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -557,11 +458,10 @@ def run_scenario(sc: Scenario, pair: tuple[Target, Target], vocab: Vocab, scale:
     return out
 
 
-def mb(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.1f}"
-
-
 def table(results: list[dict]) -> str:
+    def mb(n: float) -> str:
+        return f"{n / 2**20:.1f}"
+
     head = (
         f"{'scenario':<17} {'frame MB':>8} {'rows':>6} {'answer s':>8} {'probe s':>8} {'out MB':>8} "
         f"{'health worst s':>14} {'non-200':>7} {'HWM MB before>after':>20} {'SIGTERM exit s (rc)':>20}"
@@ -578,29 +478,7 @@ def table(results: list[dict]) -> str:
             f"{r['health']['non_200']:>7} {m['before']['hwm_mb']:>9.0f} > {m['after']['hwm_mb']:<8.0f} "
             f"{s.get('exit_s', float('nan')):>14.2f} ({s.get('returncode')})"
         )
-        if "extrapolated" in r:
-            e = r["extrapolated"]
-            lines.append(
-                f"{'':<17} a full frame ({e['starts_in_a_full_frame']} starts): ~{e['full_frame_s']} s, "
-                f"~{e['full_frame_rss_mb']} MB more RSS"
-            )
     return "\n".join(lines)
-
-
-def meta(args: argparse.Namespace, command: str) -> dict:
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
-    caps = {k: getattr(CAPS, k) for k in msgspec.structs.asdict(CAPS) if k.startswith("max_")}
-    caps.update(shutdown_grace_s=CAPS.shutdown_grace_s, health_timeout=CAPS.health_timeout, linger_ms=CAPS.linger_ms)
-    return {
-        "command": command,
-        "quick": args.quick,
-        "commit": commit,
-        "caps": caps,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-    }
 
 
 def main(argv: list[str]) -> int:
@@ -608,11 +486,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", default=str(ROOT / "docs" / "bench" / "worst.json"), help="where to write the results")
     ap.add_argument("--quick", action="store_true", help="small frames: a smoke run of a few seconds")
     ap.add_argument("--only", default="", help="comma-separated scenario names")
-    ap.add_argument("--distinct-starts", type=int, help="starts in stop_distinct's frame")
     args = ap.parse_args(argv)
     scale = QUICK if args.quick else FULL
-    if args.distinct_starts is not None:
-        scale = dataclasses.replace(scale, distinct_starts=args.distinct_starts)
     chosen = [s for s in scenarios(scale) if not args.only or s.name in args.only.split(",")]
     started = time.monotonic()
     results = []
@@ -622,12 +497,19 @@ def main(argv: list[str]) -> int:
         # another is measured.
         pairs = [(Target(root, sc.name, sc.settings), Target(root, sc.name, sc.settings)) for sc in chosen]
         vocabs = {name: load(name) for name in {sc.settings.get("tokenizer", "deepseek") for sc in chosen}}
-        for sc, pair in zip(chosen, pairs):
+        for sc, pair in zip(chosen, pairs, strict=True):
             print(f"{sc.name} ...", flush=True)
             results.append(run_scenario(sc, pair, vocabs[sc.settings.get("tokenizer", "deepseek")], scale))
-    report = {**meta(args, command_line("worst-frames", argv)), "wall_s": round(time.monotonic() - started, 1), "scenarios": results}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.json, report)
+    try:
+        git = ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    caps = {k: v for k, v in msgspec.structs.asdict(CAPS).items() if k.startswith("max_")}
+    caps.update(shutdown_grace_s=CAPS.shutdown_grace_s, health_timeout=CAPS.health_timeout, linger_ms=CAPS.linger_ms)
+    wall_s = round(time.monotonic() - started, 1)
+    doc = {"quick": args.quick, "commit": commit, "caps": caps, "wall_s": wall_s, "scenarios": results}
+    write_json(args.json, {**header(command_line("worst-frames", argv)), **doc})
     print(table(results))
     print(f"written to {args.json}")
     return 0 if all(r["completed"] for r in results) else 1
