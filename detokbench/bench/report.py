@@ -103,6 +103,9 @@ def ratios(runs: list[dict]) -> list[dict]:
     return out
 
 
+_LATENCIES = ("idle p50", "idle p99", "idle max", "loaded p50", "loaded p99", "loaded max")
+
+
 def _f(x, spec=".2f", none="–"):
     return none if x is None else format(x, spec)
 
@@ -113,7 +116,8 @@ def _row(*cells: object) -> str:
 
 def _latencies(r: dict) -> list[str]:
     """Idle and loaded p50, p99, max of a run, in ms."""
-    return [_f((r.get(phase) or {}).get(k), ".3f") for phase in ("lat_idle", "lat_loaded") for k in ("p50_ms", "p99_ms", "max_ms")]
+    return [_f((r.get(phase) or {}).get(k), ".3f")
+            for phase in ("lat_idle", "lat_loaded") for k in ("p50_ms", "p99_ms", "max_ms")]
 
 
 def targets(res: dict) -> list[tuple[str, str, Optional[bool]]]:
@@ -161,8 +165,8 @@ def report(res: dict, full: bool = True) -> str:
     L = _header(res, quiet, sum(1 for r in runs if mark(r)))
     L.append("### Throughput, tokens/s through the whole pipeline\n")
     ratio_cols = [b for b in BASELINES if b in impls] if "detokd" in impls else []
-    L += md_head("tokenizer", "B", "ids/row", *(i if i != "detokd" or shards == 1 else f"detokd --shards {shards}" for i in impls),
-                 *(f"detokd ÷ {b}" for b in ratio_cols))
+    names = [i if i != "detokd" or shards == 1 else f"detokd --shards {shards}" for i in impls]
+    L += md_head("tokenizer", "B", "ids/row", *names, *(f"detokd ÷ {b}" for b in ratio_cols))
     for tok, n, B in keys:
         rates = []
         for i in impls:
@@ -170,14 +174,15 @@ def report(res: dict, full: bool = True) -> str:
             steps = f" ({r.get('steps_run', r['steps'])} steps)" if r and r.get("truncated") else ""
             rates.append(fmt_rate(r["tok_per_s"]) + steps + mark(r) if r else "–")
         d = cells.get(("detokd", tok, n, B))
-        L.append(_row(tok, B, n, *rates, *(f"{_f(_ratio(d, cells.get((b, tok, n, B)), 'tok_per_s'), '.1f')}×" for b in ratio_cols)))
+        vs = (_ratio(d, cells.get((b, tok, n, B)), "tok_per_s") for b in ratio_cols)
+        L.append(_row(tok, B, n, *rates, *(f"{_f(x, '.1f')}×" for x in vs)))
     L.append("")
     if "detokd" in impls:
         L.append("### detokd: latency (ms) and cost\n")
         L.append("Idle = one step in flight; loaded = the throughput phase (window "
                  f"{res.get('options', {}).get('window', 2)}); first = step 0, which starts every stream.\n")
-        L += md_head("tokenizer", "B", "ids/row", "tok/s", "idle p50", "idle p99", "idle max", "loaded p50", "loaded p99",
-                     "loaded max", "first", "cpu-s/Mtok", "cores used", "peak RSS MB", "other cores")
+        L += md_head("tokenizer", "B", "ids/row", "tok/s", *_LATENCIES, "first", "cpu-s/Mtok", "cores used",
+                     "peak RSS MB", "other cores")
         for tok, n, B in keys:
             if r := cells.get(("detokd", tok, n, B)):
                 L.append(_row(tok, B, n, fmt_rate(r["tok_per_s"]), *_latencies(r), _f(r.get("first_step_ms")),
@@ -186,25 +191,27 @@ def report(res: dict, full: bool = True) -> str:
         L.append("")
     if full:
         L.append("### Step latency (ms): idle = one step in flight, loaded = the throughput phase\n")
-        L += md_head("impl", "tokenizer", "B", "ids/row", "idle p50", "idle p99", "idle max", "loaded p50", "loaded p99",
-                     "loaded max", "first step")
+        L += md_head("impl", "tokenizer", "B", "ids/row", *_LATENCIES, "first step")
         L += [_row(i, tok, B, n, *_latencies(r), _f(r.get("first_step_ms")))
               for tok, n, B in keys for i in impls if (r := cells.get((i, tok, n, B)))]
         L.append("")
     L.append("### Step latency p99 (ms), idle, every implementation\n")
     L += md_head("tokenizer", "B", "ids/row", *impls)
-    L += [_row(tok, B, n, *(_f(((cells.get((i, tok, n, B)) or {}).get("lat_idle") or {}).get("p99_ms"), ".3f") for i in impls))
-          for tok, n, B in keys]
+    for tok, n, B in keys:
+        rs = [cells.get((i, tok, n, B)) or {} for i in impls]
+        L.append(_row(tok, B, n, *(_f((r.get("lat_idle") or {}).get("p99_ms"), ".3f") for r in rs)))
     L.append("")
     L.append("### Cost: CPU seconds per million tokens and peak RSS of the implementation's process\n")
     L += md_head("tokenizer", "B", "ids/row", *(f"{i} cpu-s/Mtok" for i in impls), *(f"{i} MB" for i in impls))
     for tok, n, B in keys:
         rs = [cells.get((i, tok, n, B)) or {} for i in impls]
-        L.append(_row(tok, B, n, *(_f(r.get("cpu_s_per_mtok")) for r in rs), *(_f(r.get("peak_rss_mb"), ".0f") for r in rs)))
+        L.append(_row(tok, B, n, *(_f(r.get("cpu_s_per_mtok")) for r in rs),
+                      *(_f(r.get("peak_rss_mb"), ".0f") for r in rs)))
     L.append("")
-    harness = {k: _f(median([r.get(f"{k}_cpu_s_per_mtok") for r in runs if r["batch"] >= 64])) for k in ("scheduler", "worker")}
-    L.append(f"Harness cost per million tokens (same for every implementation): scheduler {harness['scheduler']} cpu-s, "
-             f"worker {harness['worker']} cpu-s (medians over B ≥ 64).")
+    big = [r for r in runs if r["batch"] >= 64]
+    cost = {k: _f(median([r.get(f"{k}_cpu_s_per_mtok") for r in big])) for k in ("scheduler", "worker")}
+    L.append(f"Harness cost per million tokens (same for every implementation): scheduler {cost['scheduler']} cpu-s, "
+             f"worker {cost['worker']} cpu-s (medians over B ≥ 64).")
     L.append("")
     return "\n".join(L + _flatness_table(res) + _checks(res)) + "\n"
 
@@ -237,16 +244,17 @@ def _flatness_table(res: dict) -> list[str]:
                  "end: long (≈length) / control µs", "**end ratio**", "other cores")
     for r in res["flatness"]:
         fl = r["flatness"]
-
-        def us(when: str, short_pos) -> str:
-            return (f"{_f(fl.get(f'{when}_long_us_per_tok'), '.3f')} / {_f(fl.get(f'{when}_short_us_per_tok'), '.3f')} "
-                    f"(≈{_f(fl.get(f'{when}_len'), '.0f')} / ≈{_f(short_pos, '.0f')})")
-
         L.append(_row(r["impl"], r["tokenizer"], r["batch"], r.get("steps_run", r["steps"]), r.get("probes"),
-                      fmt_rate(r["tok_per_s"]), us("early", (fl.get("segments") or [{}])[0].get("short_pos")),
-                      f"{_f(fl.get('early_ratio'))}×", us("late", fl.get("short_len")), f"**{_f(fl.get('late_ratio'))}×**",
-                      _f(r.get("other_cores"))))
+                      fmt_rate(r["tok_per_s"]), _probes(fl, "early", (fl.get("segments") or [{}])[0].get("short_pos")),
+                      f"{_f(fl.get('early_ratio'))}×", _probes(fl, "late", fl.get("short_len")),
+                      f"**{_f(fl.get('late_ratio'))}×**", _f(r.get("other_cores"))))
     return L + [""]
+
+
+def _probes(fl: dict, when: str, short_pos: Optional[float]) -> str:
+    """The long and the control streams' µs per token `when` (early, late), at their lengths."""
+    return (f"{_f(fl.get(f'{when}_long_us_per_tok'), '.3f')} / {_f(fl.get(f'{when}_short_us_per_tok'), '.3f')} "
+            f"(≈{_f(fl.get(f'{when}_len'), '.0f')} / ≈{_f(short_pos, '.0f')})")
 
 
 def _checks(res: dict) -> list[str]:
@@ -255,15 +263,15 @@ def _checks(res: dict) -> list[str]:
     bad = [r for r in every if r["check"]["mismatches"] or r["check"]["errors"]]
     L = ["### Text check\n"]
     if not bad:
-        L.append(f"Every checked stream ({sum(r['check']['streams'] for r in every)} in all) matched the reference decode; "
-                 "no error rows.")
+        checked = sum(r["check"]["streams"] for r in every)
+        L.append(f"Every checked stream ({checked} in all) matched the reference decode; no error rows.")
     else:
         L += md_head("impl", "tokenizer", "B", "ids/row", "streams checked", "mismatches", "error rows", "example")
         for r in bad:
             c = r["check"]
             ex = c["examples"][0] if c["examples"] else (c["error_examples"][0] if c["error_examples"] else "")
-            L.append(_row(r["impl"], r["tokenizer"], r["batch"], r["ids_per_row"], c["streams"], c["mismatches"], c["errors"],
-                          f"`{json.dumps(ex, ensure_ascii=False)[:160]}`"))
+            L.append(_row(r["impl"], r["tokenizer"], r["batch"], r["ids_per_row"], c["streams"], c["mismatches"],
+                          c["errors"], f"`{json.dumps(ex, ensure_ascii=False)[:160]}`"))
     if res.get("failures"):
         L += ["", "### Failures\n", *(f"- {json.dumps(f, ensure_ascii=False)[:400]}" for f in res["failures"])]
     return L
@@ -289,15 +297,16 @@ def plot(res: dict, out_dir: Path) -> list[Path]:
     toks += sorted({r["tokenizer"] for r in runs} - set(toks))
     impls = [i for i in IMPLS if any(r["impl"] == i for r in runs)]
     nids = sorted({r["ids_per_row"] for r in runs})
-    styles = {n: s for n, s in zip(nids, ("-", "--", ":", "-."))}
+    styles = {n: s for n, s in zip(nids, ("-", "--", ":", "-."), strict=False)}
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     figures = {"throughput": (lambda r: r["tok_per_s"], "tokens/s through the pipeline", 1e6),
                "latency": (lambda r: (r.get("lat_idle") or {}).get("p99_ms"), "p99 step latency, ms (idle)", 1.0)}
     fig, axes = plt.subplots(2, len(toks), figsize=(5.2 * len(toks), 8.5), squeeze=False)
     for col, tok in enumerate(toks):
-        for ax, (value, title, line) in zip((axes[0][col], axes[1][col]), figures.values()):
+        for ax, (value, title, line) in zip((axes[0][col], axes[1][col]), figures.values(), strict=True):
             for i, n in ((i, n) for i in impls for n in nids):
-                pts = sorted((r["batch"], r) for r in runs if r["impl"] == i and r["tokenizer"] == tok and r["ids_per_row"] == n)
+                pts = sorted((r["batch"], r) for r in runs
+                             if r["impl"] == i and r["tokenizer"] == tok and r["ids_per_row"] == n)
                 if pts:
                     ax.plot([b for b, _ in pts], [value(r) or float("nan") for _, r in pts], styles[n], marker="o",
                             color=_COLORS.get(i), label=f"{i}, {n} id/row")
@@ -308,8 +317,8 @@ def plot(res: dict, out_dir: Path) -> list[Path]:
             ax.axhline(line, color="k", lw=0.6, ls=":")
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"detokd benchmark ({res.get('machine', {}).get('cpus', '?')} cores shared by scheduler, detokenizer, worker)",
-                 fontsize=10)
+    cpus = res.get("machine", {}).get("cpus", "?")
+    fig.suptitle(f"detokd benchmark ({cpus} cores shared by scheduler, detokenizer, worker)", fontsize=10)
     paths = [_save(plt, fig, out_dir / "throughput.png")]
     if res.get("flatness"):
         fig, ax = plt.subplots(figsize=(10, 4.8))
@@ -319,7 +328,8 @@ def plot(res: dict, out_dir: Path) -> list[Path]:
                 ax.plot(xs, [x["long_us_per_tok"] for x in c], "-o", color=col, label=f"{r['impl']}: long streams")
                 ax.plot(xs, [x["short_us_per_tok"] for x in c], ":", color=col,
                         label=f"{r['impl']}: control (length ≤ {r.get('short_len')})")
-        ax.set(yscale="log", xlabel="output length of the long streams (tokens)", ylabel="CPU µs per token (median of probes)",
+        ax.set(yscale="log", xlabel="output length of the long streams (tokens)",
+               ylabel="CPU µs per token (median of probes)",
                title="Per-token cost along long outputs, with a short-stream control measured alongside")
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "2345" else ""))
