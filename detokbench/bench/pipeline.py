@@ -104,3 +104,15 @@ class Clocks:
         h = impl.h
         return cls(impl.tree.cpu_ns(), impl.tree.cpu_psutil(), h.self_tree.cpu_ns(), h.worker_tree.cpu_ns(),
                    machine_busy_ns(), steal_ns())
+
+    def other_cores(self, before: Clocks, seconds: float) -> float:
+        """Cores kept busy by processes outside the benchmark (another test run, ...) since
+        `before`: should be ~0 for the figures to mean anything. Needs machine_ns."""
+        own = sum(getattr(self, k) - getattr(before, k) for k in ("impl_ns", "scheduler_ns", "worker_ns"))
+        return max(0, (self.machine_ns or 0) - (before.machine_ns or 0) - own) / 1e9 / seconds
+
+
+def check_record(mode: str, streams: int, mismatches: int, examples: list, dump: dict) -> dict:
+    """A run's text check: what it compared and found, and the worker's error counts."""
+    return {"mode": mode, "streams": streams, "mismatches": mismatches, "examples": examples,
+            "errors": dump["n_errors"], "error_examples": dump["errors"][:5], "bad_frames": dump["bad_frames"]}

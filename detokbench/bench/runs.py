@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from .harness import Impl
-from .pipeline import FINISH, START, STEP, Clocks, Pipeline
+from .pipeline import FINISH, START, STEP, Clocks, Pipeline, check_record
 from .progress import Progress
 from .report import fmt_rate, lat_stats, median
 from .workload import Workload
@@ -90,7 +90,6 @@ def figures(impl: Impl, wl: Workload, p: Pipeline, g1: int, c0: Clocks, c1: Cloc
     secs = (p.recv_t[g1 - 1] - p.send_t[0]) / 1e9
     lat, kind = p.lat, p.kind
     impl_ns, mtok = c1.impl_ns - c0.impl_ns, tokens / 1e6
-    own_ns = impl_ns + (c1.scheduler_ns - c0.scheduler_ns) + (c1.worker_ns - c0.worker_ns)
     return dict(
         impl=impl.name, tokenizer=wl.corp.name, batch=B, ids_per_row=n, shards=impl.shards,
         steps=steps, rounds=len(rounds), steps_run=sum(rounds), latency_steps=sum(lat_rounds),
@@ -107,10 +106,8 @@ def figures(impl: Impl, wl: Workload, p: Pipeline, g1: int, c0: Clocks, c1: Cloc
         scheduler_cpu_s_per_mtok=(c1.scheduler_ns - c0.scheduler_ns) / 1e9 / mtok if tokens else None,
         worker_cpu_s_per_mtok=(c1.worker_ns - c0.worker_ns) / 1e9 / mtok if tokens else None,
         peak_rss_mb=impl.tree.peak_rss_mb(),
-        # Cores kept busy by processes outside the benchmark (another test run, ...)
-        # during the throughput phase: should be ~0 for the figures to mean anything.
-        other_cores=(max(0, (c1.machine_ns - c0.machine_ns) - own_ns) / 1e9 / secs)
-        if (c0.machine_ns is not None and c1.machine_ns is not None and secs > 0) else None,
+        other_cores=c1.other_cores(c0, secs) if (c0.machine_ns is not None and c1.machine_ns is not None and secs > 0)
+        else None,
         steal_cores=((c1.steal_ns - c0.steal_ns) / 1e9 / secs) if (c0.steal_ns is not None and c1.steal_ns is not None and secs > 0) else None,
         truncated=rounds[-1] < steps,
     )
@@ -128,7 +125,4 @@ def check_text(impl: Impl, wl: Workload, watch_idx: list[int], rounds: list[int]
             j = next((x for x in range(min(len(got), len(ref))) if got[x] != ref[x]), min(len(got), len(ref)))
             bad.append({"rid": rid, "at": j, "got": got[max(0, j - 10):j + 10], "want": ref[max(0, j - 10):j + 10],
                         "len_got": len(got), "len_want": len(ref)})
-    return {
-        "mode": check, "streams": len(watch_idx), "mismatches": len(bad), "examples": bad[:3],
-        "errors": dump["n_errors"], "error_examples": dump["errors"][:5], "bad_frames": dump["bad_frames"],
-    }
+    return check_record(check, len(watch_idx), len(bad), bad[:3], dump)
