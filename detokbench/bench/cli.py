@@ -1,9 +1,6 @@
-"""`python -m detokbench bench`: its command line, and the whole run of every
-implementation on every configuration.
-
-Every implementation (detokd and the baselines of detokbench.baselines) runs on the
-same streams, one after the other, for each configuration; then the flatness run.
-results.json, table.md, summary.md and the plots go to --out.
+"""`python -m detokbench bench`: every implementation (detokd and the baselines) on the same
+streams, one after the other, for each configuration; then the flatness run. results.json,
+table.md, summary.md and the plots go to --out.
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ from typing import Any
 from .. import ROOT
 from ..commands import command_line
 from ..proc import QuietWait
-from .harness import Harness, Impl, Stall, start_impl
 from .flatness import run_flatness
+from .harness import Harness, Impl, Stall, start_impl
 from .progress import Progress
 from .report import IMPLS, TOKENIZERS, fmt_rate, log, machine, plot, ratios, report, versions
 from .runs import run_config

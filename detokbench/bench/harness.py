@@ -64,20 +64,21 @@ class Harness:
             if self.worker.poll() is not None:
                 raise RuntimeError(f"the worker process exited ({self.worker.returncode}); see {self.tmp}/worker.log")
 
+    def ask(self, msg: Configure | Dump, kind: int) -> list:
+        """Send the worker a control message; its answer (acks of steps before it are dropped)."""
+        self.ctl.send(self.enc(msg))
+        while True:
+            a = self.recv_ack(60)
+            if a[0] == kind and a[1] == self.cid:
+                return a
+
     def configure(self, expected: int, check: str, watch: list[str]) -> int:
         self.cid += 1
-        self.ctl.send(self.enc(Configure(self.cid, expected, check, watch)))
-        while True:
-            a = self.recv_ack(60)
-            if a[0] == ACK_CONFIG and a[1] == self.cid:
-                return self.cid
+        self.ask(Configure(self.cid, expected, check, watch), ACK_CONFIG)
+        return self.cid
 
     def dump(self) -> dict:
-        self.ctl.send(self.enc(Dump(self.cid)))
-        while True:
-            a = self.recv_ack(60)
-            if a[0] == ACK_DUMP and a[1] == self.cid:
-                return a[2]
+        return self.ask(Dump(self.cid), ACK_DUMP)[2]
 
     def close(self) -> None:
         try:
@@ -110,24 +111,13 @@ class Impl:
             self.detokd.spawn()
             self.proc = self.detokd.proc
             self.log_path = self.detokd.log_path
-            self.cmd = self.proc.args
         else:
             self.log_path = h.tmp / f"{name}-{tokenizer}.log"
-            self.cmd = [sys.executable, "-m", "detokbench", "baselines", "--algo", name,
-                        "--input", base, "--worker", h.text_addr, "--tokenizer", tokenizer]
-            self.proc = spawn(self.cmd, self.log_path)
+            self.proc = spawn([sys.executable, "-m", "detokbench", "baselines", "--algo", name, "--input", base,
+                               "--worker", h.text_addr, "--tokenizer", tokenizer], self.log_path)
         self.tree = ProcTree(self.proc.pid)
         addrs = [base] if self.shards == 1 else [derive_address(base, i) for i in range(self.shards)]
         self.socks = [push(h.ctx, a, hwm=0) for a in addrs]
-
-    def wait_ready(self, timeout: float) -> None:
-        """detokd: until it (every shard) said READY=1; a baseline is ready once it
-        answers, which start_impl's warm-up waits for."""
-        if self.detokd is not None:
-            self.detokd.wait_ready(timeout)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     def log_tail(self, n: int = 15) -> str:
         try:
@@ -155,7 +145,8 @@ def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
     impl = Impl(name, tokenizer, h, args)
     wl = Workload(corp, 64, 1, f"warm{name}")
     try:
-        impl.wait_ready(180)
+        if impl.detokd is not None:  # until every shard said READY=1; a baseline is ready once it answers
+            impl.detokd.wait_ready(180)
         fr = wl.frames(impl.shards)
         h.configure(64, "off", [])
         # Frames sent before a baseline binds wait in the socket: send, then wait.
@@ -167,7 +158,7 @@ def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
         deadline = time.monotonic() + 180
         got: set[int] = set()
         while len(got) < 9:
-            if not impl.alive():
+            if impl.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited ({impl.proc.returncode}):\n{impl.log_tail()}")
             try:
                 a = h.recv_ack(2.0)

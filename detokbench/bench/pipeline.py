@@ -1,13 +1,9 @@
 """The scheduler side of a measured run: steps out with a window of them in flight, and
 the clocks read around a phase.
 
-    scheduler (this process) --tokens--> implementation --text--> worker (worker.py)
-         ^                                                          |
-         +---------------------- ack of each whole step ------------+
-
-Flow control: at most `window` steps are in flight (sent, not yet acked); step k
-goes once step k-window is acked, so the pipeline runs as fast as it absorbs without
-an unbounded queue that would turn latency into a measure of the queue length.
+At most `window` steps are in flight (sent, not yet acked): step k goes once step
+k-window is acked, so the pipeline runs as fast as it absorbs without a queue that would
+turn latency into a measure of the queue's length.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""The receiving side of the benchmark: a tokenizer worker process that acks whole steps.
+"""The receiving side of the benchmark, a tokenizer worker process that acks whole steps:
+`python -m detokbench.bench.worker TEXT_ADDR ACK_ADDR` (started by harness.Harness).
 
-    python -m detokbench.bench.worker TEXT_ADDR ACK_ADDR      (started by harness.Harness)
-
-It PULLs detokd.wire.native `text` messages at TEXT_ADDR, counts the rows of each step
-(the step number and the send time ride in every row's `meta`, which implementations
-copy through untouched) and, once all rows of step k are in, PUSHes an ack of step k
-to ACK_ADDR with the step's latency: this process' receive time of the last row minus
-the scheduler's send time (CLOCK_MONOTONIC, one clock for every process). The
+It counts the rows of each step (step number and send time ride in every row's `meta`)
+and acks step k to ACK_ADDR once all its rows are in, with its latency: the receipt of
+the last row minus the send (CLOCK_MONOTONIC, one clock for every process). The
 scheduler steers it with the control messages below, on the same socket.
 """
 
@@ -64,7 +61,6 @@ class Steps:
         self.watch: set[str] = set(cfg.watch) if cfg else set()
         self.counts: dict[int, int] = {}
         self.texts: dict[str, list[str]] = {}
-        self.n_ids: dict[str, int] = {}
         self.errors: list[list] = []
         self.n_errors = 0
         self.bad_frames = 0
@@ -83,7 +79,6 @@ class Steps:
         if lst is None:
             lst = self.texts[r.rid] = []
         lst.append(r.text)
-        self.n_ids[r.rid] = r.n_ids
 
     def rows(self, rows: list, t: int) -> None:
         """One `text` message received at t: usually every row of one step."""
@@ -133,11 +128,9 @@ class Steps:
     def dump(self) -> dict:
         return {
             "texts": {k: "".join(v) for k, v in self.texts.items()},
-            "n_ids": self.n_ids,
             "errors": self.errors,
             "n_errors": self.n_errors,
             "bad_frames": self.bad_frames,
-            "incomplete_steps": len(self.counts),
         }
 
 
