@@ -26,7 +26,7 @@ from ..children import detokd_process, spawn, stop_proc
 from ..engine import push
 from ..proc import ProcTree
 from ..sink import pull
-from .worker import ACK_CONFIG, ACK_DUMP, ACK_STEP, Configure, Dump, Quit
+from .worker import ACK_CONFIG, ACK_DUMP, Configure, Dump, Quit
 
 
 class Stall(RuntimeError):
@@ -140,7 +140,8 @@ class Impl:
 
 def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
     """Launch and wait until it has answered a small warm-up round (64 streams, 8 steps)."""
-    from .workload import Workload, step_values
+    from .pipeline import STEP, Pipeline
+    from .workload import Workload
 
     impl = Impl(name, tokenizer, h, args)
     wl = Workload(corp, 64, 1, f"warm{name}")
@@ -149,25 +150,19 @@ def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
             impl.detokd.wait_ready(180)
         fr = wl.frames(impl.shards)
         h.configure(64, "off", [])
+        p = Pipeline(impl, window=9, stall_s=2.0)
         # Frames sent before a baseline binds wait in the socket: send, then wait.
         for k in range(9):
-            step = fr["start"] if k == 0 else fr["finish"] if k == 8 else fr["cyc"][k]
-            seq, meta = step_values(k, (k, time.monotonic_ns()))
-            for s, tmpl in step:
-                impl.socks[s].send(tmpl.fill(seq, meta))
+            p.send(fr["start"] if k == 0 else fr["finish"] if k == 8 else fr["cyc"][k], k, STEP)
         deadline = time.monotonic() + 180
-        got: set[int] = set()
-        while len(got) < 9:
+        while p.next < p.sent:
             if impl.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited ({impl.proc.returncode}):\n{impl.log_tail()}")
             try:
-                a = h.recv_ack(2.0)
+                p.drain()
             except Stall:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not answer within 180 s:\n{impl.log_tail()}")
-                continue
-            if a[0] == ACK_STEP:
-                got.add(a[1])
+                    raise RuntimeError(f"{name} did not answer within 180 s:\n{impl.log_tail()}") from None
         dump = h.dump()
         if dump["n_errors"]:
             sys.stderr.write(f"warning: {name} answered the warm-up with error rows: {dump['errors'][:3]}\n")
