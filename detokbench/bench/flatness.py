@@ -3,14 +3,13 @@ measured side by side so the machine's drift cancels."""
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import astuple, dataclass
 from typing import Any
 
 from ..proc import machine_busy_ns
 from .harness import Impl
-from .pipeline import STEP, Clocks, Pipeline, check_record
+from .pipeline import STEP, Clocks, Pipeline, check_record, measured
 from .progress import Progress
 from .report import fmt_rate, median
 from .workload import Workload
@@ -134,19 +133,11 @@ def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: in
     B = wl_long.batch
     watch_idx = sorted({0, B - 1, B // 2}) if check != "off" else []
     watch = [wl_long.rids[i] for i in watch_idx] + [wl_short.rids[i] for i in watch_idx]
-    impl.h.configure(B, "sample" if watch else "off", watch)
-    impl.tree.refresh()
-    impl.tree.reset_peak()
     f = Flatness(impl, wl_long, wl_short, steps=steps, probe_every=probe_every, short_len=short_len,
                  window=window, segments=segments)
-    gc_was = gc.isenabled()
-    gc.disable()
-    c0, t_start = Clocks.read(impl), time.monotonic_ns()
-    try:
+    with measured(impl, B, "sample" if watch else "off", watch):
+        c0, t_start = Clocks.read(impl), time.monotonic_ns()
         j = f.run(max_seconds, progress)
-    finally:
-        if gc_was:
-            gc.enable()
     secs = (time.monotonic_ns() - t_start) / 1e9
     c1 = Clocks.read(impl)
     tokens = (j + sum(f.short_rounds)) * B * f.n

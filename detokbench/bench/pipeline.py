@@ -8,9 +8,11 @@ turn latency into a measure of the queue's length.
 
 from __future__ import annotations
 
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..proc import machine_busy_ns, steal_ns
 from .harness import Impl
@@ -81,6 +83,21 @@ class Pipeline:
         """Until every step sent is acked."""
         while self.next < len(self.done):
             self.take_ack()
+
+
+@contextmanager
+def measured(impl: Impl, batch: int, check: str, watch: list[str]) -> Iterator[None]:
+    """A measured phase: the worker told what to expect, the peak RSS reset, the collector off."""
+    impl.h.configure(batch, check, watch)
+    impl.tree.refresh()
+    impl.tree.reset_peak()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if gc_was:
+            gc.enable()
 
 
 @dataclass(frozen=True)

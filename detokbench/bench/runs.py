@@ -3,12 +3,11 @@ latency phase, then the check of the text the worker kept."""
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any
 
 from .harness import Impl
-from .pipeline import FINISH, START, STEP, Clocks, Pipeline, check_record
+from .pipeline import FINISH, START, STEP, Clocks, Pipeline, check_record, measured
 from .progress import Progress
 from .report import fmt_rate, lat_stats, median
 from .workload import Workload
@@ -52,13 +51,8 @@ def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_
     `lat_steps` steps, one step in flight. Each round ends with a step of finishing rows."""
     frames = wl.frames(impl.shards)
     watch_idx = watched(check, wl.batch)
-    impl.h.configure(wl.batch, check, [wl.rids[i] for i in watch_idx] if check == "sample" else [])
-    impl.tree.refresh()
-    impl.tree.reset_peak()
     p = Pipeline(impl, window, stall_s=max(30.0, max_seconds * 4))
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
+    with measured(impl, wl.batch, check, [wl.rids[i] for i in watch_idx] if check == "sample" else []):
         before = Clocks.read(impl)
         t0 = time.monotonic()
         rounds: list[int] = []
@@ -74,9 +68,6 @@ def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_
             p.window = 1
             lat_rounds.append(one_round(p, wl, frames, lat_steps, time.monotonic() + lat_max_seconds, "latency", progress))
             p.drain()
-    finally:
-        if gc_was:
-            gc.enable()
     result = figures(impl, wl, p, g1, before, after, rounds, lat_rounds, steps, window)
     result["check"] = check_text(impl, wl, watch_idx, rounds + lat_rounds, check)
     return result

@@ -55,15 +55,12 @@ class Steps:
     the errors. `ack` sends an ack message."""
 
     def __init__(self, ack: Callable[[tuple], None], cfg: Configure | None = None) -> None:
-        self.ack = ack
-        self.expected = cfg.expected if cfg else 1
-        self.check = cfg.check if cfg else "off"
-        self.watch: set[str] = set(cfg.watch) if cfg else set()
+        cfg = cfg or Configure(0, 1)
+        self.ack, self.expected, self.check, self.watch = ack, cfg.expected, cfg.check, set(cfg.watch)
         self.counts: dict[int, int] = {}
         self.texts: dict[str, list[str]] = {}
         self.errors: list[list] = []
-        self.n_errors = 0
-        self.bad_frames = 0
+        self.n_errors = self.bad_frames = 0
 
     def account(self, step: int, n: int, t_send: int, t: int) -> None:
         """n more rows of `step`; its ack once all are in."""
@@ -75,8 +72,7 @@ class Steps:
             self.counts[step] = c
 
     def keep(self, r) -> None:
-        lst = self.texts.get(r.rid)
-        if lst is None:
+        if (lst := self.texts.get(r.rid)) is None:
             lst = self.texts[r.rid] = []
         lst.append(r.text)
 
@@ -146,7 +142,6 @@ def main(text_addr: str, ack_addr: str) -> int:
     ack = push(ctx, ack_addr, hwm=0)
     inbound = msgspec.msgpack.Decoder(Inbound)
     enc = msgspec.msgpack.Encoder().encode
-    now = time.monotonic_ns
 
     def send(a: tuple) -> None:
         ack.send(enc(a))
@@ -154,7 +149,7 @@ def main(text_addr: str, ack_addr: str) -> int:
     steps = Steps(send)
     while True:
         frame = text.recv()
-        t = now()
+        t = time.monotonic_ns()
         try:
             msg = inbound.decode(frame)
         except msgspec.DecodeError:
