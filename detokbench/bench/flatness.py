@@ -46,19 +46,23 @@ class Flatness:
         # stretch of the long run samples it over a whole round (mean position short_len/2).
         self.stride = max(1, round(short_len * segments * probe_every / max(1, steps)))
 
-    def send(self, step: list, seq: int, window: int) -> None:
-        self.p.window = window
+    def send(self, step: list, seq: int, window: int | None = None) -> None:
+        self.p.window = window or self.window
         self.p.send(step, seq, STEP)
 
     def short_step(self) -> None:
         k, S = self.sp, self.S
-        self.send(S["start"] if k == 0 else S["cyc"][k % len(S["cyc"])], k * self.n, self.window)
-        self.sp = k + 1
-        if self.sp >= self.short_len:
-            self.end_short_round(self.window)
+        self.send(S["start"] if k == 0 else S["cyc"][k % len(S["cyc"])], k * self.n)
+        self.short_done()
 
-    def end_short_round(self, window: int) -> None:
-        self.send(self.S["finish"], self.sp * self.n, window)
+    def short_done(self) -> None:
+        """The control set's step went; at the end of its round, its finishing step."""
+        self.sp += 1
+        if self.sp >= self.short_len:
+            self.end_short_round()
+
+    def end_short_round(self) -> None:
+        self.send(self.S["finish"], self.sp * self.n)
         self.short_rounds.append(self.sp)
         self.sp = 0
 
@@ -88,9 +92,7 @@ class Flatness:
         m1, w1 = machine_busy_ns(), time.monotonic_ns()
         lc, sc = (c1 - c0, c2 - c1) if long_first else (c2 - c1, c1 - c0)
         self.probes.append(Probe(j, lc, pos, sc, (m1 or 0) - (m0 or 0) - (c2 - c0) - (hc1 - hc0), w1 - w0))
-        self.sp = pos + 1
-        if self.sp >= self.short_len:
-            self.end_short_round(self.window)
+        self.short_done()
 
     def run(self, max_seconds: float, progress: Progress) -> int:
         """The long streams' steps, probed every `probe_every`; the steps run (the run
@@ -103,7 +105,7 @@ class Flatness:
             if j and j % self.probe_every == 0:
                 self.probe(j, lp)
             else:
-                self.send(lp, j * n, self.window)
+                self.send(lp, j * n)
             j += 1
             if (j & 63) == 0:
                 tm = time.monotonic()
@@ -112,9 +114,9 @@ class Flatness:
                 if progress.tty and tm - progress.last > 0.2:
                     el = (time.monotonic_ns() - t_start) / 1e9
                     progress.update(f"flatness step {j}/{self.steps}  {fmt_rate(j * B * n / el if el > 0 else 0)} tok/s  {len(self.probes)} probes")
-        self.send(L["finish"], j * n, self.window)
+        self.send(L["finish"], j * n)
         if self.sp:
-            self.end_short_round(self.window)
+            self.end_short_round()
         self.p.drain()
         return j
 
