@@ -12,6 +12,7 @@ Other message types, stop strings, `stream=false` and seq checks are not impleme
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import signal
@@ -130,8 +131,6 @@ def main(argv: Iterable[str]) -> int:
     args = ap.parse_args(list(argv))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s baselines %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         Server(args.algo, args.input, args.worker, args.tokenizer).serve()
-    except KeyboardInterrupt:
-        pass
     return 0

@@ -14,6 +14,7 @@ each round, N copies of a plain Python loop against one measure the machine's ce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import statistics
@@ -159,10 +160,8 @@ class Target:
         return time.perf_counter() - t0, cpu_s(self.pids) - c0, got
 
     def stop(self) -> None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # stop() killed it
             self.detokd.stop(15)
-        except subprocess.TimeoutExpired:
-            pass  # stop() killed it
 
 
 def check(streams: Streams, got: list[bytes]) -> int:

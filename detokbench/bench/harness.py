@@ -8,6 +8,7 @@ PUSHes text to the one worker (worker.py), which acks whole steps to the schedul
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
@@ -81,14 +82,10 @@ class Harness:
         return self.ask(Dump(self.cid), ACK_DUMP)[2]
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.ctl.send(self.enc(Quit()))
-        except Exception:
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.worker.wait(3)
-        except subprocess.TimeoutExpired:
-            pass
         stop_proc(self.worker)
         self.ctx.destroy(linger=0)
 
@@ -130,10 +127,8 @@ class Impl:
         for s in self.socks:
             s.close(linger=0)
         if self.detokd is not None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.detokd.stop(5.0)
-            except subprocess.TimeoutExpired:
-                pass
         else:
             stop_proc(self.proc)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -59,10 +60,8 @@ def median(xs):
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for mod in ("tokenizers", "transformers", "zmq", "msgspec", "psutil"):
-        try:
+        with contextlib.suppress(Exception):
             out[mod] = __import__(mod).__version__
-        except Exception:
-            pass
     return out
 
 
