@@ -6,6 +6,7 @@ each measured phase (/proc/<pid>/stat and psutil's cpu_times round to clock tick
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -72,11 +73,8 @@ def descendants(pid: int) -> list[int]:
         except OSError:
             continue
         for tid in tids:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), open(f"/proc/{p}/task/{tid}/children") as f:
+                todo += [int(c) for c in f.read().split()]
     return out
 
 
@@ -155,11 +153,9 @@ class ProcTree:
 
         total = 0.0
         for p in self.pids:
-            try:
+            with contextlib.suppress(Exception):
                 t = psutil.Process(p).cpu_times()
                 total += t.user + t.system
-            except Exception:
-                pass
         return total
 
     def reset_peak(self) -> bool:
