@@ -135,7 +135,9 @@ class Impl:
 
 def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
     """Launch and wait until it has answered a small warm-up round (64 streams, 8 steps)."""
-    from .pipeline import STEP, Pipeline
+    from .pipeline import Pipeline
+    from .progress import Progress
+    from .runs import one_round
     from .workload import Workload
 
     impl = Impl(name, tokenizer, h, args)
@@ -147,8 +149,7 @@ def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
         h.configure(64, "off", [])
         p = Pipeline(impl, window=9, stall_s=2.0)
         # Frames sent before a baseline binds wait in the socket: send, then wait.
-        for k in range(9):
-            p.send(fr["start"] if k == 0 else fr["finish"] if k == 8 else fr["cyc"][k], k, STEP)
+        one_round(p, wl, fr, 8, float("inf"), "warm-up", Progress(0, quiet=True))
         deadline = time.monotonic() + 180
         while p.next < p.sent:
             if impl.proc.poll() is not None:
