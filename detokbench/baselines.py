@@ -1,13 +1,7 @@
-"""Baseline detokenizers that `python -m detokbench bench` runs beside detokd, through the
-same harness, each written here from its published algorithm (no code copied):
-naive (re-decode everything each step), sglang (SGLang's DetokenizerManager, its
-garbage collector not frozen, as in the real one), decodestream (vLLM's
-FastIncrementalDetokenizer) and floor (msgpack, a join of per-token bytes, UTF-8).
-docs/performance.md, "The baselines", says what each does and leaves out.
-
-Each is a class with a per-request `step(ids) -> str` / `finish() -> str` (checked
-in-process by tests/test_baselines.py) and a class-level `step_batch` the server loop
-(detokbench.baselines_server) calls once per inbound message.
+"""The baseline detokenizers `python -m detokbench bench` runs beside detokd, each written
+here from its published algorithm (docs/performance.md, "The baselines"): a class with a
+per-request `step(ids) -> str` / `finish() -> str` (tests/test_baselines.py checks them)
+and a class-level `step_batch` that detokbench.baselines_server calls once per message.
 """
 
 from __future__ import annotations
@@ -16,7 +10,7 @@ import codecs
 import json
 import os
 import re
-from pathlib import Path
+from functools import cached_property
 from typing import Sequence
 
 from detokd.core.decoder import byte_level_alphabet
@@ -25,76 +19,52 @@ from detokd.tokenizer import resolve
 REPLACEMENT = "\ufffd"
 
 
-# --------------------------------------------------------------------------- tokenizers
-
-
-def tokenizer_dir(name_or_path: str) -> Path:
-    """A zoo name (deepseek, mistral_v3, qwen2, ...) or a folder with tokenizer.json, as
-    detokd resolves its `tokenizer` setting (a tokenizer.json file: its folder)."""
-    p = resolve(name_or_path)
-    return p if p.is_dir() else p.parent
-
-
 class Tok:
-    """One tokenizer, loaded the ways the baselines need it (each lazily)."""
+    """One tokenizer (a zoo name or a folder with tokenizer.json, as detokd resolves its
+    `tokenizer` setting), loaded the ways the baselines need it, each lazily."""
 
     def __init__(self, name_or_path: str) -> None:
         self.name = name_or_path
-        self.dir = tokenizer_dir(name_or_path)
-        self._fast = None
-        self._hf = None
+        p = resolve(name_or_path)
+        self.dir = p if p.is_dir() else p.parent
         self._tables: dict[bool, list[bytes]] = {}
-        self._strip_first: bool | None = None
 
-    @property
+    @cached_property
     def fast(self):
         """tokenizers.Tokenizer (Rust)."""
-        if self._fast is None:
-            from tokenizers import Tokenizer
+        from tokenizers import Tokenizer
 
-            self._fast = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
-        return self._fast
+        return Tokenizer.from_file(str(self.dir / "tokenizer.json"))
 
-    @property
+    @cached_property
     def hf(self):
         """transformers' tokenizer, what SGLang's DetokenizerManager calls."""
-        if self._hf is None:
-            os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-            from transformers import AutoTokenizer
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoTokenizer
 
-            self._hf = AutoTokenizer.from_pretrained(str(self.dir))
-        return self._hf
+        return AutoTokenizer.from_pretrained(str(self.dir))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    # -- the floor's precomputed per-token bytes
-
-    def _decoder_json(self) -> dict:
+    @cached_property
+    def decoder_kinds(self) -> list[dict]:
         with open(self.dir / "tokenizer.json", encoding="utf-8") as f:
-            return json.load(f).get("decoder") or {}
-
-    def _decoder_kinds(self) -> list[dict]:
-        d = self._decoder_json()
+            d = json.load(f).get("decoder") or {}
         return d.get("decoders", []) if d.get("type") == "Sequence" else [d]
 
-    @property
+    @cached_property
     def strip_first_space(self) -> bool:
         """SentencePiece decoders strip the text's one leading space (Strip start=1)."""
-        if self._strip_first is None:
-            self._strip_first = any(
-                k.get("type") == "Strip" and k.get("start", 0) > 0 for k in self._decoder_kinds()
-            )
-        return self._strip_first
+        return any(k.get("type") == "Strip" and k.get("start", 0) > 0 for k in self.decoder_kinds)
 
     def byte_table(self, skip_special_tokens: bool = True) -> list[bytes]:
-        """The bytes each id contributes to the text, for every id of the vocabulary."""
+        """The bytes each id contributes to the text, for every id of the vocabulary (the floor's)."""
         table = self._tables.get(skip_special_tokens)
         if table is not None:
             return table
         fast = self.fast
-        kinds = {k.get("type") for k in self._decoder_kinds()}
-        n = fast.get_vocab_size(with_added_tokens=True)
+        kinds = {k.get("type") for k in self.decoder_kinds}
         added = fast.get_added_tokens_decoder()
         if "ByteLevel" in kinds:
             inv = byte_level_alphabet()
@@ -106,43 +76,28 @@ class Tok:
 
             def piece(tok: str) -> bytes:
                 m = byte_re.fullmatch(tok)
-                if m:
-                    return bytes([int(m.group(1), 16)])
-                return tok.replace("\u2581", " ").encode()
+                return bytes([int(m.group(1), 16)]) if m else tok.replace("\u2581", " ").encode()
         else:  # WordPiece and others: an approximation, good enough for a speed floor
 
             def piece(tok: str) -> bytes:
                 return tok.encode()
 
-        table = [b""] * n
-        for i in range(n):
-            a = added.get(i)
-            if a is not None:
+        table = [b""] * fast.get_vocab_size(with_added_tokens=True)
+        for i in range(len(table)):
+            if (a := added.get(i)) is not None:
                 table[i] = b"" if (a.special and skip_special_tokens) else a.content.encode()
-                continue
-            t = fast.id_to_token(i)
-            if t is not None:
+            elif (t := fast.id_to_token(i)) is not None:
                 table[i] = piece(t)
         self._tables[skip_special_tokens] = table
         return table
 
 
-# --------------------------------------------------------------------------- algorithms
-
-
 class Stream:
     """One request's incremental detokenizer."""
 
-    def __init__(
-        self,
-        tok: Tok,
-        prompt_tail: Sequence[int] = (),
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
-    ) -> None:
-        self.tok = tok
-        self.skip = skip_special_tokens
-        self.spaces = spaces_between_special_tokens
+    def __init__(self, tok: Tok, prompt_tail: Sequence[int] = (), skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
+        self.tok, self.skip, self.spaces = tok, skip_special_tokens, spaces_between_special_tokens
 
     def step(self, ids: Sequence[int]) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -156,7 +111,8 @@ class Stream:
         tok.fast  # noqa: B018
 
     @classmethod
-    def step_batch(cls, streams: Sequence["Stream"], idss: Sequence[Sequence[int]], finishing: Sequence[bool]) -> list[str]:
+    def step_batch(cls, streams: Sequence[Stream], idss: Sequence[Sequence[int]],
+                   finishing: Sequence[bool]) -> list[str]:
         """One step of many requests; a finishing request's text includes its flush."""
         return [s.step(ids) + s.finish() if f else s.step(ids) for s, ids, f in zip(streams, idss, finishing)]
 
@@ -164,39 +120,30 @@ class Stream:
 class NaiveStream(Stream):
     """Full re-decode of every id each step, send the new suffix."""
 
-    def __init__(self, tok, prompt_tail=(), skip_special_tokens=True, spaces_between_special_tokens=True):
-        super().__init__(tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)
+    def __init__(self, tok: Tok, prompt_tail: Sequence[int] = (), *flags: bool) -> None:
+        super().__init__(tok, prompt_tail, *flags)
         self._decode = tok.fast.decode
         self.ids = list(prompt_tail)
         self.sent = len(self._decode(self.ids, skip_special_tokens=self.skip)) if self.ids else 0
 
     def step(self, ids):
         self.ids.extend(ids)
+        return self.finish(hold=True)
+
+    def finish(self, hold: bool = False):
         text = self._decode(self.ids, skip_special_tokens=self.skip)
-        if text.endswith(REPLACEMENT):  # maybe a character still incomplete: wait
+        if hold and text.endswith(REPLACEMENT):  # maybe a character still incomplete: wait
             return ""
-        new = text[self.sent:]
-        self.sent = len(text)
+        new, self.sent = text[self.sent:], len(text)
         return new
 
-    def finish(self):
-        text = self._decode(self.ids, skip_special_tokens=self.skip)
-        new = text[self.sent:]
-        self.sent = len(text)
-        return new
+
+_CJK = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+        (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
 
 
 def _is_cjk(cp: int) -> bool:
-    return (
-        0x4E00 <= cp <= 0x9FFF
-        or 0x3400 <= cp <= 0x4DBF
-        or 0x20000 <= cp <= 0x2A6DF
-        or 0x2A700 <= cp <= 0x2B73F
-        or 0x2B740 <= cp <= 0x2B81F
-        or 0x2B820 <= cp <= 0x2CEAF
-        or 0xF900 <= cp <= 0xFAFF
-        or 0x2F800 <= cp <= 0x2FA1F
-    )
+    return any(a <= cp <= b for a, b in _CJK)
 
 
 def find_printable_text(text: str) -> str:
@@ -215,14 +162,11 @@ class SGLangStream(Stream):
 
     INIT_OFFSET = 5  # prompt ids that prime the window (INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
 
-    def __init__(self, tok, prompt_tail=(), skip_special_tokens=True, spaces_between_special_tokens=True):
-        super().__init__(tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)
-        tail = list(prompt_tail)[-self.INIT_OFFSET:] if prompt_tail else []
-        self.decode_ids: list[int] = tail
-        self.surr_offset = 0
-        self.read_offset = len(tail)
-        self.decoded_text = ""
-        self.sent_offset = 0
+    def __init__(self, tok: Tok, prompt_tail: Sequence[int] = (), *flags: bool) -> None:
+        super().__init__(tok, prompt_tail, *flags)
+        self.decode_ids: list[int] = list(prompt_tail)[-self.INIT_OFFSET:]
+        self.surr_offset, self.read_offset = 0, len(self.decode_ids)
+        self.decoded_text, self.sent_offset = "", 0
 
     @classmethod
     def prepare(cls, tok: Tok) -> None:
@@ -245,12 +189,9 @@ class SGLangStream(Stream):
         # One flag for the whole batch, from its first request, as SGLang does.
         first = streams[0]
         hf = first.tok.hf
-        surr_texts = hf.batch_decode(
-            surr_ids, skip_special_tokens=first.skip, spaces_between_special_tokens=first.spaces
-        )
-        read_texts = hf.batch_decode(
-            read_ids, skip_special_tokens=first.skip, spaces_between_special_tokens=first.spaces
-        )
+        flags = {"skip_special_tokens": first.skip, "spaces_between_special_tokens": first.spaces}
+        surr_texts = hf.batch_decode(surr_ids, **flags)
+        read_texts = hf.batch_decode(read_ids, **flags)
         out: list[str] = []
         for i, s in enumerate(streams):
             new_text = read_texts[i][len(surr_texts[i]):]
@@ -274,8 +215,8 @@ _INVALID_PREFIX = "Invalid prefix encountered"
 class DecodeStreamStream(Stream):
     """vLLM's FastIncrementalDetokenizer core: tokenizers' DecodeStream, one step per id."""
 
-    def __init__(self, tok, prompt_tail=(), skip_special_tokens=True, spaces_between_special_tokens=True):
-        super().__init__(tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)
+    def __init__(self, tok: Tok, prompt_tail: Sequence[int] = (), *flags: bool) -> None:
+        super().__init__(tok, prompt_tail, *flags)
         from tokenizers.decoders import DecodeStream
 
         self._new = DecodeStream
@@ -319,9 +260,9 @@ class DecodeStreamStream(Stream):
 class FloorStream(Stream):
     """Join of precomputed per-token bytes + an incremental UTF-8 decoder. Nothing else."""
 
-    def __init__(self, tok, prompt_tail=(), skip_special_tokens=True, spaces_between_special_tokens=True):
-        super().__init__(tok, prompt_tail, skip_special_tokens, spaces_between_special_tokens)
-        self.table = tok.byte_table(skip_special_tokens)
+    def __init__(self, tok: Tok, prompt_tail: Sequence[int] = (), *flags: bool) -> None:
+        super().__init__(tok, prompt_tail, *flags)
+        self.table = tok.byte_table(self.skip)
         dec = codecs.getincrementaldecoder("utf-8")("replace")
         self._dec = dec.decode
         self._strip = False
@@ -348,9 +289,5 @@ class FloorStream(Stream):
         return self._dec(b"", True)
 
 
-ALGOS: dict[str, type[Stream]] = {
-    "naive": NaiveStream,
-    "sglang": SGLangStream,
-    "decodestream": DecodeStreamStream,
-    "floor": FloorStream,
-}
+ALGOS: dict[str, type[Stream]] = {"naive": NaiveStream, "sglang": SGLangStream, "decodestream": DecodeStreamStream,
+                                  "floor": FloorStream}

@@ -1,19 +1,18 @@
-"""`python -m detokbench baselines`: one baseline of detokbench.baselines behind detokd's wire.
-
-Server (the same harness as detokd, docs/protocol.md v1, the subset the benchmark uses):
+"""`python -m detokbench baselines`: one baseline of detokbench.baselines behind detokd's wire,
+as `bench` starts it (docs/protocol.md v1, the part the benchmark sends):
 
     python -m detokbench baselines --algo naive|sglang|decodestream|floor \\
         --input ipc:///tmp/x/in --worker ipc:///tmp/x/w0 --tokenizer deepseek
 
-PULL-binds the input, PUSH-connects to each worker, answers every `tokens` row with one
-`text` row (rid, new text, finish, n_ids, meta copied through) and rows of one inbound
-message that go to one worker leave in one message. `abort`, `register`, `embeddings`
-and the `flush`/`freeze_gc` controls are honoured; unknown rids get an `unknown_rid`
-error row. Stop strings, `stream=false` and seq checks are not implemented.
+It PULL-binds the input, PUSH-connects to each worker and answers every `tokens` row with
+one `text` row (rid, new text, finish, n_ids, meta copied through), the rows of one inbound
+message for one worker in one message; an unknown rid gets an `unknown_rid` error row.
+Other message types, stop strings, `stream=false` and seq checks are not implemented.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import signal
@@ -24,7 +23,7 @@ from typing import Iterable
 import zmq
 
 from detokd.wire import native
-from detokd.wire.native import Abort, Control, Embeddings, OutRow, Register, Text, Tokens
+from detokd.wire.native import OutRow, Text, Tokens
 
 from .baselines import ALGOS, FloorStream, Stream, Tok
 from .commands import parser
@@ -44,10 +43,9 @@ class State:
 
 
 class Server:
-    """One baseline on one tokenizer: PULLs frames at `input_addr`, PUSHes text to the
-    workers (registered ones too)."""
+    """One baseline on one tokenizer: PULLs frames at `input_addr`, PUSHes text to the workers."""
 
-    def __init__(self, algo: str, input_addr: str, workers: list[str], tokenizer: str, hwm: int = 0) -> None:
+    def __init__(self, algo: str, input_addr: str, workers: list[str], tokenizer: str) -> None:
         self.cls = ALGOS[algo]
         self.tok = Tok(tokenizer)
         self.cls.prepare(self.tok)
@@ -55,82 +53,49 @@ class Server:
         self.floor = self.cls is FloorStream
         if algo != "sglang":
             # Start-up objects (tokenizer tables, modules) out of every future collection, as
-            # detokd does; SGLang's DetokenizerManager does not (until a freeze_gc request).
+            # detokd does; SGLang's DetokenizerManager does not.
             gc.collect()
             gc.freeze()
-        self.hwm = hwm
         self.ctx = zmq.Context()
-        self.pull = pull(self.ctx, input_addr, hwm=hwm)
-        self.pushes: dict[int, zmq.Socket] = {}
-        for i, w in enumerate(workers):
-            self.connect(i, w)
+        self.pull = pull(self.ctx, input_addr, hwm=0)
+        self.pushes = [push(self.ctx, w, hwm=0) for w in workers]
+        for s in self.pushes:
+            s.setsockopt(zmq.LINGER, -1)  # ZMQ's default: queued text still goes out
         self.states: dict[str, State] = {}
         log.info("%s serving %s -> %s (%s)", algo, input_addr, workers, self.tok.dir)
 
-    def connect(self, index: int, address: str) -> None:
-        old = self.pushes.pop(index, None)
-        if old is not None:
-            old.close(linger=1000)
-        s = push(self.ctx, address, hwm=self.hwm)
-        s.setsockopt(zmq.LINGER, -1)  # ZMQ's default: queued text still goes out
-        self.pushes[index] = s
-
-    def send(self, by_worker: dict[int, list[OutRow]]) -> None:
-        for w, rows in by_worker.items():
-            sock = self.pushes.get(w)
-            if sock is None:
-                log.warning("no address for worker %d: %d rows dropped", w, len(rows))
-                continue
-            sock.send(native.encode(Text(rows)))
-
     def serve(self) -> None:
-        decode_inbound = native.decode_inbound
         while True:
-            frame = self.pull.recv()
             try:
-                msg = decode_inbound(frame)
+                msg = native.decode_inbound(self.pull.recv())
             except native.DecodeError as e:
                 log.warning("undecodable message: %s", e)
                 continue
             if type(msg) is Tokens:
-                self.send(self.tokens(msg))
-            elif type(msg) is Abort:
-                for rid in msg.rids:
-                    self.states.pop(rid, None)
-            elif type(msg) is Control:
-                self.control(msg.op)
-            elif type(msg) is Register:
-                self.connect(msg.worker, msg.address)
-            elif type(msg) is Embeddings:
-                self.embeddings(msg)
+                for w, rows in self.tokens(msg).items():
+                    if w < len(self.pushes):
+                        self.pushes[w].send(native.encode(Text(rows)))
+                    else:
+                        log.warning("no address for worker %d: %d rows dropped", w, len(rows))
 
     def tokens(self, msg: Tokens) -> dict[int, list[OutRow]]:
         """Every row's text, by worker: row by row, or (SGLang) the batch at once."""
         out: dict[int, list[OutRow]] = {}
         cls, tok, states, batched, floor = self.cls, self.tok, self.states, self.batched, self.floor
-        if batched:
-            live_rows, streams, idss, fins = [], [], [], []
+        live: list[tuple] = []  # batched: (row, state) of every row, decoded together at the end
         for row in msg.rows:
-            rid = row.rid
-            start = row.start
+            rid, start = row.rid, row.start
             if start is not None:
-                st = states[rid] = State(
-                    cls(tok, start.prompt_tail, start.skip_special_tokens, start.spaces_between_special_tokens), 0, start.worker
-                )
-            else:
-                st = states.get(rid)
-                if st is None:
-                    err = OutRow(rid, "", row.finish, 0, row.meta, native.UNKNOWN_RID)
-                    for w in self.pushes:
-                        out.setdefault(w, []).append(err)
-                    continue
+                stream = cls(tok, start.prompt_tail, start.skip_special_tokens, start.spaces_between_special_tokens)
+                st = states[rid] = State(stream, 0, start.worker)
+            elif (st := states.get(rid)) is None:
+                for w in range(len(self.pushes)):
+                    out.setdefault(w, []).append(OutRow(rid, "", row.finish, 0, row.meta, native.UNKNOWN_RID))
+                continue
             ids = row.ids
             st.n_ids += len(ids)
             if batched:
-                live_rows.append((row, st))
-                streams.append(st.stream)
-                idss.append(ids)
-                fins.append(row.finish is not None)
+                live.append((row, st))
                 continue
             stream = st.stream
             if floor and not stream._strip:
@@ -146,30 +111,14 @@ class Server:
             if lst is None:
                 lst = out[st.worker] = []
             lst.append(OutRow(rid, text, row.finish, st.n_ids, row.meta))
-        if batched and streams:
-            texts = cls.step_batch(streams, idss, fins)
-            for (row, st), text in zip(live_rows, texts):
+        if live:
+            texts = cls.step_batch([st.stream for _, st in live], [row.ids for row, _ in live],
+                                   [row.finish is not None for row, _ in live])
+            for (row, st), text in zip(live, texts, strict=True):
                 if row.finish is not None:
                     states.pop(row.rid, None)
                 out.setdefault(st.worker, []).append(OutRow(row.rid, text, row.finish, st.n_ids, row.meta))
         return out
-
-    def control(self, op: str) -> None:
-        if op == "flush":
-            self.states.clear()
-        elif op == "freeze_gc":
-            gc.freeze()
-        else:
-            log.warning("unknown control op %r", op)
-
-    def embeddings(self, msg: Embeddings) -> None:
-        """Forwarded to each row's worker, as detokd does."""
-        by: dict[int, list] = {}
-        for r in msg.rows:
-            by.setdefault(r.worker, []).append(r)
-        for w, rows in by.items():
-            if w in self.pushes:
-                self.pushes[w].send(native.encode(Embeddings(rows)))
 
 
 def main(argv: Iterable[str]) -> int:
@@ -182,8 +131,6 @@ def main(argv: Iterable[str]) -> int:
     args = ap.parse_args(list(argv))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s baselines %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         Server(args.algo, args.input, args.worker, args.tokenizer).serve()
-    except KeyboardInterrupt:
-        pass
     return 0

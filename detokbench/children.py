@@ -7,6 +7,7 @@ detokbench wherever the tool was started from, and is stopped when the tool exit
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -51,10 +52,8 @@ def stop_proc(p: subprocess.Popen, grace: float = 5.0) -> None:
 @atexit.register
 def _cleanup() -> None:
     for p in _STARTED:
-        try:
+        with contextlib.suppress(Exception):
             stop_proc(p, 2.0)
-        except Exception:
-            pass
     for d in _DETOKDS:
         try:
             d.stop(2.0)

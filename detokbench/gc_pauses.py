@@ -50,28 +50,23 @@ def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
     text = vocab.backend.encode(corpus(), add_special_tokens=False).ids
     rng = random.Random(1)
     frames = []
-    age = [-(s * lifetime // batch) for s in range(batch)]  # steps until the slot's first start
-    generation, seq, at = [0] * batch, [0] * batch, [0] * batch
+    age = [-(s * lifetime // batch) for s in range(batch)]  # a slot's request's step: its seq (one id a step)
+    generation, at = [0] * batch, [0] * batch
     for _ in range(steps):
         rows = []
         for s in range(batch):
             a = age[s]
             age[s] += 1
-            if a < 0:
+            if a < 0:  # steps until the slot's first start
                 continue
-            rid, pos = f"r{s}-{generation[s]}", at[s] % (len(text) - TAIL)
-            ids = [text[pos + TAIL]]
+            pos = at[s] % (len(text) - TAIL)
             at[s] += 1
-            if a == 0:
-                rows.append(native.Row(rid, ids, 0, native.Start(prompt_tail=text[pos : pos + TAIL])))
-                seq[s] = 1
-            elif a == lifetime - 1:
-                rows.append(native.Row(rid, ids, seq[s], finish=native.Finish("length")))
+            start = native.Start(prompt_tail=text[pos : pos + TAIL]) if a == 0 else None
+            finish = native.Finish("length") if 0 < a == lifetime - 1 else None
+            rows.append(native.Row(f"r{s}-{generation[s]}", [text[pos + TAIL]], a, start, finish))
+            if finish:
                 age[s], at[s] = 0, rng.randrange(len(text))
                 generation[s] += 1
-            else:
-                rows.append(native.Row(rid, ids, seq[s]))
-                seq[s] += 1
         frames.append(native.encode(native.Tokens(rows)))
 
     text_of = msgspec.msgpack.Decoder(native.Text).decode

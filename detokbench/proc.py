@@ -1,12 +1,12 @@
 """CPU time and memory of processes, from /proc (Linux), and the rest of the machine's load.
 
-Every tool reads them here. Per-thread /proc/<pid>/task/*/schedstat gives run time in
-ns (/proc/<pid>/stat and psutil's cpu_times round to clock ticks, 10 ms): the
-benchmarks read it around each measured phase.
+The benchmarks read per-thread run time in ns from /proc/<pid>/task/*/schedstat around
+each measured phase (/proc/<pid>/stat and psutil's cpu_times round to clock ticks, 10 ms).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -73,35 +73,30 @@ def descendants(pid: int) -> list[int]:
         except OSError:
             continue
         for tid in tids:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), open(f"/proc/{p}/task/{tid}/children") as f:
+                todo += [int(c) for c in f.read().split()]
     return out
 
 
-def _proc_stat() -> Optional[list[int]]:
+def _proc_stat(*fields: int) -> Optional[int]:
+    """The sum of these fields of /proc/stat's cpu line (0 user, 1 nice, 2 system, 3 idle,
+    4 iowait, 5 irq, 6 softirq, 7 steal), in ns."""
     try:
         with open("/proc/stat") as f:
-            parts = f.readline().split()
+            parts = f.readline().split()[1:9]
     except OSError:
         return None
-    return [int(x) for x in parts[1:9]]  # user nice system idle iowait irq softirq steal
+    return sum(int(parts[i]) for i in fields) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_ns() -> Optional[int]:
-    """CPU time all processes of the machine ran (from /proc/stat), in ns."""
-    v = _proc_stat()
-    if v is None:
-        return None
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    """CPU time all processes of the machine ran, in ns."""
+    return _proc_stat(0, 1, 2, 5, 6)
 
 
 def steal_ns() -> Optional[int]:
     """CPU time the hypervisor gave to other guests while this one wanted to run."""
-    v = _proc_stat()
-    return None if v is None else v[7] * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    return _proc_stat(7)
 
 
 def other_load(seconds: float = 0.5) -> float:
@@ -109,9 +104,7 @@ def other_load(seconds: float = 0.5) -> float:
     m0, t0 = machine_busy_ns(), time.monotonic_ns()
     time.sleep(seconds)
     m1, t1 = machine_busy_ns(), time.monotonic_ns()
-    if m0 is None or m1 is None:
-        return 0.0
-    return (m1 - m0) / (t1 - t0)
+    return 0.0 if m0 is None or m1 is None else (m1 - m0) / (t1 - t0)
 
 
 class QuietWait:
@@ -160,11 +153,9 @@ class ProcTree:
 
         total = 0.0
         for p in self.pids:
-            try:
+            with contextlib.suppress(Exception):
                 t = psutil.Process(p).cpu_times()
                 total += t.user + t.system
-            except Exception:
-                pass
         return total
 
     def reset_peak(self) -> bool:

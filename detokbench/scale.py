@@ -1,14 +1,11 @@
-"""detokd's own throughput by shard count, on a harness too cheap to matter.
+"""detokd's own throughput by shard count, on a harness too cheap to matter
+(docs/performance.md, "Scale-out: shards"): unlike `bench`, whose Python scheduler and
+worker take most of a second core, it measures detokd as a load generator measures a server.
 
-`detokbench bench` measures the whole pipeline, whose Python scheduler and worker take
-most of a second core; this measures detokd as a load generator measures a server
-(docs/performance.md, "Scale-out: shards"). Every frame of a round is built before
-timing by the real SchedulerClient (split over shards by crc32(rid)) and handed to ZMQ
-at once, so detokd never waits; the worker only keeps frames, checked against the
-oracle after the round. Configurations alternate round by round (ABBA...) so the VM's
-drift hits them alike; the ratio is the median of per-round ratios. Beside each round,
-N copies of a plain Python loop against one measure the machine's own ceiling, which no
-scale-out beats. CPU per token from /proc/<pid>/task/*/schedstat (Linux only).
+A round's frames are built before timing by the real SchedulerClient and handed to ZMQ at
+once, so detokd never waits; the answers are checked against the oracle after the round.
+Configurations alternate round by round (ABBA...) so the VM's drift hits them alike; beside
+each round, N copies of a plain Python loop against one measure the machine's ceiling.
 
     python -m detokbench scale                        # 1 and 2 shards, deepseek, B=1024
     python -m detokbench scale --shards 1 --batch 256 # detokd's CPU per token at B=256
@@ -17,6 +14,7 @@ scale-out beats. CPU per token from /proc/<pid>/task/*/schedstat (Linux only).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import statistics
@@ -36,8 +34,8 @@ from detokd.process import NotReady
 from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
 
-from .children import detokd_process
 from .bench.report import md_head
+from .children import detokd_process
 from .commands import parser, write_json
 from .corpus import TAIL, corpus
 from .engine import push
@@ -130,7 +128,7 @@ class Target:
         try:
             self.detokd.wait_ready(timeout)
         except NotReady as e:
-            raise SystemExit(f"detokd with {self.shards} shard(s): {e}")
+            raise SystemExit(f"detokd with {self.shards} shard(s): {e}") from None
         client = SchedulerClient(self.addresses)
         for i in range(len(self.addresses)):
             client.begin(marker(i, len(self.addresses), "\x01probe-"), finish=Finish("length"))
@@ -146,10 +144,7 @@ class Target:
 
     def round(self, frames: list[list[bytes]], marks: list[bytes]) -> tuple[float, float, list[bytes]]:
         """Send one round, keep every answer; (wall s, detokd CPU s, frames received).
-
-        The send queues are unbounded, so the whole round is handed to ZMQ up front
-        (a few ms) and detokd is never waiting for this process.
-        """
+        The send queues are unbounded: the round goes to ZMQ up front (a few ms)."""
         got: list[bytes] = []
         todo = set(marks)
         c0, t0 = cpu_s(self.pids), time.perf_counter()
@@ -160,18 +155,13 @@ class Target:
         while todo:
             if not self.worker.poll(60_000):
                 raise SystemExit(f"detokd with {self.shards} shard(s) stopped answering mid-round")
-            frame = self.worker.recv()
-            got.append(frame)
-            end = frame[-256:]  # a marker's row is the last of its frame
-            for m in [m for m in todo if m in end]:
-                todo.discard(m)
+            got.append(frame := self.worker.recv())
+            todo -= {m for m in todo if m in frame[-256:]}  # a marker's row is the last of its frame
         return time.perf_counter() - t0, cpu_s(self.pids) - c0, got
 
     def stop(self) -> None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # stop() killed it
             self.detokd.stop(15)
-        except subprocess.TimeoutExpired:
-            pass  # stop() killed it
 
 
 def check(streams: Streams, got: list[bytes]) -> int:
@@ -247,6 +237,10 @@ def summarize(args: argparse.Namespace, counts: list[int], runs: dict[int, list[
     """Print the table and the ratios (each configuration against the first, and the
     gain against the machine's ceiling); the ratios."""
     med = statistics.median
+
+    def spread(xs: list[float]) -> dict:
+        return {"median": med(xs), "min": min(xs), "max": max(xs)}
+
     print(f"\n{args.tokenizer}, B={args.batch}, {args.ids_per_row} id(s)/row, {args.steps} steps x {args.rounds} rounds, "
           f"{os.cpu_count()} CPUs\n")
     print(*md_head("shards", "tokens/s (median)", "min – max", "detokd CPU-µs/token", "harness CPU-µs/token", "wrong streams"),
@@ -261,14 +255,14 @@ def summarize(args: argparse.Namespace, counts: list[int], runs: dict[int, list[
     ratios = {}
     for c in counts[1:]:
         per_round = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[c], runs[base])]
-        ratios[c] = {"median": med(per_round), "min": min(per_round), "max": max(per_round)}
+        ratios[c] = spread(per_round)
         print(f"\n{c} shards / {base}: {med(per_round):.2f}x (median of {len(per_round)} paired rounds; "
               f"{min(per_round):.2f}–{max(per_round):.2f})")
     if ceilings and top != base:
         print(f"machine ceiling, {top} plain Python processes / one: {med(ceilings):.2f}x "
               f"(median of {len(ceilings)}; {min(ceilings):.2f}–{max(ceilings):.2f})")
         eff = [a["tokens_per_s"] / b["tokens_per_s"] / c for a, b, c in zip(runs[top], runs[base], ceilings)]
-        ratios["of_ceiling"] = {"median": med(eff), "min": min(eff), "max": max(eff)}
+        ratios["of_ceiling"] = spread(eff)
         print(f"{top} shards' gain as a share of the ceiling measured beside it: {med(eff):.0%} (median)")
     return ratios
 

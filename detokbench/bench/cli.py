@@ -1,9 +1,6 @@
-"""`python -m detokbench bench`: its command line, and the whole run of every
-implementation on every configuration.
-
-Every implementation (detokd and the baselines of detokbench.baselines) runs on the
-same streams, one after the other, for each configuration; then the flatness run.
-results.json, table.md, summary.md and the plots go to --out.
+"""`python -m detokbench bench`: every implementation (detokd and the baselines) on the same
+streams, one after the other, for each configuration; then the flatness run. results.json,
+table.md, summary.md and the plots go to --out.
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ from typing import Any
 from .. import ROOT
 from ..commands import command_line
 from ..proc import QuietWait
-from .harness import Harness, Impl, Stall, start_impl
 from .flatness import run_flatness
+from .harness import Harness, Impl, Stall, start_impl
 from .progress import Progress
 from .report import IMPLS, TOKENIZERS, fmt_rate, log, machine, plot, ratios, report, versions
 from .runs import run_config
@@ -166,12 +163,9 @@ class Bench:
         for name in self.plan.impls:
             self.say(f"{tok}: starting {name}")
             self.start(name, tok, corp)
-        cid = 0
-        for n in self.plan.nids:
-            for B in self.plan.batches:
-                cid += 1
-                self.configuration(tok, corp, B, n, f"c{cid}")
-                self.save()
+        for cid, (n, B) in enumerate(((n, B) for n in self.plan.nids for B in self.plan.batches), 1):
+            self.configuration(tok, corp, B, n, f"c{cid}")
+            self.save()
         if tok in self.plan.long_toks:
             self.flatness(tok, corp)
             self.save()
@@ -196,10 +190,7 @@ class Bench:
                 self.fail(impl, e, f"{name} {tok} B={B} n={n}", impl=name, tokenizer=tok, batch=B, ids_per_row=n)
                 impl.stop()
                 self.running.pop(name, None)
-                try:  # the next configuration gets a fresh one
-                    self.running[name] = start_impl(name, tok, self.h, args, corp)
-                except Exception as e2:
-                    log(f"{name} ({tok}) failed to restart: {e2}")
+                self.start(name, tok, corp)  # the next configuration gets a fresh one
                 continue
             self.results["runs"].append(r)
             chk = r["check"]
@@ -263,11 +254,12 @@ class Bench:
             log(f"logs and sockets kept in {self.tmp}")
 
 
-def write_report(results: dict, out_dir: Path, no_plot: bool) -> None:
-    """table.md, summary.md and the plots of a finished run."""
-    md = report(results)
-    (out_dir / "table.md").write_text(md)
-    (out_dir / "summary.md").write_text(report(results, full=False))
+def write_report(results: dict, out_dir: Path, no_plot: bool, full: bool = True, tables: bool = True) -> None:
+    """Print a run's markdown tables (`tables`: write table.md and summary.md too), draw its plots."""
+    md = report(results, full=full)
+    if tables:
+        (out_dir / "table.md").write_text(md)
+        (out_dir / "summary.md").write_text(report(results, full=False))
     print(md)
     if not no_plot:
         for p in plot(results, out_dir):
@@ -295,11 +287,8 @@ def run(args, command: str) -> int:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.report:
-        res = json.loads(Path(args.report).read_text())
-        print(report(res, full=not args.summary))
-        if not args.no_plot:
-            for p in plot(res, Path(args.report).parent):
-                print(f"plot: {p}")
+        path = Path(args.report)
+        write_report(json.loads(path.read_text()), path.parent, args.no_plot, full=not args.summary, tables=False)
         return 0
 
     def on_term(*_):

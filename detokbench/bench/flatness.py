@@ -3,14 +3,13 @@ measured side by side so the machine's drift cancels."""
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import astuple, dataclass
 from typing import Any
 
 from ..proc import machine_busy_ns
 from .harness import Impl
-from .pipeline import STEP, Pipeline
+from .pipeline import STEP, Clocks, Pipeline, check_record, measured
 from .progress import Progress
 from .report import fmt_rate, median
 from .workload import Workload
@@ -47,19 +46,23 @@ class Flatness:
         # stretch of the long run samples it over a whole round (mean position short_len/2).
         self.stride = max(1, round(short_len * segments * probe_every / max(1, steps)))
 
-    def send(self, step: list, seq: int, window: int) -> None:
-        self.p.window = window
+    def send(self, step: list, seq: int, window: int | None = None) -> None:
+        self.p.window = window or self.window
         self.p.send(step, seq, STEP)
 
     def short_step(self) -> None:
         k, S = self.sp, self.S
-        self.send(S["start"] if k == 0 else S["cyc"][k % len(S["cyc"])], k * self.n, self.window)
-        self.sp = k + 1
-        if self.sp >= self.short_len:
-            self.end_short_round(self.window)
+        self.send(S["start"] if k == 0 else S["cyc"][k % len(S["cyc"])], k * self.n)
+        self.short_done()
 
-    def end_short_round(self, window: int) -> None:
-        self.send(self.S["finish"], self.sp * self.n, window)
+    def short_done(self) -> None:
+        """The control set's step went; at the end of its round, its finishing step."""
+        self.sp += 1
+        if self.sp >= self.short_len:
+            self.end_short_round()
+
+    def end_short_round(self) -> None:
+        self.send(self.S["finish"], self.sp * self.n)
         self.short_rounds.append(self.sp)
         self.sp = 0
 
@@ -89,9 +92,7 @@ class Flatness:
         m1, w1 = machine_busy_ns(), time.monotonic_ns()
         lc, sc = (c1 - c0, c2 - c1) if long_first else (c2 - c1, c1 - c0)
         self.probes.append(Probe(j, lc, pos, sc, (m1 or 0) - (m0 or 0) - (c2 - c0) - (hc1 - hc0), w1 - w0))
-        self.sp = pos + 1
-        if self.sp >= self.short_len:
-            self.end_short_round(self.window)
+        self.short_done()
 
     def run(self, max_seconds: float, progress: Progress) -> int:
         """The long streams' steps, probed every `probe_every`; the steps run (the run
@@ -104,7 +105,7 @@ class Flatness:
             if j and j % self.probe_every == 0:
                 self.probe(j, lp)
             else:
-                self.send(lp, j * n, self.window)
+                self.send(lp, j * n)
             j += 1
             if (j & 63) == 0:
                 tm = time.monotonic()
@@ -113,9 +114,9 @@ class Flatness:
                 if progress.tty and tm - progress.last > 0.2:
                     el = (time.monotonic_ns() - t_start) / 1e9
                     progress.update(f"flatness step {j}/{self.steps}  {fmt_rate(j * B * n / el if el > 0 else 0)} tok/s  {len(self.probes)} probes")
-        self.send(L["finish"], j * n, self.window)
+        self.send(L["finish"], j * n)
         if self.sp:
-            self.end_short_round(self.window)
+            self.end_short_round()
         self.p.drain()
         return j
 
@@ -131,53 +132,34 @@ def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: in
     CPU time is read around each of the two: both costs are measured within a
     millisecond of each other, so the machine's own drift (a VM's speed moves by ±20%
     over seconds here) cancels in their ratio."""
-    h, B = impl.h, wl_long.batch
+    B = wl_long.batch
     watch_idx = sorted({0, B - 1, B // 2}) if check != "off" else []
     watch = [wl_long.rids[i] for i in watch_idx] + [wl_short.rids[i] for i in watch_idx]
-    h.configure(B, "sample" if watch else "off", watch)
-    impl.tree.refresh()
-    impl.tree.reset_peak()
     f = Flatness(impl, wl_long, wl_short, steps=steps, probe_every=probe_every, short_len=short_len,
                  window=window, segments=segments)
-    gc_was = gc.isenabled()
-    gc.disable()
-    c_start, t_start = impl.tree.cpu_ns(), time.monotonic_ns()
-    m_start = machine_busy_ns()
-    h_start = h.self_tree.cpu_ns() + h.worker_tree.cpu_ns()
-    try:
+    with measured(impl, B, "sample" if watch else "off", watch):
+        c0, t_start = Clocks.read(impl), time.monotonic_ns()
         j = f.run(max_seconds, progress)
-    finally:
-        if gc_was:
-            gc.enable()
     secs = (time.monotonic_ns() - t_start) / 1e9
+    c1 = Clocks.read(impl)
     tokens = (j + sum(f.short_rounds)) * B * f.n
-    c_end, m_end = impl.tree.cpu_ns(), machine_busy_ns()
-    h_end = h.self_tree.cpu_ns() + h.worker_tree.cpu_ns()
+    impl_ns = c1.impl_ns - c0.impl_ns
     result: dict[str, Any] = dict(
         impl=impl.name, tokenizer=wl_long.corp.name, batch=B, ids_per_row=f.n, shards=impl.shards,
-        steps=steps, steps_run=j, probes=len(f.probes), probe_every=probe_every, short_len=short_len, short_stride=f.stride,
-        tokens=tokens, seconds=secs, tok_per_s=tokens / secs if secs > 0 else None,
-        cpu_s_per_mtok=(c_end - c_start) / 1e9 / tokens * 1e6 if tokens else None,
+        steps=steps, steps_run=j, probes=len(f.probes), probe_every=probe_every, short_len=short_len,
+        short_stride=f.stride, tokens=tokens, seconds=secs, tok_per_s=tokens / secs if secs > 0 else None,
+        cpu_s_per_mtok=impl_ns / 1e9 / tokens * 1e6 if tokens else None,
         peak_rss_mb=impl.tree.peak_rss_mb(),
-        other_cores=(max(0, (m_end - m_start) - (c_end - c_start) - (h_end - h_start)) / 1e9 / secs)
-        if (m_start and m_end and secs) else None,
+        other_cores=c1.other_cores(c0, secs) if (c0.machine_ns and c1.machine_ns and secs) else None,
         flatness=flatness_summary(f.probes, B * f.n, j, segments), probe_data=[list(astuple(p)) for p in f.probes],
     )
-    result["check"] = check_flatness_text(impl, f, watch_idx, j, watch)
+    dump = impl.h.dump()
+    bad = sum(dump["texts"].get(wl.rids[i], "") != wl.reference(i, rounds)
+              for i in watch_idx for wl, rounds in ((wl_long, [j]), (wl_short, f.short_rounds)))
+    result["check"] = check_record("sample" if watch else "off", len(watch), bad, [], dump)
     return result
 
 
-def check_flatness_text(impl: Impl, f: Flatness, watch_idx: list[int], j: int, watch: list[str]) -> dict:
-    dump = impl.h.dump()
-    bad = 0
-    for i in watch_idx:
-        if dump["texts"].get(f.wl_long.rids[i], "") != f.wl_long.reference(i, [j]):
-            bad += 1
-        if dump["texts"].get(f.wl_short.rids[i], "") != f.wl_short.reference(i, f.short_rounds):
-            bad += 1
-    return {"mode": "sample" if watch else "off", "streams": len(watch), "mismatches": bad,
-            "examples": [], "errors": dump["n_errors"], "error_examples": dump["errors"][:5],
-            "bad_frames": dump["bad_frames"]}
 def flatness_summary(probes: list[Probe], tokens_per_step: int, length: int, segments: int) -> dict:
     """Probe costs in `segments` stretches of the long run: medians of the long and the
     short (control) steps' µs/token, and their ratio. The first stretch has both sets at

@@ -8,6 +8,7 @@ PUSHes text to the one worker (worker.py), which acks whole steps to the schedul
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
@@ -26,7 +27,7 @@ from ..children import detokd_process, spawn, stop_proc
 from ..engine import push
 from ..proc import ProcTree
 from ..sink import pull
-from .worker import ACK_CONFIG, ACK_DUMP, ACK_STEP, Configure, Dump, Quit
+from .worker import ACK_CONFIG, ACK_DUMP, Configure, Dump, Quit
 
 
 class Stall(RuntimeError):
@@ -64,30 +65,27 @@ class Harness:
             if self.worker.poll() is not None:
                 raise RuntimeError(f"the worker process exited ({self.worker.returncode}); see {self.tmp}/worker.log")
 
+    def ask(self, msg: Configure | Dump, kind: int) -> list:
+        """Send the worker a control message; its answer (acks of steps before it are dropped)."""
+        self.ctl.send(self.enc(msg))
+        while True:
+            a = self.recv_ack(60)
+            if a[0] == kind and a[1] == self.cid:
+                return a
+
     def configure(self, expected: int, check: str, watch: list[str]) -> int:
         self.cid += 1
-        self.ctl.send(self.enc(Configure(self.cid, expected, check, watch)))
-        while True:
-            a = self.recv_ack(60)
-            if a[0] == ACK_CONFIG and a[1] == self.cid:
-                return self.cid
+        self.ask(Configure(self.cid, expected, check, watch), ACK_CONFIG)
+        return self.cid
 
     def dump(self) -> dict:
-        self.ctl.send(self.enc(Dump(self.cid)))
-        while True:
-            a = self.recv_ack(60)
-            if a[0] == ACK_DUMP and a[1] == self.cid:
-                return a[2]
+        return self.ask(Dump(self.cid), ACK_DUMP)[2]
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.ctl.send(self.enc(Quit()))
-        except Exception:
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.worker.wait(3)
-        except subprocess.TimeoutExpired:
-            pass
         stop_proc(self.worker)
         self.ctx.destroy(linger=0)
 
@@ -110,24 +108,13 @@ class Impl:
             self.detokd.spawn()
             self.proc = self.detokd.proc
             self.log_path = self.detokd.log_path
-            self.cmd = self.proc.args
         else:
             self.log_path = h.tmp / f"{name}-{tokenizer}.log"
-            self.cmd = [sys.executable, "-m", "detokbench", "baselines", "--algo", name,
-                        "--input", base, "--worker", h.text_addr, "--tokenizer", tokenizer]
-            self.proc = spawn(self.cmd, self.log_path)
+            self.proc = spawn([sys.executable, "-m", "detokbench", "baselines", "--algo", name, "--input", base,
+                               "--worker", h.text_addr, "--tokenizer", tokenizer], self.log_path)
         self.tree = ProcTree(self.proc.pid)
         addrs = [base] if self.shards == 1 else [derive_address(base, i) for i in range(self.shards)]
         self.socks = [push(h.ctx, a, hwm=0) for a in addrs]
-
-    def wait_ready(self, timeout: float) -> None:
-        """detokd: until it (every shard) said READY=1; a baseline is ready once it
-        answers, which start_impl's warm-up waits for."""
-        if self.detokd is not None:
-            self.detokd.wait_ready(timeout)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     def log_tail(self, n: int = 15) -> str:
         try:
@@ -140,43 +127,38 @@ class Impl:
         for s in self.socks:
             s.close(linger=0)
         if self.detokd is not None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.detokd.stop(5.0)
-            except subprocess.TimeoutExpired:
-                pass
         else:
             stop_proc(self.proc)
 
 
 def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
     """Launch and wait until it has answered a small warm-up round (64 streams, 8 steps)."""
-    from .workload import Workload, step_values
+    from .pipeline import Pipeline
+    from .progress import Progress
+    from .runs import one_round
+    from .workload import Workload
 
     impl = Impl(name, tokenizer, h, args)
     wl = Workload(corp, 64, 1, f"warm{name}")
     try:
-        impl.wait_ready(180)
+        if impl.detokd is not None:  # until every shard said READY=1; a baseline is ready once it answers
+            impl.detokd.wait_ready(180)
         fr = wl.frames(impl.shards)
         h.configure(64, "off", [])
+        p = Pipeline(impl, window=9, stall_s=2.0)
         # Frames sent before a baseline binds wait in the socket: send, then wait.
-        for k in range(9):
-            step = fr["start"] if k == 0 else fr["finish"] if k == 8 else fr["cyc"][k]
-            seq, meta = step_values(k, (k, time.monotonic_ns()))
-            for s, tmpl in step:
-                impl.socks[s].send(tmpl.fill(seq, meta))
+        one_round(p, wl, fr, 8, float("inf"), "warm-up", Progress(0, quiet=True))
         deadline = time.monotonic() + 180
-        got: set[int] = set()
-        while len(got) < 9:
-            if not impl.alive():
+        while p.next < p.sent:
+            if impl.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited ({impl.proc.returncode}):\n{impl.log_tail()}")
             try:
-                a = h.recv_ack(2.0)
+                p.drain()
             except Stall:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not answer within 180 s:\n{impl.log_tail()}")
-                continue
-            if a[0] == ACK_STEP:
-                got.add(a[1])
+                    raise RuntimeError(f"{name} did not answer within 180 s:\n{impl.log_tail()}") from None
         dump = h.dump()
         if dump["n_errors"]:
             sys.stderr.write(f"warning: {name} answered the warm-up with error rows: {dump['errors'][:3]}\n")

@@ -1,20 +1,18 @@
 """The scheduler side of a measured run: steps out with a window of them in flight, and
 the clocks read around a phase.
 
-    scheduler (this process) --tokens--> implementation --text--> worker (worker.py)
-         ^                                                          |
-         +---------------------- ack of each whole step ------------+
-
-Flow control: at most `window` steps are in flight (sent, not yet acked); step k
-goes once step k-window is acked, so the pipeline runs as fast as it absorbs without
-an unbounded queue that would turn latency into a measure of the queue length.
+At most `window` steps are in flight (sent, not yet acked): step k goes once step
+k-window is acked, so the pipeline runs as fast as it absorbs without a queue that would
+turn latency into a measure of the queue's length.
 """
 
 from __future__ import annotations
 
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..proc import machine_busy_ns, steal_ns
 from .harness import Impl
@@ -87,6 +85,21 @@ class Pipeline:
             self.take_ack()
 
 
+@contextmanager
+def measured(impl: Impl, batch: int, check: str, watch: list[str]) -> Iterator[None]:
+    """A measured phase: the worker told what to expect, the peak RSS reset, the collector off."""
+    impl.h.configure(batch, check, watch)
+    impl.tree.refresh()
+    impl.tree.reset_peak()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if gc_was:
+            gc.enable()
+
+
 @dataclass(frozen=True)
 class Clocks:
     """CPU time of the implementation, this process, the worker and the machine, read
@@ -104,3 +117,15 @@ class Clocks:
         h = impl.h
         return cls(impl.tree.cpu_ns(), impl.tree.cpu_psutil(), h.self_tree.cpu_ns(), h.worker_tree.cpu_ns(),
                    machine_busy_ns(), steal_ns())
+
+    def other_cores(self, before: Clocks, seconds: float) -> float:
+        """Cores kept busy by processes outside the benchmark (another test run, ...) since
+        `before`: should be ~0 for the figures to mean anything. Needs machine_ns."""
+        own = sum(getattr(self, k) - getattr(before, k) for k in ("impl_ns", "scheduler_ns", "worker_ns"))
+        return max(0, (self.machine_ns or 0) - (before.machine_ns or 0) - own) / 1e9 / seconds
+
+
+def check_record(mode: str, streams: int, mismatches: int, examples: list, dump: dict) -> dict:
+    """A run's text check: what it compared and found, and the worker's error counts."""
+    return {"mode": mode, "streams": streams, "mismatches": mismatches, "examples": examples,
+            "errors": dump["n_errors"], "error_examples": dump["errors"][:5], "bad_frames": dump["bad_frames"]}

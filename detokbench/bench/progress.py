@@ -13,13 +13,10 @@ class Progress:
     """`total` measurements; `begin` one, `update` its line while it runs, `done` its result."""
 
     def __init__(self, total: int, quiet: bool) -> None:
-        self.total, self.i = total, 0
+        self.total, self.i, self.quiet = total, 0, quiet
         self.tty = sys.stderr.isatty() and not quiet
-        self.quiet = quiet
-        self.last = 0.0
-        self.t0 = time.monotonic()
-        self.label = ""
-        self.width = 0
+        self.last, self.t0 = 0.0, time.monotonic()
+        self.label, self.width = "", 0
 
     def begin(self, label: str) -> None:
         self.i += 1
@@ -33,13 +30,11 @@ class Progress:
         if not force and t - self.last < 0.2:
             return
         self.last = t
-        line = f"[{self.i}/{self.total} {t - self.t0:5.0f}s] {self.label}  {text}"
-        cols = 160
         try:
             cols = os.get_terminal_size(sys.stderr.fileno()).columns - 1
         except OSError:
-            pass
-        line = line[:cols]
+            cols = 160
+        line = f"[{self.i}/{self.total} {t - self.t0:5.0f}s] {self.label}  {text}"[:cols]
         sys.stderr.write("\r" + line + " " * max(0, self.width - len(line)))
         sys.stderr.flush()
         self.width = len(line)

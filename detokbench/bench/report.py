@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -56,14 +57,11 @@ def median(xs):
     return xs[len(xs) // 2] if xs else None
 
 
-
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for mod in ("tokenizers", "transformers", "zmq", "msgspec", "psutil"):
-        try:
+        with contextlib.suppress(Exception):
             out[mod] = __import__(mod).__version__
-        except Exception:
-            pass
     return out
 
 
@@ -86,59 +84,65 @@ def _index(runs: list[dict]) -> dict:
     return {(r["impl"], r["tokenizer"], r["batch"], r["ids_per_row"]): r for r in runs}
 
 
+def _ratio(a: Optional[dict], b: Optional[dict], key: str) -> Optional[float]:
+    """a[key] / b[key], when both runs exist and measured it."""
+    return a[key] / b[key] if a and b and a[key] and b[key] else None
+
+
 def ratios(runs: list[dict]) -> list[dict]:
     idx = _index(runs)
     out = []
     for (impl, tok, B, n), r in sorted(idx.items(), key=lambda kv: (kv[0][1], kv[0][3], kv[0][2])):
         if impl != "detokd":
             continue
-        row = {"tokenizer": tok, "batch": B, "ids_per_row": n, "vs": {}}
-        for b in BASELINES:
-            o = idx.get((b, tok, B, n))
-            if not o:
-                continue
-            row["vs"][b] = {
-                "tok_per_s": (r["tok_per_s"] / o["tok_per_s"]) if r["tok_per_s"] and o["tok_per_s"] else None,
-                # > 1: detokd spends less CPU per token than the baseline
-                "cpu_per_token": (o["cpu_s_per_mtok"] / r["cpu_s_per_mtok"]) if r["cpu_s_per_mtok"] and o["cpu_s_per_mtok"] else None,
-            }
-        out.append(row)
+        vs = {b: {"tok_per_s": _ratio(r, o, "tok_per_s"),
+                  "cpu_per_token": _ratio(o, r, "cpu_s_per_mtok")}  # > 1: detokd spends less CPU per token
+              for b in BASELINES if (o := idx.get((b, tok, B, n)))}
+        out.append({"tokenizer": tok, "batch": B, "ids_per_row": n, "vs": vs})
     return out
+
+
+_LATENCIES = ("idle p50", "idle p99", "idle max", "loaded p50", "loaded p99", "loaded max")
 
 
 def _f(x, spec=".2f", none="–"):
     return none if x is None else format(x, spec)
 
 
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def _latencies(r: dict) -> list[str]:
+    """Idle and loaded p50, p99, max of a run, in ms."""
+    return [_f((r.get(phase) or {}).get(k), ".3f")
+            for phase in ("lat_idle", "lat_loaded") for k in ("p50_ms", "p99_ms", "max_ms")]
+
+
 def targets(res: dict) -> list[tuple[str, str, Optional[bool]]]:
     idx = _index(res["runs"])
-    out = []
     d = idx.get(("detokd", "deepseek", 256, 1))
-
-    def ratio_to(b):
-        o = idx.get((b, "deepseek", 256, 1))
-        return d["tok_per_s"] / o["tok_per_s"] if d and o and d["tok_per_s"] and o["tok_per_s"] else None
-
     tps = d["tok_per_s"] if d else None
-    out.append(("≥ 1,000,000 tok/s through detokd, B=256, 1 id/row, deepseek", f"{fmt_rate(tps)} tok/s", None if tps is None else tps >= 1e6))
+    out = [("≥ 1,000,000 tok/s through detokd, B=256, 1 id/row, deepseek", f"{fmt_rate(tps)} tok/s",
+            None if tps is None else tps >= 1e6)]
     for b, want in (("sglang", 5), ("decodestream", 2)):
-        x = ratio_to(b)
+        x = _ratio(d, idx.get((b, "deepseek", 256, 1)), "tok_per_s")
         out.append((f"≥ {want}× the {b} baseline (same configuration)", f"{_f(x)}×", None if x is None else x >= want))
     d1024 = idx.get(("detokd", "deepseek", 1024, 1))
     p99 = (d1024.get("lat_idle") or {}).get("p99_ms") if d1024 else None
-    out.append(("p99 step latency ≤ 1 ms at B=1024 (deepseek, 1 id/row, one step in flight)", f"{_f(p99, '.3f')} ms", None if p99 is None else p99 <= 1.0))
+    out.append(("p99 step latency ≤ 1 ms at B=1024 (deepseek, 1 id/row, one step in flight)", f"{_f(p99, '.3f')} ms",
+                None if p99 is None else p99 <= 1.0))
     fl = next((f for f in res.get("flatness", []) if f["impl"] == "detokd" and f["tokenizer"] == "deepseek"), None)
     ff = fl["flatness"] if fl else {}
     x = ff.get("late_ratio")
-    if x is not None:
-        txt = (f"{_f(x)}× ({_f(ff['late_long_us_per_tok'], '.3f')} µs/token at length ≈{ff['late_len']:.0f}, "
-               f"{_f(ff['late_short_us_per_tok'], '.3f')} µs at ≈{ff['short_len']:.0f}, measured side by side)")
-    else:
-        txt = "–"
-    out.append((f"per-token CPU at length {fl['steps'] if fl else 32768:,} within 1.1× of length ≈128", txt, None if x is None else x <= 1.1))
-    fo = idx.get(("floor", "deepseek", 256, 1))
-    c = d["cpu_s_per_mtok"] / fo["cpu_s_per_mtok"] if d and fo and d["cpu_s_per_mtok"] and fo["cpu_s_per_mtok"] else None
-    out.append(("within 2× of the floor: detokd's CPU per token ÷ the floor's (B=256, 1 id/row, deepseek)", f"{_f(c)}×", None if c is None else c <= 2))
+    txt = "–" if x is None else (
+        f"{_f(x)}× ({_f(ff['late_long_us_per_tok'], '.3f')} µs/token at length ≈{ff['late_len']:.0f}, "
+        f"{_f(ff['late_short_us_per_tok'], '.3f')} µs at ≈{ff['short_len']:.0f}, measured side by side)")
+    out.append((f"per-token CPU at length {fl['steps'] if fl else 32768:,} within 1.1× of length ≈128", txt,
+                None if x is None else x <= 1.1))
+    c = _ratio(d, idx.get(("floor", "deepseek", 256, 1)), "cpu_s_per_mtok")
+    out.append(("within 2× of the floor: detokd's CPU per token ÷ the floor's (B=256, 1 id/row, deepseek)", f"{_f(c)}×",
+                None if c is None else c <= 2))
     return out
 
 
@@ -148,149 +152,128 @@ def report(res: dict, full: bool = True) -> str:
     runs = res["runs"]
     quiet = res.get("options", {}).get("quiet_cores", 0.2)
 
-    def disturbed(r) -> bool:
-        return (r.get("other_cores") or 0) > quiet
+    def mark(r) -> str:
+        return " †" if (r.get("other_cores") or 0) > quiet else ""
 
     idx = _index(runs)
     impls = [i for i in IMPLS if any(r["impl"] == i for r in runs)]
     shards = max((r.get("shards", 1) for r in runs if r["impl"] == "detokd"), default=1)
     keys = sorted({(r["tokenizer"], r["ids_per_row"], r["batch"]) for r in runs},
                   key=lambda k: (TOKENIZERS.index(k[0]) if k[0] in TOKENIZERS else 99, k[0], k[1], k[2]))
-    L = _header(res, quiet, sum(1 for r in runs if disturbed(r)))
+    cells = {(i, tok, n, B): r for (i, tok, B, n), r in idx.items()}
+    L = _header(res, quiet, sum(1 for r in runs if mark(r)))
     L.append("### Throughput, tokens/s through the whole pipeline\n")
-    others = [b for b in BASELINES if b in impls]
-    ratio_cols = others if "detokd" in impls else []
-    L += md_head("tokenizer", "B", "ids/row", *(i if i != "detokd" or shards == 1 else f"detokd --shards {shards}" for i in impls),
-                 *(f"detokd ÷ {b}" for b in ratio_cols))
+    ratio_cols = [b for b in BASELINES if b in impls] if "detokd" in impls else []
+    names = [i if i != "detokd" or shards == 1 else f"detokd --shards {shards}" for i in impls]
+    L += md_head("tokenizer", "B", "ids/row", *names, *(f"detokd ÷ {b}" for b in ratio_cols))
     for tok, n, B in keys:
-        cells = []
+        rates = []
         for i in impls:
-            r = idx.get((i, tok, B, n))
-            c = fmt_rate(r["tok_per_s"]) if r else "–"
-            if r and r.get("truncated"):
-                c += f" ({r.get('steps_run', r['steps'])} steps)"
-            if r and disturbed(r):
-                c += " †"
-            cells.append(c)
-        if ratio_cols:
-            d = idx.get(("detokd", tok, B, n))
-            for b in ratio_cols:
-                o = idx.get((b, tok, B, n))
-                x = d["tok_per_s"] / o["tok_per_s"] if d and o and d["tok_per_s"] and o["tok_per_s"] else None
-                cells.append(f"{_f(x, '.1f')}×")
-        L.append(f"| {tok} | {B} | {n} | " + " | ".join(cells) + " |")
+            r = cells.get((i, tok, n, B))
+            steps = f" ({r.get('steps_run', r['steps'])} steps)" if r and r.get("truncated") else ""
+            rates.append(fmt_rate(r["tok_per_s"]) + steps + mark(r) if r else "–")
+        d = cells.get(("detokd", tok, n, B))
+        vs = (_ratio(d, cells.get((b, tok, n, B)), "tok_per_s") for b in ratio_cols)
+        L.append(_row(tok, B, n, *rates, *(f"{_f(x, '.1f')}×" for x in vs)))
     L.append("")
     if "detokd" in impls:
         L.append("### detokd: latency (ms) and cost\n")
         L.append("Idle = one step in flight; loaded = the throughput phase (window "
                  f"{res.get('options', {}).get('window', 2)}); first = step 0, which starts every stream.\n")
-        L += md_head("tokenizer", "B", "ids/row", "tok/s", "idle p50", "idle p99", "idle max", "loaded p50", "loaded p99",
-                     "loaded max", "first", "cpu-s/Mtok", "cores used", "peak RSS MB", "other cores")
+        L += md_head("tokenizer", "B", "ids/row", "tok/s", *_LATENCIES, "first", "cpu-s/Mtok", "cores used",
+                     "peak RSS MB", "other cores")
         for tok, n, B in keys:
-            r = idx.get(("detokd", tok, B, n))
-            if not r:
-                continue
-            li, ll = r.get("lat_idle") or {}, r.get("lat_loaded") or {}
-            L.append(f"| {tok} | {B} | {n} | {fmt_rate(r['tok_per_s'])} | {_f(li.get('p50_ms'), '.3f')} | {_f(li.get('p99_ms'), '.3f')} | "
-                     f"{_f(li.get('max_ms'), '.3f')} | {_f(ll.get('p50_ms'), '.3f')} | {_f(ll.get('p99_ms'), '.3f')} | {_f(ll.get('max_ms'), '.3f')} | "
-                     f"{_f(r.get('first_step_ms'), '.2f')} | {_f(r.get('cpu_s_per_mtok'))} | {_f(r.get('cpu_util'))} | "
-                     f"{_f(r.get('peak_rss_mb'), '.0f')} | {_f(r.get('other_cores'))}{' †' if disturbed(r) else ''} |")
+            if r := cells.get(("detokd", tok, n, B)):
+                L.append(_row(tok, B, n, fmt_rate(r["tok_per_s"]), *_latencies(r), _f(r.get("first_step_ms")),
+                              _f(r.get("cpu_s_per_mtok")), _f(r.get("cpu_util")), _f(r.get("peak_rss_mb"), ".0f"),
+                              _f(r.get("other_cores")) + mark(r)))
         L.append("")
     if full:
-        L.extend(_latency_table(res, impls, keys, idx))
+        L.append("### Step latency (ms): idle = one step in flight, loaded = the throughput phase\n")
+        L += md_head("impl", "tokenizer", "B", "ids/row", *_LATENCIES, "first step")
+        L += [_row(i, tok, B, n, *_latencies(r), _f(r.get("first_step_ms")))
+              for tok, n, B in keys for i in impls if (r := cells.get((i, tok, n, B)))]
+        L.append("")
     L.append("### Step latency p99 (ms), idle, every implementation\n")
     L += md_head("tokenizer", "B", "ids/row", *impls)
     for tok, n, B in keys:
-        cells = [_f(((idx.get((i, tok, B, n)) or {}).get("lat_idle") or {}).get("p99_ms"), ".3f") for i in impls]
-        L.append(f"| {tok} | {B} | {n} | " + " | ".join(cells) + " |")
+        rs = [cells.get((i, tok, n, B)) or {} for i in impls]
+        L.append(_row(tok, B, n, *(_f((r.get("lat_idle") or {}).get("p99_ms"), ".3f") for r in rs)))
     L.append("")
-    return _report_tail(res, impls, keys, idx, L, runs)
+    L.append("### Cost: CPU seconds per million tokens and peak RSS of the implementation's process\n")
+    L += md_head("tokenizer", "B", "ids/row", *(f"{i} cpu-s/Mtok" for i in impls), *(f"{i} MB" for i in impls))
+    for tok, n, B in keys:
+        rs = [cells.get((i, tok, n, B)) or {} for i in impls]
+        L.append(_row(tok, B, n, *(_f(r.get("cpu_s_per_mtok")) for r in rs),
+                      *(_f(r.get("peak_rss_mb"), ".0f") for r in rs)))
+    L.append("")
+    big = [r for r in runs if r["batch"] >= 64]
+    cost = {k: _f(median([r.get(f"{k}_cpu_s_per_mtok") for r in big])) for k in ("scheduler", "worker")}
+    L.append(f"Harness cost per million tokens (same for every implementation): scheduler {cost['scheduler']} cpu-s, "
+             f"worker {cost['worker']} cpu-s (medians over B ≥ 64).")
+    L.append("")
+    return "\n".join(L + _flatness_table(res) + _checks(res)) + "\n"
 
 
 def _header(res: dict, quiet: float, disturbed: int) -> list[str]:
     """How the run was made, and the targets' table."""
-    runs = res["runs"]
-    L: list[str] = []
-    L.append(f"Command: `{res['command']}`  ")
-    m = res.get("machine", {})
-    L.append(f"Machine: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), {m.get('mem_gb', '?')} GB; "
-             f"{res.get('date', '')}; wall time {res.get('wall_seconds', 0):.0f} s  ")
-    L.append("Versions: " + ", ".join(f"{k} {v}" for k, v in res.get("versions", {}).items()) + "  ")
-    L.append(f"Configurations during which other processes of the machine kept more than {quiet} cores busy "
-             f"(marked †, after {res.get('options', {}).get('retries', 0)} retry): {disturbed} of {len(runs)}; "
-             f"{res.get('quiet_wait_seconds', 0):.0f} s were spent waiting for a quiet machine.")
-    L.append("")
+    runs, m = res["runs"], res.get("machine", {})
+    L = [f"Command: `{res['command']}`  ",
+         f"Machine: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), {m.get('mem_gb', '?')} GB; "
+         f"{res.get('date', '')}; wall time {res.get('wall_seconds', 0):.0f} s  ",
+         "Versions: " + ", ".join(f"{k} {v}" for k, v in res.get("versions", {}).items()) + "  ",
+         f"Configurations during which other processes of the machine kept more than {quiet} cores busy "
+         f"(marked †, after {res.get('options', {}).get('retries', 0)} retry): {disturbed} of {len(runs)}; "
+         f"{res.get('quiet_wait_seconds', 0):.0f} s were spent waiting for a quiet machine.", ""]
     if any(r["impl"] == "detokd" for r in runs):
-        L.append("### Targets\n")
-        L += md_head("target", "measured", "met")
-        for name, val, ok in targets(res):
-            L.append(f"| {name} | {val} | {'–' if ok is None else ('yes' if ok else '**no**')} |")
+        L += ["### Targets\n", *md_head("target", "measured", "met")]
+        L += [_row(name, val, "–" if ok is None else ("yes" if ok else "**no**")) for name, val, ok in targets(res)]
         L.append("")
     return L
 
 
-def _latency_table(res, impls, keys, idx) -> list[str]:
-    L = []
-    L.append("### Step latency (ms): idle = one step in flight, loaded = the throughput phase\n")
-    L += md_head("impl", "tokenizer", "B", "ids/row", "idle p50", "idle p99", "idle max", "loaded p50", "loaded p99",
-                 "loaded max", "first step")
-    for tok, n, B in keys:
-        for i in impls:
-            r = idx.get((i, tok, B, n))
-            if not r:
-                continue
-            li, ll = r.get("lat_idle") or {}, r.get("lat_loaded") or {}
-            L.append(f"| {i} | {tok} | {B} | {n} | {_f(li.get('p50_ms'), '.3f')} | {_f(li.get('p99_ms'), '.3f')} | {_f(li.get('max_ms'), '.3f')} | "
-                     f"{_f(ll.get('p50_ms'), '.3f')} | {_f(ll.get('p99_ms'), '.3f')} | {_f(ll.get('max_ms'), '.3f')} | {_f(r.get('first_step_ms'), '.2f')} |")
-    L.append("")
-    return L
+def _flatness_table(res: dict) -> list[str]:
+    if not res.get("flatness"):
+        return []
+    L = ["### Flatness: CPU µs per token of long outputs against short ones, measured side by side\n",
+         "Medians of the probes in the first and the last eighth of the long run: a step of the long "
+         "streams and a step of the short control streams, each alone in the pipeline, back to back "
+         "(alternating which goes first).\n"]
+    L += md_head("impl", "tokenizer", "B", "length", "probes", "tok/s", "start: long / control µs", "start ratio",
+                 "end: long (≈length) / control µs", "**end ratio**", "other cores")
+    for r in res["flatness"]:
+        fl = r["flatness"]
+        L.append(_row(r["impl"], r["tokenizer"], r["batch"], r.get("steps_run", r["steps"]), r.get("probes"),
+                      fmt_rate(r["tok_per_s"]), _probes(fl, "early", (fl.get("segments") or [{}])[0].get("short_pos")),
+                      f"{_f(fl.get('early_ratio'))}×", _probes(fl, "late", fl.get("short_len")),
+                      f"**{_f(fl.get('late_ratio'))}×**", _f(r.get("other_cores"))))
+    return L + [""]
 
 
-def _report_tail(res, impls, keys, idx, L, runs) -> str:
-    L.append("### Cost: CPU seconds per million tokens and peak RSS of the implementation's process\n")
-    L += md_head("tokenizer", "B", "ids/row", *(f"{i} cpu-s/Mtok" for i in impls), *(f"{i} MB" for i in impls))
-    for tok, n, B in keys:
-        cells = [_f((idx.get((i, tok, B, n)) or {}).get("cpu_s_per_mtok")) for i in impls]
-        cells += [_f((idx.get((i, tok, B, n)) or {}).get("peak_rss_mb"), ".0f") for i in impls]
-        L.append(f"| {tok} | {B} | {n} | " + " | ".join(cells) + " |")
-    L.append("")
-    L.append("Harness cost per million tokens (same for every implementation): scheduler "
-             + _f(median([r.get("scheduler_cpu_s_per_mtok") for r in runs if r["batch"] >= 64]))
-             + " cpu-s, worker " + _f(median([r.get("worker_cpu_s_per_mtok") for r in runs if r["batch"] >= 64]))
-             + " cpu-s (medians over B ≥ 64).")
-    L.append("")
-    if res.get("flatness"):
-        L.append("### Flatness: CPU µs per token of long outputs against short ones, measured side by side\n")
-        L.append("Medians of the probes in the first and the last eighth of the long run: a step of the long "
-                 "streams and a step of the short control streams, each alone in the pipeline, back to back "
-                 "(alternating which goes first).\n")
-        L += md_head("impl", "tokenizer", "B", "length", "probes", "tok/s", "start: long / control µs", "start ratio",
-                     "end: long (≈length) / control µs", "**end ratio**", "other cores")
-        for r in res["flatness"]:
-            fl = r["flatness"]
-            L.append(f"| {r['impl']} | {r['tokenizer']} | {r['batch']} | {r.get('steps_run', r['steps'])} | {r.get('probes')} | {fmt_rate(r['tok_per_s'])} | "
-                     f"{_f(fl.get('early_long_us_per_tok'), '.3f')} / {_f(fl.get('early_short_us_per_tok'), '.3f')} (≈{_f(fl.get('early_len'), '.0f')} / ≈{_f((fl.get('segments') or [{}])[0].get('short_pos'), '.0f')}) | "
-                     f"{_f(fl.get('early_ratio'))}× | "
-                     f"{_f(fl.get('late_long_us_per_tok'), '.3f')} / {_f(fl.get('late_short_us_per_tok'), '.3f')} (≈{_f(fl.get('late_len'), '.0f')} / ≈{_f(fl.get('short_len'), '.0f')}) | "
-                     f"**{_f(fl.get('late_ratio'))}×** | {_f(r.get('other_cores'))} |")
-        L.append("")
-    bad = [r for r in runs + res.get("flatness", []) if r["check"]["mismatches"] or r["check"]["errors"]]
-    L.append("### Text check\n")
-    nchk = sum(r["check"]["streams"] for r in runs + res.get("flatness", []))
+def _probes(fl: dict, when: str, short_pos: Optional[float]) -> str:
+    """The long and the control streams' µs per token `when` (early, late), at their lengths."""
+    return (f"{_f(fl.get(f'{when}_long_us_per_tok'), '.3f')} / {_f(fl.get(f'{when}_short_us_per_tok'), '.3f')} "
+            f"(≈{_f(fl.get(f'{when}_len'), '.0f')} / ≈{_f(short_pos, '.0f')})")
+
+
+def _checks(res: dict) -> list[str]:
+    """The text check's verdict, or a table of the runs that failed it; then the failures."""
+    every = res["runs"] + res.get("flatness", [])
+    bad = [r for r in every if r["check"]["mismatches"] or r["check"]["errors"]]
+    L = ["### Text check\n"]
     if not bad:
-        L.append(f"Every checked stream ({nchk} in all) matched the reference decode; no error rows.")
+        checked = sum(r["check"]["streams"] for r in every)
+        L.append(f"Every checked stream ({checked} in all) matched the reference decode; no error rows.")
     else:
         L += md_head("impl", "tokenizer", "B", "ids/row", "streams checked", "mismatches", "error rows", "example")
         for r in bad:
             c = r["check"]
             ex = c["examples"][0] if c["examples"] else (c["error_examples"][0] if c["error_examples"] else "")
-            L.append(f"| {r['impl']} | {r['tokenizer']} | {r['batch']} | {r['ids_per_row']} | {c['streams']} | {c['mismatches']} | {c['errors']} | `{json.dumps(ex, ensure_ascii=False)[:160]}` |")
+            L.append(_row(r["impl"], r["tokenizer"], r["batch"], r["ids_per_row"], c["streams"], c["mismatches"],
+                          c["errors"], f"`{json.dumps(ex, ensure_ascii=False)[:160]}`"))
     if res.get("failures"):
-        L.append("")
-        L.append("### Failures\n")
-        for f in res["failures"]:
-            L.append(f"- {json.dumps(f, ensure_ascii=False)[:400]}")
-    return "\n".join(L) + "\n"
+        L += ["", "### Failures\n", *(f"- {json.dumps(f, ensure_ascii=False)[:400]}" for f in res["failures"])]
+    return L
 
 
 _COLORS = {"detokd": "#d62728", "sglang": "#1f77b4", "decodestream": "#2ca02c", "naive": "#9467bd", "floor": "#7f7f7f"}
@@ -302,7 +285,7 @@ def plot(res: dict, out_dir: Path) -> list[Path]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import matplotlib.ticker
+        from matplotlib.ticker import FuncFormatter, NullFormatter
     except ImportError:
         log("matplotlib is not installed: no plots (pip install 'detokd[bench]')")
         return []
@@ -313,58 +296,50 @@ def plot(res: dict, out_dir: Path) -> list[Path]:
     toks += sorted({r["tokenizer"] for r in runs} - set(toks))
     impls = [i for i in IMPLS if any(r["impl"] == i for r in runs)]
     nids = sorted({r["ids_per_row"] for r in runs})
-    styles = {n: s for n, s in zip(nids, ("-", "--", ":", "-."))}
-    paths = []
+    styles = {n: s for n, s in zip(nids, ("-", "--", ":", "-."), strict=False)}
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    figures = {"throughput": (lambda r: r["tok_per_s"], "tokens/s through the pipeline", 1e6),
+               "latency": (lambda r: (r.get("lat_idle") or {}).get("p99_ms"), "p99 step latency, ms (idle)", 1.0)}
     fig, axes = plt.subplots(2, len(toks), figsize=(5.2 * len(toks), 8.5), squeeze=False)
     for col, tok in enumerate(toks):
-        for i in impls:
-            for n in nids:
-                pts = sorted((r["batch"], r) for r in runs if r["impl"] == i and r["tokenizer"] == tok and r["ids_per_row"] == n)
-                if not pts:
-                    continue
-                xs = [b for b, _ in pts]
-                ax = axes[0][col]
-                ys = [r["tok_per_s"] or float("nan") for _, r in pts]
-                ax.plot(xs, ys, styles[n], marker="o", color=_COLORS.get(i), label=f"{i}, {n} id/row")
-                ax = axes[1][col]
-                ys = [((r.get("lat_idle") or {}).get("p99_ms") or float("nan")) for _, r in pts]
-                ax.plot(xs, ys, styles[n], marker="o", color=_COLORS.get(i), label=f"{i}, {n} id/row")
-        ax = axes[0][col]
-        ax.set(xscale="log", yscale="log", title=f"{tok}: tokens/s through the pipeline", xlabel="concurrent streams B")
-        ax.axhline(1e6, color="k", lw=0.6, ls=":")
-        ax.grid(True, which="both", alpha=0.3)
-        ax = axes[1][col]
-        ax.set(xscale="log", yscale="log", title=f"{tok}: p99 step latency, ms (idle)", xlabel="concurrent streams B")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.axhline(1.0, color="k", lw=0.6, ls=":")
-        ax.grid(True, which="both", alpha=0.3)
+        for ax, (value, title, line) in zip((axes[0][col], axes[1][col]), figures.values(), strict=True):
+            for i, n in ((i, n) for i in impls for n in nids):
+                pts = sorted((r["batch"], r) for r in runs
+                             if r["impl"] == i and r["tokenizer"] == tok and r["ids_per_row"] == n)
+                if pts:
+                    ax.plot([b for b, _ in pts], [value(r) or float("nan") for _, r in pts], styles[n], marker="o",
+                            color=_COLORS.get(i), label=f"{i}, {n} id/row")
+            ax.set(xscale="log", yscale="log", title=f"{tok}: {title}", xlabel="concurrent streams B")
+            if line == 1.0:
+                ax.yaxis.set_major_formatter(plain)
+                ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.axhline(line, color="k", lw=0.6, ls=":")
+            ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"detokd benchmark ({res.get('machine', {}).get('cpus', '?')} cores shared by scheduler, detokenizer, worker)", fontsize=10)
-    fig.tight_layout()
-    p = out_dir / "throughput.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    cpus = res.get("machine", {}).get("cpus", "?")
+    fig.suptitle(f"detokd benchmark ({cpus} cores shared by scheduler, detokenizer, worker)", fontsize=10)
+    paths = [_save(plt, fig, out_dir / "throughput.png")]
     if res.get("flatness"):
         fig, ax = plt.subplots(figsize=(10, 4.8))
         for r in res["flatness"]:
-            c = r["flatness"].get("segments") or []
-            if c:
-                col = _COLORS.get(r["impl"])
-                ax.plot([x["long_pos"] for x in c], [x["long_us_per_tok"] for x in c], "-o", color=col,
-                        label=f"{r['impl']}: long streams")
-                ax.plot([x["long_pos"] for x in c], [x["short_us_per_tok"] for x in c], ":", color=col,
+            if c := r["flatness"].get("segments") or []:
+                col, xs = _COLORS.get(r["impl"]), [x["long_pos"] for x in c]
+                ax.plot(xs, [x["long_us_per_tok"] for x in c], "-o", color=col, label=f"{r['impl']}: long streams")
+                ax.plot(xs, [x["short_us_per_tok"] for x in c], ":", color=col,
                         label=f"{r['impl']}: control (length ≤ {r.get('short_len')})")
-        ax.set(yscale="log", xlabel="output length of the long streams (tokens)", ylabel="CPU µs per token (median of probes)",
+        ax.set(yscale="log", xlabel="output length of the long streams (tokens)",
+               ylabel="CPU µs per token (median of probes)",
                title="Per-token cost along long outputs, with a short-stream control measured alongside")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "2345" else ""))
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "2345" else ""))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        p = out_dir / "flatness.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(plt, fig, out_dir / "flatness.png"))
     return paths
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

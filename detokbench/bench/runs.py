@@ -3,12 +3,11 @@ latency phase, then the check of the text the worker kept."""
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any
 
 from .harness import Impl
-from .pipeline import FINISH, START, STEP, Clocks, Pipeline
+from .pipeline import FINISH, START, STEP, Clocks, Pipeline, check_record, measured
 from .progress import Progress
 from .report import fmt_rate, lat_stats, median
 from .workload import Workload
@@ -52,13 +51,8 @@ def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_
     `lat_steps` steps, one step in flight. Each round ends with a step of finishing rows."""
     frames = wl.frames(impl.shards)
     watch_idx = watched(check, wl.batch)
-    impl.h.configure(wl.batch, check, [wl.rids[i] for i in watch_idx] if check == "sample" else [])
-    impl.tree.refresh()
-    impl.tree.reset_peak()
     p = Pipeline(impl, window, stall_s=max(30.0, max_seconds * 4))
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
+    with measured(impl, wl.batch, check, [wl.rids[i] for i in watch_idx] if check == "sample" else []):
         before = Clocks.read(impl)
         t0 = time.monotonic()
         rounds: list[int] = []
@@ -74,9 +68,6 @@ def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_
             p.window = 1
             lat_rounds.append(one_round(p, wl, frames, lat_steps, time.monotonic() + lat_max_seconds, "latency", progress))
             p.drain()
-    finally:
-        if gc_was:
-            gc.enable()
     result = figures(impl, wl, p, g1, before, after, rounds, lat_rounds, steps, window)
     result["check"] = check_text(impl, wl, watch_idx, rounds + lat_rounds, check)
     return result
@@ -90,7 +81,6 @@ def figures(impl: Impl, wl: Workload, p: Pipeline, g1: int, c0: Clocks, c1: Cloc
     secs = (p.recv_t[g1 - 1] - p.send_t[0]) / 1e9
     lat, kind = p.lat, p.kind
     impl_ns, mtok = c1.impl_ns - c0.impl_ns, tokens / 1e6
-    own_ns = impl_ns + (c1.scheduler_ns - c0.scheduler_ns) + (c1.worker_ns - c0.worker_ns)
     return dict(
         impl=impl.name, tokenizer=wl.corp.name, batch=B, ids_per_row=n, shards=impl.shards,
         steps=steps, rounds=len(rounds), steps_run=sum(rounds), latency_steps=sum(lat_rounds),
@@ -107,10 +97,8 @@ def figures(impl: Impl, wl: Workload, p: Pipeline, g1: int, c0: Clocks, c1: Cloc
         scheduler_cpu_s_per_mtok=(c1.scheduler_ns - c0.scheduler_ns) / 1e9 / mtok if tokens else None,
         worker_cpu_s_per_mtok=(c1.worker_ns - c0.worker_ns) / 1e9 / mtok if tokens else None,
         peak_rss_mb=impl.tree.peak_rss_mb(),
-        # Cores kept busy by processes outside the benchmark (another test run, ...)
-        # during the throughput phase: should be ~0 for the figures to mean anything.
-        other_cores=(max(0, (c1.machine_ns - c0.machine_ns) - own_ns) / 1e9 / secs)
-        if (c0.machine_ns is not None and c1.machine_ns is not None and secs > 0) else None,
+        other_cores=c1.other_cores(c0, secs) if (c0.machine_ns is not None and c1.machine_ns is not None and secs > 0)
+        else None,
         steal_cores=((c1.steal_ns - c0.steal_ns) / 1e9 / secs) if (c0.steal_ns is not None and c1.steal_ns is not None and secs > 0) else None,
         truncated=rounds[-1] < steps,
     )
@@ -128,7 +116,4 @@ def check_text(impl: Impl, wl: Workload, watch_idx: list[int], rounds: list[int]
             j = next((x for x in range(min(len(got), len(ref))) if got[x] != ref[x]), min(len(got), len(ref)))
             bad.append({"rid": rid, "at": j, "got": got[max(0, j - 10):j + 10], "want": ref[max(0, j - 10):j + 10],
                         "len_got": len(got), "len_want": len(ref)})
-    return {
-        "mode": check, "streams": len(watch_idx), "mismatches": len(bad), "examples": bad[:3],
-        "errors": dump["n_errors"], "error_examples": dump["errors"][:5], "bad_frames": dump["bad_frames"],
-    }
+    return check_record(check, len(watch_idx), len(bad), bad[:3], dump)

@@ -1,12 +1,9 @@
-"""The receiving side of the benchmark: a tokenizer worker process that acks whole steps.
+"""The receiving side of the benchmark, a tokenizer worker process that acks whole steps:
+`python -m detokbench.bench.worker TEXT_ADDR ACK_ADDR` (started by harness.Harness).
 
-    python -m detokbench.bench.worker TEXT_ADDR ACK_ADDR      (started by harness.Harness)
-
-It PULLs detokd.wire.native `text` messages at TEXT_ADDR, counts the rows of each step
-(the step number and the send time ride in every row's `meta`, which implementations
-copy through untouched) and, once all rows of step k are in, PUSHes an ack of step k
-to ACK_ADDR with the step's latency: this process' receive time of the last row minus
-the scheduler's send time (CLOCK_MONOTONIC, one clock for every process). The
+It counts the rows of each step (step number and send time ride in every row's `meta`)
+and acks step k to ACK_ADDR once all its rows are in, with its latency: the receipt of
+the last row minus the send (CLOCK_MONOTONIC, one clock for every process). The
 scheduler steers it with the control messages below, on the same socket.
 """
 
@@ -58,16 +55,12 @@ class Steps:
     the errors. `ack` sends an ack message."""
 
     def __init__(self, ack: Callable[[tuple], None], cfg: Configure | None = None) -> None:
-        self.ack = ack
-        self.expected = cfg.expected if cfg else 1
-        self.check = cfg.check if cfg else "off"
-        self.watch: set[str] = set(cfg.watch) if cfg else set()
+        cfg = cfg or Configure(0, 1)
+        self.ack, self.expected, self.check, self.watch = ack, cfg.expected, cfg.check, set(cfg.watch)
         self.counts: dict[int, int] = {}
         self.texts: dict[str, list[str]] = {}
-        self.n_ids: dict[str, int] = {}
         self.errors: list[list] = []
-        self.n_errors = 0
-        self.bad_frames = 0
+        self.n_errors = self.bad_frames = 0
 
     def account(self, step: int, n: int, t_send: int, t: int) -> None:
         """n more rows of `step`; its ack once all are in."""
@@ -79,11 +72,9 @@ class Steps:
             self.counts[step] = c
 
     def keep(self, r) -> None:
-        lst = self.texts.get(r.rid)
-        if lst is None:
+        if (lst := self.texts.get(r.rid)) is None:
             lst = self.texts[r.rid] = []
         lst.append(r.text)
-        self.n_ids[r.rid] = r.n_ids
 
     def rows(self, rows: list, t: int) -> None:
         """One `text` message received at t: usually every row of one step."""
@@ -133,11 +124,9 @@ class Steps:
     def dump(self) -> dict:
         return {
             "texts": {k: "".join(v) for k, v in self.texts.items()},
-            "n_ids": self.n_ids,
             "errors": self.errors,
             "n_errors": self.n_errors,
             "bad_frames": self.bad_frames,
-            "incomplete_steps": len(self.counts),
         }
 
 
@@ -153,7 +142,6 @@ def main(text_addr: str, ack_addr: str) -> int:
     ack = push(ctx, ack_addr, hwm=0)
     inbound = msgspec.msgpack.Decoder(Inbound)
     enc = msgspec.msgpack.Encoder().encode
-    now = time.monotonic_ns
 
     def send(a: tuple) -> None:
         ack.send(enc(a))
@@ -161,7 +149,7 @@ def main(text_addr: str, ack_addr: str) -> int:
     steps = Steps(send)
     while True:
         frame = text.recv()
-        t = now()
+        t = time.monotonic_ns()
         try:
             msg = inbound.decode(frame)
         except msgspec.DecodeError:

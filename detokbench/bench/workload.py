@@ -1,15 +1,10 @@
-"""What every implementation decodes: a multilingual corpus, streams over it, their frames.
+"""What every implementation decodes: the corpus' ids, streams over it, their frames.
 
-The corpus is real text in several scripts, concatenated and tokenized with the
-tokenizer under test; each stream starts at its own offset into that id sequence
-(wrapping around), where no character is split across the prompt boundary.
-
-Frames are docs/protocol.md v1 `tokens` messages encoded from detokd.wire.native's
-Structs before the timed run. All rows of one step share `seq` (step x ids per row)
-and `meta` (step number, send time), so each step's frame is encoded once with a
-placeholder in both places, and a step's values go in with one bytes.join
-(Template.fill: no per-row work while timing). The ids repeat with the corpus (period P
-steps), so a run of any length needs P templates, not one per step.
+Frames are `tokens` messages encoded before the timed run. All rows of one step share
+`seq` (step x ids per row) and `meta` (step number, send time), so each step's frame is
+encoded once with a placeholder in both and filled with one bytes.join (Template.fill:
+no per-row work while timing). The ids repeat with the corpus (period P steps), so a run
+of any length needs P templates, not one per step.
 """
 
 from __future__ import annotations
@@ -27,7 +22,8 @@ from ..corpus import TAIL, corpus
 
 
 class Corpus:
-    """The id sequence of the corpus for one tokenizer, and clean stream starts."""
+    """The id sequence of the corpus for one tokenizer, and the stream starts: offsets
+    into it (wrapping around) where no character is split across the prompt boundary."""
 
     def __init__(self, tokenizer: str) -> None:
         self.name = tokenizer
@@ -83,12 +79,10 @@ _META_HOLE = msgspec.Raw(_META_BYTES)
 class Template:
     """One encoded frame with a step's `seq` and `meta` left open in every row.
 
-    Within a row `seq` comes before `meta` and, in one step's frame, what lies between
-    them is the same in every row (`mid`: nothing, or the same `finish`), so the frame
-    is cut at `seq + mid + meta` once, here, and `fill` is one bytes.join, as cheap as
-    sending a frame encoded in advance. A start step's rows (with their different
-    prompt tails between the two) have no `seq` hole: a start row's seq is 0, the
-    default, left out."""
+    Within a row `seq` comes before `meta`, with the same bytes between them in every row
+    of a step (`mid`: nothing, or the same `finish`), so the frame is cut at `seq + mid +
+    meta` once, here. A start step's rows have no `seq` hole (seq 0, the default, is left
+    out), only `meta` ones."""
 
     __slots__ = ("mid", "pieces")
 
