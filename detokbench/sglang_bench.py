@@ -86,7 +86,7 @@ def requests(ids: list[int], batch: int, steps: int, tag: str, per_step: int = 1
     return out
 
 
-def sglang_codec(encoding: str) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
+def sglang_codec(encoding: replay.Encoding) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
     """(encode, decode) of one message as SGLang's sock_send and sock_recv do them; call
     them under ipc_encoding(encoding)."""
     from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
@@ -96,7 +96,7 @@ def sglang_codec(encoding: str) -> tuple[Callable[[Any], bytes], Callable[[bytes
     return msgpack_encode, msgpack_decode
 
 
-def decode(frames: list[bytes], encoding: str) -> list:
+def decode(frames: list[bytes], encoding: replay.Encoding) -> list:
     with replay.ipc_encoding(encoding):
         return list(map(sglang_codec(encoding)[1], frames))
 
@@ -104,7 +104,7 @@ def decode(frames: list[bytes], encoding: str) -> list:
 class Stream:
     """One batch size's prebuilt frames under one encoding, and what they must add up to."""
 
-    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str, per_step: int = 1,
+    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: replay.Encoding, per_step: int = 1,
                  lifetime: int | None = None, varied: bool = False):
         self.encoding = encoding
         t0 = time.perf_counter()
@@ -310,7 +310,7 @@ def pooled(mine: list[dict], stream: Stream) -> dict:
     )
 
 
-def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
+def bench_encoding(encoding: replay.Encoding, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
     results = []
     for batch in sorted(args.batch):
         case = f"[{encoding} B={batch}]"
