@@ -35,20 +35,20 @@ import statistics
 import subprocess
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer as detokd_target
 from detokd.tokenizer import load
 
 from . import ROOT
+from . import sglang_replay as replay
 from .bench.report import log, machine, md_head, pct
 from .commands import command_line, parser, write_json
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
-from .sglang_replay import (
-    Scripted, SglangDetokenizerUnderTest, accumulate, build_stream, freeze_gc_req, ipc_encoding, route,
-)
 
 TARGETS = {"sglang": None, "detokd": detokd_target}
 PROMPT = 5  # prompt ids per request: SGLang's incremental-detokenization context
@@ -60,20 +60,19 @@ ANSWER_TIMEOUT = 60.0  # seconds without an answer before the pass counts as hun
 
 
 def requests(ids: list[int], batch: int, steps: int, tag: str, per_step: int = 1,
-             lifetime: int | None = None, varied: bool = False) -> list[Scripted]:
+             lifetime: int | None = None, varied: bool = False) -> list[replay.Scripted]:
     """B requests over the corpus ids (a ring), each from its own offset, `per_step` new
     ids each step (speculative decoding: SGLang's scheduler appends them all at once), or
     with `varied` 1 to `per_step` of them, drawn per request and step (seeded): the draft
     tokens speculative decoding accepts vary.
 
-    lifetime None: all B live the whole stream (they start at step 0 and finish at its
-    last). lifetime L: B slots, each running requests of L steps back to back, slot s's
-    first starting at step s*L//B, so ~B/L requests start and ~B/L finish every step, as
-    under continuous batching; no slot starts a request that would outlast the stream,
-    so B are live from step L-1 to the last full lifetime's end and fewer at either end
-    (`steady_steps`)."""
+    lifetime None: all B live the whole stream. lifetime L: B slots, each running
+    requests of L steps back to back, slot s's first starting at step s*L//B, so ~B/L
+    requests start and ~B/L finish every step, as under continuous batching; no slot
+    starts a request that would outlast the stream, so B are live from step L-1 to the
+    last full lifetime's end and fewer at either end (`steady_steps`)."""
     spans = [(0, steps)] * batch if lifetime is None else [  # (first step, steps) of each request
-        (first, lifetime) for s in range(batch) for first in range(s * lifetime // batch, steps - lifetime + 1, lifetime)
+        (t, lifetime) for s in range(batch) for t in range(s * lifetime // batch, steps - lifetime + 1, lifetime)
     ]
     ring = ids * (2 + ((lifetime or steps) * per_step + PROMPT) // len(ids))
     out = []
@@ -81,47 +80,46 @@ def requests(ids: list[int], batch: int, steps: int, tag: str, per_step: int = 1
         draw = random.Random(i).randint
         chunks = [draw(1, per_step) if varied else per_step for _ in range(n_steps)]
         at = PROMPT + (i * 97) % len(ids)  # 97 is prime to the corpus length: distinct offsets
-        out.append(Scripted(rid=f"{tag}{i}", prompt_ids=ring[at - PROMPT : at], output_ids=ring[at : at + sum(chunks)],
-                            chunks=None if per_step == 1 else chunks, first_step=first))
+        out.append(replay.Scripted(rid=f"{tag}{i}", prompt_ids=ring[at - PROMPT : at],
+                                   output_ids=ring[at : at + sum(chunks)], chunks=None if per_step == 1 else chunks,
+                                   first_step=first))
     return out
 
 
-def encode(messages: list, encoding: str) -> list[bytes]:
-    """What SGLang's sock_send puts on the wire, done ahead of time."""
-    from sglang.srt.managers.io_struct import msgpack_encode
+def sglang_codec(encoding: replay.Encoding) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
+    """(encode, decode) of one message as SGLang's sock_send and sock_recv do them; call
+    them under ipc_encoding(encoding)."""
+    from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
 
-    with ipc_encoding(encoding):
-        if encoding == "pickle":
-            return [pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in messages]
-        return [msgpack_encode(m) for m in messages]
+    if encoding == "pickle":
+        return partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL), pickle.loads
+    return msgpack_encode, msgpack_decode
 
 
-def decode(frames: list[bytes], encoding: str) -> list:
-    """What SGLang's sock_recv makes of them."""
-    from sglang.srt.managers.io_struct import msgpack_decode
-
-    with ipc_encoding(encoding):
-        return [pickle.loads(f) if encoding == "pickle" else msgpack_decode(f) for f in frames]
+def decode(frames: list[bytes], encoding: replay.Encoding) -> list:
+    with replay.ipc_encoding(encoding):
+        return list(map(sglang_codec(encoding)[1], frames))
 
 
 class Stream:
     """One batch size's prebuilt frames under one encoding, and what they must add up to."""
 
-    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: str, per_step: int = 1,
+    def __init__(self, vocab, ids: list[int], batch: int, steps: int, encoding: replay.Encoding, per_step: int = 1,
                  lifetime: int | None = None, varied: bool = False):
-        self.batch, self.steps, self.encoding, self.per_step = batch, steps, encoding, per_step
+        self.encoding = encoding
         t0 = time.perf_counter()
         self.reqs = requests(ids, batch, steps, "r", per_step, lifetime, varied)
         self.tokens = sum(len(s.output_ids) for s in self.reqs)
-        messages = build_stream(self.reqs, encoding=encoding)
+        messages = replay.build_stream(self.reqs, encoding=encoding)
         self.step_rids = [list(m.rids) for m in messages]
         self.rows = sum(map(len, self.step_rids))
         # The steps whose latency the percentiles take: every step of the streams that
         # start and finish together; the steps with all B live of a staggered one (the
         # ramps up and down carry fewer rows, so they would flatter its tail).
         self.steady_steps = [k for k, rids in enumerate(self.step_rids) if lifetime is None or len(rids) == batch]
-        self.frames = encode(messages, encoding)
-        self.warmup = build_stream(requests(ids, batch, 8, "warm", per_step, varied=varied), encoding=encoding)
+        with replay.ipc_encoding(encoding):
+            self.frames = list(map(sglang_codec(encoding)[0], messages))
+        self.warmup = replay.build_stream(requests(ids, batch, 8, "warm", per_step, varied=varied), encoding=encoding)
         self.build_seconds = time.perf_counter() - t0
         self.oracle = {s.rid: vocab.reference(s.prompt_ids, s.output_ids) for s in self.reqs}
         self.megabytes = sum(map(len, self.frames)) / 1e6
@@ -135,29 +133,30 @@ class Stream:
             for rids in self.step_rids:
                 by: dict[int, list[str]] = {}
                 for r in rids:
-                    by.setdefault(route(None, r, detokenizers), []).append(r)
+                    by.setdefault(replay.route(None, r, detokenizers), []).append(r)
                 steps.append(by)
             self._answers_due[detokenizers] = steps
         return self._answers_due[detokenizers]
 
 
-# --- one process ------------------------------------------------------------------------
+# --- one pass ---------------------------------------------------------------------------
 
 
 class Hung(RuntimeError):
     pass
 
 
-def run_pass(proc: SglangDetokenizerUnderTest, stream: Stream, window: int) -> dict:
-    """Send the whole stream with at most `window` steps unanswered; time every step."""
+def run_pass(proc: replay.SglangDetokenizerUnderTest, stream: Stream, window: int) -> dict:
+    """Send the whole stream with at most `window` steps unanswered; time every step; then
+    check the answers (`check`: its figures join the pass's; `texts` and `answer_frames`
+    are for the caller to pop)."""
     push, pull = proc._push, proc._pulls[0]
     pids = {p.name: p.pid for p in proc.processes}
     n, detokenizers = len(stream.frames), proc.detokenizers
     due = stream.answers_due(detokenizers)
     owed: list[deque] = [deque() for _ in range(detokenizers)]  # per detokenizer, the steps it has yet to answer
     left = [len(d) for d in due]  # answers each step waits for
-    sent_at = [0] * n
-    latency_ns = [0] * n
+    sent_at, latency_ns = [0] * n, [0] * n
     got: list[bytes] = []
     keys: list[tuple[int, int]] = []  # (step, detokenizer) of each answer
     expected = sum(left)
@@ -181,7 +180,8 @@ def run_pass(proc: SglangDetokenizerUnderTest, stream: Stream, window: int) -> d
             while len(got) < expected and pull.poll(0):  # what is there, then wait again
                 frame = pull.recv(copy=True)
                 at = time.perf_counter_ns()
-                d = 0 if detokenizers == 1 else route(None, decode([frame], stream.encoding)[0].rids[0], detokenizers)
+                d = 0 if detokenizers == 1 else replay.route(None, decode([frame], stream.encoding)[0].rids[0],
+                                                             detokenizers)
                 k = owed[d].popleft()
                 got.append(frame)
                 keys.append((k, d))
@@ -195,17 +195,26 @@ def run_pass(proc: SglangDetokenizerUnderTest, stream: Stream, window: int) -> d
         gc.enable()
     if pull.poll(200):
         raise AssertionError(f"more answers than due ({expected}): the step accounting would be wrong")
-    rows = stream.rows
-    tokens = stream.tokens
     cpu = sum(cpu_by.values())
-    answers = decode(got, stream.encoding)
     # Each answer against the rows it should hold: the rids of its step routed to its detokenizer.
-    want = [due[k][d] for k, d in keys]
+    texts, problems = check(stream, decode(got, stream.encoding), [due[k][d] for k, d in keys])
     return dict(
-        wall_s=wall, rows=rows, tokens=tokens, tokens_per_s=tokens / wall, cpu_s=cpu, cpu_us_per_token=cpu / tokens * 1e6,
-        cpu_us_per_row=cpu / rows * 1e6, cpu_s_by_process=cpu_by,
-        loadavg_1m=load, latency_ms=[x / 1e6 for x in latency_ns], answers=answers, answers_due=want, answer_frames=got,
+        wall_s=wall, rows=stream.rows, tokens=stream.tokens, tokens_per_s=stream.tokens / wall, cpu_s=cpu,
+        cpu_us_per_token=cpu / stream.tokens * 1e6, cpu_us_per_row=cpu / stream.rows * 1e6, cpu_s_by_process=cpu_by,
+        loadavg_1m=load, latency_ms=[x / 1e6 for x in latency_ns], **problems, texts=texts, answer_frames=got,
     )
+
+
+def check(stream: Stream, answers: list, due: list[list[str]]) -> tuple[dict[str, str], dict]:
+    """Per rid text, and the problems: answers without the rows due (one answer per step
+    and detokenizer), texts off the oracle."""
+    shape = [list(a.rids) for a in answers] == due and all(type(a).__name__ == "BatchStrOutput" for a in answers)
+    acc = replay.accumulate(answers)
+    texts = {rid: lives[-1].text for rid, lives in acc.items()}
+    unfinished = sum(1 for lives in acc.values() if lives[-1].finished_reason is None)
+    wrong = [rid for rid, want in stream.oracle.items() if texts.get(rid) != want]
+    return texts, dict(one_answer_per_step=shape, rids=len(texts), unfinished=unfinished, off_oracle=len(wrong),
+                       off_oracle_examples=wrong[:3])
 
 
 def floor(stream: Stream, answer_frames: list[bytes], reps: int = 3) -> dict:
@@ -214,19 +223,17 @@ def floor(stream: Stream, answer_frames: list[bytes], reps: int = 3) -> dict:
     SGLang's own (sock_recv's and sock_send's: pickle, or io_struct's msgpack with every
     field a Python object); "floor_raw" (msgpack): detokd's schema Structs, whose copied
     fields stay msgpack bytes."""
-    from sglang.srt.managers import io_struct
+    import msgspec
 
     from detokd.sglang import schema
 
-    rows = stream.rows
-    with ipc_encoding(stream.encoding):
-        if stream.encoding == "pickle":
-            ways = {"floor": (pickle.loads, lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL), pickle.loads)}
-        else:
+    out = {}
+    with replay.ipc_encoding(stream.encoding):
+        encode, decode_one = sglang_codec(stream.encoding)
+        ways = {"floor": (decode_one, encode, decode_one)}  # decode a frame, encode an answer, decode an answer
+        if stream.encoding == "msgpack":
             raw = schema.MsgpackCodec()
-            ways = {"floor": (io_struct.msgpack_decode, io_struct.msgpack_encode, io_struct.msgpack_decode),
-                    "floor_raw": (raw.decode, raw.encode, msgspec_decoder(schema.BatchStrOutput))}
-        out = {}
+            ways["floor_raw"] = (raw.decode, raw.encode, msgspec.msgpack.Decoder(schema.BatchStrOutput).decode)
         gc.collect()
         gc.disable()  # as in the passes: this process' heap (the streams) is no part of the floor
         for key, (dec, enc, dec_answer) in ways.items():
@@ -241,108 +248,97 @@ def floor(stream: Stream, answer_frames: list[bytes], reps: int = 3) -> dict:
                     enc(a)
                 t2 = time.process_time()
                 best_dec, best_enc = min(best_dec, t1 - t0), min(best_enc, t2 - t1)
-            out[f"{key}_decode_us_per_row"] = best_dec / rows * 1e6
-            out[f"{key}_encode_us_per_row"] = best_enc / rows * 1e6
-            out[f"{key}_us_per_row"] = (best_dec + best_enc) / rows * 1e6
+            out[f"{key}_decode_us_per_row"] = best_dec / stream.rows * 1e6
+            out[f"{key}_encode_us_per_row"] = best_enc / stream.rows * 1e6
+            out[f"{key}_us_per_row"] = (best_dec + best_enc) / stream.rows * 1e6
         gc.enable()
     return out
-
-
-def msgspec_decoder(cls):
-    import msgspec
-
-    return msgspec.msgpack.Decoder(cls).decode
-
-
-def check(stream: Stream, answers: list, due: list[list[str]]) -> tuple[dict[str, str], dict]:
-    """Per rid text, and the problems: answers without the rows due (one answer per step
-    and detokenizer), texts off the oracle."""
-    shape = [list(a.rids) for a in answers] == due and all(type(a).__name__ == "BatchStrOutput" for a in answers)
-    acc = accumulate(answers)
-    texts = {rid: lives[-1].text for rid, lives in acc.items()}
-    unfinished = sum(1 for lives in acc.values() if lives[-1].finished_reason is None)
-    wrong = [rid for rid, want in stream.oracle.items() if texts.get(rid) != want]
-    return texts, dict(one_answer_per_step=shape, rids=len(texts), unfinished=unfinished, off_oracle=len(wrong),
-                       off_oracle_examples=wrong[:3])
 
 
 # --- the run ----------------------------------------------------------------------------
 
 
-def by_process(p: dict) -> str:
-    """A pass's CPU per row, process by process."""
-    return " ".join(f"{who} {cpu / p['rows'] * 1e6:.2f}" for who, cpu in p["cpu_s_by_process"].items())
+def abba(stream: Stream, procs: dict, args, case: str) -> tuple[list[dict], dict[str, dict], dict]:
+    """args.rounds ABBA rounds of both modes: every pass, each target's texts of its first
+    pass, and the floor (measured on SGLang's first answers)."""
+    first_text: dict[str, dict] = {}
+    passes: list[dict] = []
+    floors: dict = {}
+    for r in range(args.rounds):
+        order = ["sglang", "detokd", "detokd", "sglang"] if r % 2 == 0 else ["detokd", "sglang", "sglang", "detokd"]
+        for slot, name in enumerate(order):
+            for mode, window in (("latency", 1), ("throughput", args.window)):
+                p = run_pass(procs[name], stream, window)
+                texts, answer_frames, every = p.pop("texts"), p.pop("answer_frames"), p.pop("latency_ms")
+                if not floors and name == "sglang":
+                    floors = floor(stream, answer_frames)
+                    log(f"{case} floor " + " ".join(f"{k} {v:.2f}" for k, v in floors.items()))
+                p["same_as_first_pass"] = texts == first_text.setdefault(name, texts)
+                lat = [every[k] for k in stream.steady_steps]
+                passes.append(dict(target=name, mode=mode, round=r, slot=slot, lat=lat, every=every, **p))
+                by = p["cpu_s_by_process"]
+                log(f"{case} r{r} {name:6} {mode:10} {p['tokens_per_s']:>9.0f} tok/s p50 {pct(lat, 50):6.2f} ms "
+                    f"p99 {pct(lat, 99):6.2f} ms cpu {p['cpu_us_per_token']:5.2f} us/tok "
+                    f"{p['cpu_us_per_row']:5.2f} us/row off-oracle {p['off_oracle']} load {p['loadavg_1m']:.1f}"
+                    + (" by process " + " ".join(f"{who} {cpu / p['rows'] * 1e6:.2f}" for who, cpu in by.items())
+                       if len(by) > 1 else ""))
+    return passes, first_text, floors
 
 
-def bench_encoding(encoding: str, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
+def pooled(mine: list[dict], stream: Stream) -> dict:
+    """One target's passes of one mode: medians of the passes, the percentiles over their
+    steps, CPU over all of them, every problem counted."""
+    lat = [x for p in mine for x in p["lat"]]
+    cpu = sum(p["cpu_s"] for p in mine)
+    rates = [p["tokens_per_s"] for p in mine]
+    return dict(
+        passes=len(mine), tokens_per_s_median=statistics.median(rates), tokens_per_s_all=rates,
+        loadavg_1m_per_pass=[p["loadavg_1m"] for p in mine],
+        latency_ms_p50=pct(lat, 50), latency_ms_p99=pct(lat, 99), latency_ms_max=max(lat),
+        latency_steps=len(stream.steady_steps),
+        latency_ms_p99_every_step=pct([x for p in mine for x in p["every"]], 99),
+        cpu_us_per_token=cpu / sum(p["tokens"] for p in mine) * 1e6,
+        cpu_us_per_row=cpu / sum(p["rows"] for p in mine) * 1e6,
+        cpu_us_per_row_by_process={
+            who: sum(p["cpu_s_by_process"][who] for p in mine) / (len(mine) * stream.rows) * 1e6
+            for who in mine[0]["cpu_s_by_process"]
+        },
+        off_oracle=sum(p["off_oracle"] for p in mine),
+        off_oracle_examples=[x for p in mine for x in p["off_oracle_examples"]][:3],
+        one_answer_per_step=all(p["one_answer_per_step"] for p in mine), unfinished=sum(p["unfinished"] for p in mine),
+        same_text_every_pass=all(p["same_as_first_pass"] for p in mine),
+    )
+
+
+def bench_encoding(encoding: replay.Encoding, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
     results = []
     for batch in sorted(args.batch):
+        case = f"[{encoding} B={batch}]"
         stream = Stream(vocab, ids, batch, args.steps, encoding, args.ids_per_step, args.lifetime, args.varied_ids)
-        log(f"[{encoding} B={batch}] built {len(stream.frames)} steps ({stream.megabytes:.1f} MB, {len(stream.reqs)} requests, "
+        log(f"{case} built {len(stream.frames)} steps ({stream.megabytes:.1f} MB, {len(stream.reqs)} requests, "
             f"{len(stream.steady_steps)} steps timed) in {stream.build_seconds:.1f}s")
-        for name, proc in procs.items():
+        for proc in procs.values():
             # --freeze-gc: what SGLang's /freeze_gc endpoint makes its detokenizer do (gc.freeze()).
-            proc.exchange([*stream.warmup, *([freeze_gc_req()] if args.freeze_gc else [])])
-        first_text: dict[str, dict] = {}
-        passes = []
-        floors = None
-        for r in range(args.rounds):
-            order = ["sglang", "detokd", "detokd", "sglang"] if r % 2 == 0 else ["detokd", "sglang", "sglang", "detokd"]
-            for slot, name in enumerate(order):
-                for mode, window in (("latency", 1), ("throughput", args.window)):
-                    p = run_pass(procs[name], stream, window)
-                    texts, problems = check(stream, p.pop("answers"), p.pop("answers_due"))
-                    answer_frames = p.pop("answer_frames")
-                    if floors is None and name == "sglang":
-                        floors = floor(stream, answer_frames)
-                        log(f"[{encoding} B={batch}] floor " + " ".join(f"{k} {v:.2f}" for k, v in floors.items()))
-                    first_text.setdefault(name, texts)
-                    problems["same_as_first_pass"] = texts == first_text[name]
-                    every = p.pop("latency_ms")
-                    lat = [every[k] for k in stream.steady_steps]
-                    passes.append(dict(target=name, mode=mode, round=r, slot=slot, lat=lat, every=every, **p, **problems))
-                    log(f"[{encoding} B={batch}] r{r} {name:6} {mode:10} {p['tokens_per_s']:>9.0f} tok/s "
-                        f"p50 {pct(lat, 50):6.2f} ms p99 {pct(lat, 99):6.2f} ms cpu {p['cpu_us_per_token']:5.2f} us/tok {p['cpu_us_per_row']:5.2f} us/row "
-                        f"off-oracle {problems['off_oracle']} load {p['loadavg_1m']:.1f}"
-                        + (f" by process {by_process(p)}" if len(p["cpu_s_by_process"]) > 1 else ""))
+            proc.exchange([*stream.warmup, *([replay.freeze_gc_req()] if args.freeze_gc else [])])
+        passes, first_text, floors = abba(stream, procs, args, case)
         agree = first_text["sglang"] == first_text["detokd"]
-        differing = sum(1 for rid in first_text["sglang"] if first_text["sglang"][rid] != first_text["detokd"].get(rid))
+        differing = sum(1 for rid, text in first_text["sglang"].items() if text != first_text["detokd"].get(rid))
         for name, proc in procs.items():
             mem = [memory(p.pid) for p in proc.processes]
             for mode in ("latency", "throughput"):
-                mine = [p for p in passes if p["target"] == name and p["mode"] == mode]
-                lat = [x for p in mine for x in p["lat"]]
-                every = [x for p in mine for x in p["every"]]
                 results.append(dict(
-                    encoding=encoding, batch=batch, steps=args.steps, ids_per_step=args.ids_per_step, varied_ids=args.varied_ids, lifetime=args.lifetime,
-                    requests=len(stream.reqs), rows=stream.rows, target=name,
-                    mode=mode, freeze_gc=args.freeze_gc,
-                    window=1 if mode == "latency" else args.window, passes=len(mine),
-                    tokens_per_s_median=statistics.median(p["tokens_per_s"] for p in mine),
-                    tokens_per_s_all=[p["tokens_per_s"] for p in mine],
-                    loadavg_1m_per_pass=[p["loadavg_1m"] for p in mine],
-                    latency_ms_p50=pct(lat, 50), latency_ms_p99=pct(lat, 99), latency_ms_max=max(lat),
-                    latency_steps=len(stream.steady_steps), latency_ms_p99_every_step=pct(every, 99),
-                    cpu_us_per_token=sum(p["cpu_s"] for p in mine) / sum(p["tokens"] for p in mine) * 1e6,
-                    cpu_us_per_row=sum(p["cpu_s"] for p in mine) / sum(p["rows"] for p in mine) * 1e6,
-                    cpu_us_per_row_by_process={
-                        who: sum(p["cpu_s_by_process"][who] for p in mine) / (len(mine) * stream.rows) * 1e6
-                        for who in mine[0]["cpu_s_by_process"]
-                    },
-                    detokenizers=proc.detokenizers, detokenizers_asked=args.detokenizers,
-                    **floors,
+                    encoding=encoding, batch=batch, steps=args.steps, ids_per_step=args.ids_per_step,
+                    varied_ids=args.varied_ids, lifetime=args.lifetime, requests=len(stream.reqs), rows=stream.rows,
+                    target=name, mode=mode, freeze_gc=args.freeze_gc, window=1 if mode == "latency" else args.window,
+                    **pooled([p for p in passes if p["target"] == name and p["mode"] == mode], stream),
+                    detokenizers=proc.detokenizers, detokenizers_asked=args.detokenizers, **floors,
                     vm_hwm_mb=sum(m.hwm_kb for m in mem) / 1024, vm_rss_mb=sum(m.rss_kb for m in mem) / 1024,
                     text_equal_across_targets=agree, rids_differing_across_targets=differing,
-                    off_oracle=sum(p["off_oracle"] for p in mine),
-                    off_oracle_examples=[x for p in mine for x in p["off_oracle_examples"]][:3],
-                    one_answer_per_step=all(p["one_answer_per_step"] for p in mine),
-                    unfinished=sum(p["unfinished"] for p in mine),
-                    same_text_every_pass=all(p["same_as_first_pass"] for p in mine),
                     build_seconds=stream.build_seconds, stream_mb=stream.megabytes,
                 ))
         raw += [dict(encoding=encoding, batch=batch, **{k: v for k, v in p.items() if k not in ("lat", "every")},
                      latency_ms=[round(x, 3) for x in p["every"]]) for p in passes]
-        log(f"[{encoding} B={batch}] texts equal across targets: {agree} ({differing} rids differ)")
+        log(f"{case} texts equal across targets: {agree} ({differing} rids differ)")
     return results
 
 
@@ -351,10 +347,14 @@ def environment() -> dict:
 
     from detokd import __version__
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    git = ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]
     # The CPU model: detokd's per-row work is bound by memory, so its gain depends on the host's caches.
-    return dict(python=platform.python_version(), machine=platform.machine(), cpus=os.cpu_count(), cpu=machine().get("cpu"),
-                sglang=sglang.__version__, detokd=__version__, commit=commit, tokenizer=TOKENIZER)
+    return dict(python=platform.python_version(), machine=platform.machine(), cpus=os.cpu_count(),
+                cpu=machine().get("cpu"), sglang=sglang.__version__, detokd=__version__,
+                commit=subprocess.run(git, capture_output=True, text=True).stdout.strip(), tokenizer=TOKENIZER)
+
+
+# --- tables and the plot ----------------------------------------------------------------
 
 
 def label(r: dict) -> str:
@@ -366,55 +366,65 @@ def label(r: dict) -> str:
     return target
 
 
+def ids_per_step(args: dict) -> str:
+    return f"{'1-' if args.get('varied_ids') else ''}{args.get('ids_per_step', 1)}"
+
+
+def md_row(*cells: object) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def table(results: list[dict]) -> str:
-    rows = md_head("encoding", "ids/step", "B", "target", "mode", "tokens/s", "p50 ms", "p99 ms", "max ms", "CPU us/token",
-                   "CPU us/row", "floor us/row", "VmHWM MB", "text ok")
+    rows = md_head("encoding", "ids/step", "B", "target", "mode", "tokens/s", "p50 ms", "p99 ms", "max ms",
+                   "CPU us/token", "CPU us/row", "floor us/row", "VmHWM MB", "text ok")
+    figures = ("latency_ms_p50", "latency_ms_p99", "latency_ms_max", "cpu_us_per_token", "cpu_us_per_row")
     for r in results:
-        ok = r["text_equal_across_targets"] and not r["off_oracle"] and r["one_answer_per_step"] and r["same_text_every_pass"]
-        floor_row = f"{r['floor_us_per_row']:.2f}" + (f" (raw {r['floor_raw_us_per_row']:.2f})" if "floor_raw_us_per_row" in r else "")
-        target = label(r)
-        rows.append(f"| {r['encoding']} | {'1-' if r.get('varied_ids') else ''}{r['ids_per_step']} | {r['batch']} | {target} | {r['mode']}"
-                    f"{'' if r['mode'] == 'latency' else ' (w=' + str(r['window']) + ')'} | {r['tokens_per_s_median']:,.0f} | "
-                    f"{r['latency_ms_p50']:.2f} | {r['latency_ms_p99']:.2f} | {r['latency_ms_max']:.2f} | "
-                    f"{r['cpu_us_per_token']:.2f} | {r['cpu_us_per_row']:.2f} | {floor_row} | {r['vm_hwm_mb']:.0f} | {'yes' if ok else 'NO'} |")
+        checks = ("text_equal_across_targets", "one_answer_per_step", "same_text_every_pass")
+        ok = all(r[k] for k in checks) and not r["off_oracle"]
+        raw = f" (raw {r['floor_raw_us_per_row']:.2f})" if "floor_raw_us_per_row" in r else ""
+        mode = r["mode"] if r["mode"] == "latency" else f"{r['mode']} (w={r['window']})"
+        rows.append(md_row(r["encoding"], ids_per_step(r), r["batch"], label(r), mode,
+                           f"{r['tokens_per_s_median']:,.0f}", *(f"{r[k]:.2f}" for k in figures),
+                           f"{r['floor_us_per_row']:.2f}{raw}", f"{r['vm_hwm_mb']:.0f}", "yes" if ok else "NO"))
     return "\n".join(rows)
 
 
 def stream_of(args: dict, sglang: dict, detokd: dict) -> str:
     """How a recorded run's stream was made and served, in a few words."""
-    k = args.get("ids_per_step", 1)
-    words = [f"{'1-' if args.get('varied_ids') else ''}{k} id{'s' if k > 1 else ''}"]
+    words = [f"{ids_per_step(args)} id{'s' if args.get('ids_per_step', 1) > 1 else ''}"]
     words.append(f"L = {args['lifetime']}" if args.get("lifetime") else "all at once")
     if args.get("freeze_gc"):
         words.append("GC frozen")
     if sglang.get("detokenizers", 1) > 1:
-        words.append(f"N = {sglang['detokenizers']}" + (", detokd's behind the router too" if detokd.get("detokenizers", 1) > 1 else ""))
+        both = ", detokd's behind the router too" if detokd.get("detokenizers", 1) > 1 else ""
+        words.append(f"N = {sglang['detokenizers']}{both}")
     return ", ".join(words)
-
-
-def _rates(results: tuple[dict, ...]) -> str:
-    return " / ".join(f"{r['tokens_per_s_median']:,.0f}" for r in results)
 
 
 def summary(paths: list[str]) -> str:
     """One row per recorded run, IPC and batch size: the figures the docs quote, read
     back from the JSON files that hold them (medians of the passes; p99 pooled)."""
     rows = md_head("run", "commit", "CPU", "stream", "IPC", "B", "SGLang tokens/s, 1 / 8 in flight",
-                   "detokd tokens/s, 1 / 8 in flight", "gain", "detokd p50 / p99, ms", "CPU µs/row: SGLang / detokd / floor")
+                   "detokd tokens/s, 1 / 8 in flight", "gain", "detokd p50 / p99, ms",
+                   "CPU µs/row: SGLang / detokd / floor")
     for path in paths:
         doc = json.loads(Path(path).read_text())
         if "results" not in doc:  # another command's JSON beside them (sglang-aging's)
             log(f"{path}: not a sglang-bench run, left out")
             continue
         got = {(r["encoding"], r["batch"], r["target"], r["mode"]): r for r in doc["results"]}
+        env = doc["environment"]
         for encoding, batch in sorted({(e, b) for e, b, _, _ in got}, key=lambda c: (c[0] != "pickle", c[1])):
-            s, d = (tuple(got.get((encoding, batch, t, m)) for m in ("latency", "throughput")) for t in ("sglang", "detokd"))
+            s, d = ([got.get((encoding, batch, t, m)) for m in ("latency", "throughput")] for t in ("sglang", "detokd"))
             if None in (*s, *d):
                 continue  # a run cut short: only whole cases are quoted
-            gain = " / ".join(f"{dr['tokens_per_s_median'] / sr['tokens_per_s_median']:.1f}×" for sr, dr in zip(s, d))
-            rows.append(f"| {Path(path).name} | {doc['environment'].get('commit', '?')} | {doc['environment'].get('cpu') or '—'} | {stream_of(doc['args'], s[0], d[0])} | {encoding} "
-                        f"| {batch} | {_rates(s)} | {_rates(d)} | {gain} | {d[0]['latency_ms_p50']:.2f} / {d[0]['latency_ms_p99']:.2f} "
-                        f"| {s[0]['cpu_us_per_row']:.1f} / {d[0]['cpu_us_per_row']:.2f} / {d[0]['floor_us_per_row']:.2f} |")
+            speeds = [[r["tokens_per_s_median"] for r in pair] for pair in (s, d)]
+            rates = [" / ".join(f"{x:,.0f}" for x in xs) for xs in speeds]
+            gain = " / ".join(f"{b / a:.1f}×" for a, b in zip(*speeds, strict=True))
+            rows.append(md_row(
+                Path(path).name, env.get("commit", "?"), env.get("cpu") or "—", stream_of(doc["args"], s[0], d[0]),
+                encoding, batch, *rates, gain, f"{d[0]['latency_ms_p50']:.2f} / {d[0]['latency_ms_p99']:.2f}",
+                f"{s[0]['cpu_us_per_row']:.1f} / {d[0]['cpu_us_per_row']:.2f} / {d[0]['floor_us_per_row']:.2f}"))
     return "\n".join(rows)
 
 
@@ -425,58 +435,67 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     cases = sorted({(r["encoding"], r["batch"]) for r in results})
-    labels = [f"{e}\nB={b}" for e, b in cases]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     panels = [("throughput", "tokens_per_s_median", "tokens/s (pipelined)"),
               ("latency", "latency_ms_p50", "step latency p50 (ms), one step in flight"),
               ("latency", "latency_ms_p99", "step latency p99 (ms), one step in flight")]
     width = 0.38
-    for ax, (mode, key, title) in zip(axes, panels):
+    for ax, (mode, key, title) in zip(axes, panels, strict=True):
         for k, target in enumerate(TARGETS):
-            val = {(r["encoding"], r["batch"]): r[key] for r in results if r["target"] == target and r["mode"] == mode}
+            mine = [r for r in results if r["target"] == target]
+            val = {(r["encoding"], r["batch"]): r[key] for r in mine if r["mode"] == mode}
             xs = [i + (k - 0.5) * width for i in range(len(cases))]
-            bars = ax.bar(xs, [val[c] for c in cases], width, label=label(next(r for r in results if r["target"] == target)))
+            bars = ax.bar(xs, [val[c] for c in cases], width, label=label(mine[0]))
             ax.bar_label(bars, fmt="%.3g", fontsize=7)
-        ax.set_xticks(range(len(cases)), labels)
+        ax.set_xticks(range(len(cases)), [f"{e}\nB={b}" for e, b in cases])
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
-    per_step = results[0].get("ids_per_step", 1)
-    per_step = f"1-{per_step} ids" if results[0].get("varied_ids") else f"{per_step} id"
-    fig.suptitle(f"detokd vs SGLang's detokenizer process, SGLang's own stream (DeepSeek tokenizer, {per_step}/request/step)"
-                 + (f", requests {results[0]['lifetime']} steps long, staggered" if results[0].get("lifetime") else "")
+    first = results[0]
+    per_step = f"{ids_per_step(first)} id{'s' if first.get('varied_ids') else ''}"
+    fig.suptitle(f"detokd vs SGLang's detokenizer process, SGLang's own stream (DeepSeek tokenizer, "
+                 f"{per_step}/request/step)"
+                 + (f", requests {first['lifetime']} steps long, staggered" if first.get("lifetime") else "")
                  + (", GC frozen" if any(r.get("freeze_gc") for r in results) else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str]) -> int:
+def arguments(argv: list[str]):
     ap = parser("sglang-bench", __doc__)
     ap.add_argument("--batch", type=int, nargs="+", default=[256, 1024], help="concurrent requests (default 256 1024)")
     ap.add_argument("--steps", type=int, default=300, help="decode steps per pass (default 300)")
-    ap.add_argument("--lifetime", type=int, metavar="L", help="steps each request lives, staggered as under continuous "
-                    "batching (default: all B start at the first step and finish at the last)")
-    ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
-    ap.add_argument("--ids-per-step", type=int, default=1, help="new ids per request per step (default 1; speculative "
-                    "decoding: 2-8)")
-    ap.add_argument("--varied-ids", action="store_true", help="with --ids-per-step K: 1 to K per request and step (seeded)")
+    ap.add_argument("--lifetime", type=int, metavar="L", help="steps each request lives, staggered as under "
+                    "continuous batching (default: all B start at the first step and finish at the last)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="ABBA rounds per batch size (default 2: 4 passes per target and mode)")
+    ap.add_argument("--ids-per-step", type=int, default=1,
+                    help="new ids per request per step (default 1; speculative decoding: 2-8)")
+    ap.add_argument("--varied-ids", action="store_true",
+                    help="with --ids-per-step K: 1 to K per request and step (seeded)")
     ap.add_argument("--detokd-router", action="store_true", help="with --detokenizers N > 1, N detokd processes "
                     "behind SGLang's router too (DETOKD_SGLANG_ROUTER=1), not the plugin's one process")
-    ap.add_argument("--detokenizers", type=int, default=1, help="SGLang's --detokenizer-worker-num (default 1), against "
-                    "detokd as the plugin serves it (one process)")
+    ap.add_argument("--detokenizers", type=int, default=1, help="SGLang's --detokenizer-worker-num (default 1), "
+                    "against detokd as the plugin serves it (one process)")
     ap.add_argument("--window", type=int, default=8, help="steps in flight in the throughput mode (default 8)")
     ap.add_argument("--encodings", nargs="+", choices=["pickle", "msgpack"], default=["pickle", "msgpack"],
                     help="SGLang IPC encodings (SGLANG_USE_PICKLE_IPC), each with its own pair of processes")
-    ap.add_argument("--freeze-gc", action="store_true", help="after the warm-up, send both a FreezeGCReq, as SGLang's "
-                    "/freeze_gc does (off by default, as in SGLang)")
+    ap.add_argument("--freeze-gc", action="store_true", help="after the warm-up, send both a FreezeGCReq, as "
+                    "SGLang's /freeze_gc does (off by default, as in SGLang)")
     ap.add_argument("--json", metavar="PATH", help="write the environment, arguments, summary and every pass here")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib; or --plot-only later)")
-    ap.add_argument("--plot-only", metavar="JSON", help="only draw --plot from an earlier --json file (any python with matplotlib)")
-    ap.add_argument("--summary", metavar="JSON", nargs="+", help="only print the table of earlier --json files (any python)")
+    ap.add_argument("--plot-only", metavar="JSON",
+                    help="only draw --plot from an earlier --json file (any python with matplotlib)")
+    ap.add_argument("--summary", metavar="JSON", nargs="+",
+                    help="only print the table of earlier --json files (any python)")
     args = ap.parse_args(argv)
     if args.lifetime is not None and not 1 <= args.lifetime <= args.steps // 2:
-        ap.error(f"--lifetime must be 1 to half of --steps ({args.steps}): the batch is full only after one lifetime "
-                 "and until the last request that fits has started")
+        ap.error(f"--lifetime must be 1 to half of --steps ({args.steps}): the batch is full only after one "
+                 "lifetime and until the last request that fits has started")
+    return args
 
+
+def main(argv: list[str]) -> int:
+    args = arguments(argv)
     if args.summary:
         print(summary(args.summary))
         return 0
@@ -489,10 +508,13 @@ def main(argv: list[str]) -> int:
     folder = zoo.build(TOKENIZER)
     # detokd serves --detokenizer-worker-num N as the plugin does: one process, unless asked otherwise.
     count = {"sglang": args.detokenizers, "detokd": args.detokenizers if args.detokd_router else 1}
-    procs = {enc: {name: SglangDetokenizerUnderTest(folder, encoding=enc, detokenizers=count[name], target=fn).start()
+    procs = {enc: {name: replay.SglangDetokenizerUnderTest(folder, encoding=enc, detokenizers=count[name],
+                                                           target=fn).start()
                    for name, fn in TARGETS.items()}
              for enc in args.encodings}
-    results, raw, failure = [], [], None
+    results: list[dict] = []
+    raw: list[dict] = []
+    failure = None
     try:
         for enc in args.encodings:
             results += bench_encoding(enc, procs[enc], vocab, ids, args, raw)
@@ -501,11 +523,11 @@ def main(argv: list[str]) -> int:
         log(f"FAILED: {failure}")
     finally:
         for pair in procs.values():
-            for p in pair.values():
-                p.close()
-    doc = dict(command=command_line("sglang-bench", argv), environment=environment(), args={k: v for k, v in vars(args).items() if k != "plot_only"},
-               corpus_ids=len(ids), seconds=time.perf_counter() - t_start, failure=failure, results=results,
-               passes=raw)
+            for proc in pair.values():
+                proc.close()
+    doc = dict(command=command_line("sglang-bench", argv), environment=environment(),
+               args={k: v for k, v in vars(args).items() if k != "plot_only"}, corpus_ids=len(ids),
+               seconds=time.perf_counter() - t_start, failure=failure, results=results, passes=raw)
     if args.json:
         write_json(args.json, doc)
     if results:
@@ -517,4 +539,3 @@ def main(argv: list[str]) -> int:
             log(f"matplotlib missing: draw it later with --plot-only {args.json} --plot {args.plot}")
     log(f"total {doc['seconds']:.0f}s")
     return 1 if failure else 0
-

@@ -1,6 +1,5 @@
-"""Replay a scripted scheduler stream through an SGLang-compatible detokenizer process
-(`detokbench sglang-bench` and the SGLang tests, whose own helpers are in
-tests/sglang/replay.py).
+"""Replay a scripted scheduler stream through an SGLang-compatible detokenizer process,
+for `detokbench sglang-bench` and the SGLang tests (their own side: tests/sglang/replay.py).
 
 - `Scripted`: one request (prompt, outputs, per-step chunking, flags, finish kind,
   HTTP worker, which passthrough fields carry fake values).
@@ -18,8 +17,8 @@ together. Messages must be built under the encoding they are sent with.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
+import itertools
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ import threading
 import time
 import zlib
 from array import array
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
@@ -76,11 +76,8 @@ class Scripted(msgspec.Struct, frozen=True, kw_only=True):
         sizes = self.chunks if self.chunks is not None else [1] * len(self.output_ids)
         if sum(sizes) != len(self.output_ids) or any(n < 1 for n in sizes):
             raise ValueError(f"{self.rid}: chunks {sizes} do not partition {len(self.output_ids)} outputs")
-        out, at = [], 0
-        for n in sizes:
-            out.append(self.output_ids[at : at + n])
-            at += n
-        return out
+        ends = itertools.accumulate(sizes)
+        return [self.output_ids[end - n : end] for n, end in zip(sizes, ends, strict=True)]
 
 
 class Accumulated(msgspec.Struct, kw_only=True):
@@ -88,7 +85,6 @@ class Accumulated(msgspec.Struct, kw_only=True):
 
     rid: str
     text: str = ""
-    chunks: list[str] = msgspec.field(default_factory=list)
     finished_reason: dict | None = None
     output_ids: list[int] = msgspec.field(default_factory=list)
 
@@ -104,18 +100,17 @@ def ipc_encoding(encoding: Encoding) -> Iterator[None]:
 
     if encoding not in ("pickle", "msgpack"):
         raise ValueError(encoding)
-    saved_env = os.environ.get("SGLANG_USE_PICKLE_IPC")
-    saved_flag = io_struct._USE_PICKLE_IPC
+    saved = os.environ.get("SGLANG_USE_PICKLE_IPC"), io_struct._USE_PICKLE_IPC
     os.environ["SGLANG_USE_PICKLE_IPC"] = "1" if encoding == "pickle" else "0"
     io_struct._USE_PICKLE_IPC = encoding == "pickle"
     try:
         yield
     finally:
-        io_struct._USE_PICKLE_IPC = saved_flag
-        if saved_env is None:
+        env, io_struct._USE_PICKLE_IPC = saved
+        if env is None:
             os.environ.pop("SGLANG_USE_PICKLE_IPC", None)
         else:
-            os.environ["SGLANG_USE_PICKLE_IPC"] = saved_env
+            os.environ["SGLANG_USE_PICKLE_IPC"] = env
 
 
 # --- builder --------------------------------------------------------------------------
@@ -139,27 +134,13 @@ def _make_req(s: Scripted, ipc: str | None, tokenizer: Any):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    sp = SamplingParams(
-        max_new_tokens=max(len(s.output_ids), 1) + 1,
-        skip_special_tokens=s.skip_special_tokens,
-        spaces_between_special_tokens=s.spaces_between_special_tokens,
-        no_stop_trim=s.no_stop_trim,
-        stop=[s.stop_str] if s.stop_str else None,
-    )
+    sp = SamplingParams(max_new_tokens=max(len(s.output_ids), 1) + 1, skip_special_tokens=s.skip_special_tokens,
+                        spaces_between_special_tokens=s.spaces_between_special_tokens, no_stop_trim=s.no_stop_trim,
+                        stop=[s.stop_str] if s.stop_str else None)
     sp.normalize(tokenizer)
-    req = Req(
-        s.rid,
-        "",
-        array("q", s.prompt_ids),
-        sp,
-        return_logprob=s.logprobs,
-        top_logprobs_num=2 if s.logprobs else 0,
-        stream=True,
-        return_hidden_states=s.hidden_states,
-        return_routed_experts=s.routed_experts,
-        return_indexer_topk=s.indexer_topk,
-        http_worker_ipc=ipc,
-    )
+    req = Req(s.rid, "", array("q", s.prompt_ids), sp, return_logprob=s.logprobs, stream=True,
+              top_logprobs_num=2 if s.logprobs else 0, return_hidden_states=s.hidden_states,
+              return_routed_experts=s.routed_experts, return_indexer_topk=s.indexer_topk, http_worker_ipc=ipc)
     # Req.tail_str decodes with it when holding back a stop-string prefix.
     req.tokenizer = tokenizer
     req.cached_tokens = s.cached_tokens
@@ -202,8 +183,7 @@ def _advance(req, s: Scripted, chunk: list[int], last: bool) -> None:
     req.output_ids.extend(chunk)
     if s.logprobs:
         append_output_logprobs(req.logprob, chunk, base)
-    for k, tok in enumerate(chunk):
-        pos = base + k
+    for pos in range(base, base + len(chunk)):
         if s.hidden_states:
             req.hidden_states.append([pos + 0.25, -pos - 0.5, 1.0])
         if s.customized_info:
@@ -226,16 +206,11 @@ def _accumulator(return_logprob: bool, reqs: Sequence[Any], cached_details: Call
     # The batch-level flags of OutputStreamer._stream_output_generation, as far as the
     # installed release takes them (0.5.21 and older have no request-level customized info).
     kwargs = dict(
-        return_logprob=return_logprob,
-        return_hidden_states=any(r.return_hidden_states for r in reqs),
+        return_logprob=return_logprob, return_hidden_states=any(r.return_hidden_states for r in reqs),
         return_routed_experts=any(r.return_routed_experts for r in reqs),
-        return_indexer_topk=any(r.return_indexer_topk for r in reqs),
-        spec_algorithm=SpeculativeAlgorithm.NONE,
-        disaggregation_mode=DisaggregationMode.NULL,
-        default_stream_interval=1,
-        default_force_stream_interval=50,
-        get_cached_tokens_details=cached_details,
-        is_request_level_customized_info_key=lambda key: False,
+        return_indexer_topk=any(r.return_indexer_topk for r in reqs), spec_algorithm=SpeculativeAlgorithm.NONE,
+        disaggregation_mode=DisaggregationMode.NULL, default_stream_interval=1, default_force_stream_interval=50,
+        get_cached_tokens_details=cached_details, is_request_level_customized_info_key=lambda key: False,
         current_weight_version="default",  # ServerArgs.weight_version default
     )
     takes = inspect.signature(_GenerationStreamAccumulator).parameters
@@ -246,13 +221,8 @@ def _cached_details(req) -> dict | None:
     return {"device": req.cached_tokens, "host": 0} if req.cached_tokens else None
 
 
-def build_stream(
-    requests: Sequence[Scripted],
-    *,
-    encoding: Encoding,
-    http_worker_ipcs: Sequence[str | None] = (None,),
-    tokenizer: Any = None,
-) -> list[Any]:
+def build_stream(requests: Sequence[Scripted], *, encoding: Encoding, http_worker_ipcs: Sequence[str | None] = (None,),
+                 tokenizer: Any = None) -> list[Any]:
     """The BatchTokenIDOutput of every scheduler step that has something to stream.
 
     Each step, every request with a chunk due appends it, then SGLang's accumulator
@@ -263,11 +233,11 @@ def build_stream(
     with ipc_encoding(encoding):
         reqs = [_make_req(s, http_worker_ipcs[s.http_worker], tokenizer) for s in requests]
         plans = [s.steps() for s in requests]
-        last_step = max((s.first_step + len(p) for s, p in zip(requests, plans)), default=0)
+        last_step = max((s.first_step + len(p) for s, p in zip(requests, plans, strict=True)), default=0)
         out = []
         for step in range(last_step):
             batch = []
-            for s, req, plan in zip(requests, reqs, plans):
+            for s, req, plan in zip(requests, reqs, plans, strict=True):
                 k = step - s.first_step
                 if 0 <= k < len(plan):
                     _advance(req, s, plan[k], last=k == len(plan) - 1)
@@ -278,7 +248,7 @@ def build_stream(
             payload = acc.to_payload(dp_rank=0, is_idle_batch=False)
             if payload is not None:
                 out.append(payload)
-            for s, req in zip(requests, reqs):
+            for s, req in zip(requests, reqs, strict=True):
                 if s.retract_after_chunk is not None and step - s.first_step == s.retract_after_chunk:
                     req.reset_for_retract()
         return out
@@ -293,11 +263,7 @@ def freeze_gc_req() -> Any:
 def fence_batch(rids: Sequence[Sequence[str]], *, encoding: Encoding, http_worker_ipcs: Sequence[str | None]) -> Any:
     """Finished one-token rows, rids starting with FENCE_PREFIX: `rids[i]` for receiver i
     (`_fence_rids`: one per detokenizer that sends to it)."""
-    rows = [
-        Scripted(rid=rid, prompt_ids=[1], output_ids=[1], http_worker=i)
-        for i, mine in enumerate(rids)
-        for rid in mine
-    ]
+    rows = [Scripted(rid=r, prompt_ids=[1], output_ids=[1], http_worker=i) for i, mine in enumerate(rids) for r in mine]
     (msg,) = build_stream(rows, encoding=encoding, http_worker_ipcs=http_worker_ipcs)
     return msg
 
@@ -309,14 +275,14 @@ def route(http_worker_ipc: str | None, rid: str, detokenizers: int) -> int:
 
 
 def _fence_rids(tag: str, receiver: int, ipc: str | None, detokenizers: int) -> list[str]:
-    """A fence rid for each detokenizer that sends to this receiver: all of them when rows
-    are routed by rid, the one its address picks otherwise. Every process's output
-    reaches the receiver in order, so once each of its fences is in, all is."""
+    """A fence rid (`tag` + a suffix) for each detokenizer that sends to this receiver: all
+    of them when rows are routed by rid, the one its address picks otherwise. Every
+    process's output reaches the receiver in order, so once each of its fences is in, all is."""
     wanted = {route(ipc, "", detokenizers)} if ipc is not None else set(range(detokenizers))
     rids: dict[int, str] = {}
     salt = 0
     while len(rids) < len(wanted):
-        rid = f"{FENCE_PREFIX}{tag}:{receiver}:{salt}"
+        rid = f"{tag}{receiver}:{salt}"
         rids.setdefault(route(ipc, rid, detokenizers), rid)
         salt += 1
     return [rids[d] for d in sorted(wanted)]
@@ -336,7 +302,6 @@ def accumulate(outputs: Iterable[Any]) -> dict[str, list[Accumulated]]:
             if not lives or lives[-1].finished_reason is not None:
                 lives.append(Accumulated(rid=rid))
             acc = lives[-1]
-            acc.chunks.append(out.output_strs[i])
             acc.text += out.output_strs[i]
             if out.output_ids is not None and i < len(out.output_ids):
                 acc.output_ids.extend(out.output_ids[i])
@@ -346,25 +311,13 @@ def accumulate(outputs: Iterable[Any]) -> dict[str, list[Accumulated]]:
 
 # --- runner ---------------------------------------------------------------------------
 
-
-def _model_folder(root: Path, tokenizer_dir: Path) -> Path:
-    """A weightless model folder: SGLang's arg resolution reads config.json from
-    model_path; the tokenizer itself is loaded from tokenizer_path untouched."""
-    folder = root / "model"
-    folder.mkdir()
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 32000,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+# A weightless model: SGLang's arg resolution reads config.json from model_path; the
+# tokenizer itself is loaded from tokenizer_path untouched.
+MODEL_CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
 
 
 class DetokenizerDied(RuntimeError):
@@ -377,35 +330,27 @@ class SglangDetokenizerUnderTest:
     that many of them behind SGLang's router. Use as a context manager; close() always
     reaps every process."""
 
-    def __init__(
-        self,
-        tokenizer: str | os.PathLike,
-        *,
-        encoding: Encoding = "pickle",
-        http_workers: int = 1,
-        detokenizers: int = 1,
-        target: Callable | None = None,
-        server_args: dict | None = None,
-    ):
+    def __init__(self, tokenizer: str | os.PathLike, *, encoding: Encoding = "pickle", http_workers: int = 1,
+                 detokenizers: int = 1, target: Callable | None = None):
         self.tokenizer_dir = Path(tokenizer)
         self.encoding: Encoding = encoding
         self.http_workers = http_workers
         self.detokenizers = detokenizers
         self.target = target
-        self.server_args_overrides = dict(server_args or {})
         self.processes: list = []  # the detokenizer(s), then SGLang's router if any
         self.sigquit = False
+        self.http_worker_ipcs: list[str | None] = []
         self._root: Path | None = None
         self._ctx = None
         self._push = None
         self._pulls: list = []
         self._fences = 0
         self._old_sigquit = None
-        self.http_worker_ipcs: list[str | None] = []
-        self.server_args = None
-        self.port_args = None
 
     # lifecycle
+
+    def _ipc(self, name: str) -> str:
+        return f"ipc://{self._root / name}"
 
     def start(self) -> "SglangDetokenizerUnderTest":
         """Spawn the process(es) (returns at once; the first exchange waits for them)."""
@@ -414,82 +359,64 @@ class SglangDetokenizerUnderTest:
 
         try:
             self._root = Path(tempfile.mkdtemp(prefix="sglang-replay-"))
-            ipc = lambda name: f"ipc://{self._root / name}"  # noqa: E731
-            model = _model_folder(self._root, self.tokenizer_dir)
-            args = dict(
-                model_path=str(model),
-                tokenizer_path=str(self.tokenizer_dir),
-                device="cpu",
-                tokenizer_worker_num=self.http_workers,
-                detokenizer_worker_num=self.detokenizers,
-                log_level="warning",
-            )
-            args.update(self.server_args_overrides)
-            self.server_args = ServerArgs(**args)
-            self.server_args.resolve_once()  # as Engine._launch_subprocesses does before spawning
-            self.port_args = PortArgs(
-                tokenizer_ipc_name=ipc("tokenizer"),
-                scheduler_input_ipc_name=ipc("scheduler"),
-                detokenizer_ipc_name=ipc("detokenizer"),
-                nccl_port=0,
-                rpc_ipc_name=ipc("rpc"),
-                metrics_ipc_name=ipc("metrics"),
-                tokenizer_worker_ipc_name=None if self.http_workers == 1 else ipc("tokenizer_worker"),
-                decoupled_spec_ipc_config=None,
-                instance_id=self._root.name,
+            model = self._root / "model"
+            model.mkdir()
+            (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
+            server_args = ServerArgs(model_path=str(model), tokenizer_path=str(self.tokenizer_dir), device="cpu",
+                                     tokenizer_worker_num=self.http_workers, detokenizer_worker_num=self.detokenizers,
+                                     log_level="warning")
+            server_args.resolve_once()  # as Engine._launch_subprocesses does before spawning
+            port_args = PortArgs(
+                tokenizer_ipc_name=self._ipc("tokenizer"), scheduler_input_ipc_name=self._ipc("scheduler"),
+                detokenizer_ipc_name=self._ipc("detokenizer"), nccl_port=0, rpc_ipc_name=self._ipc("rpc"),
+                metrics_ipc_name=self._ipc("metrics"),
+                tokenizer_worker_ipc_name=None if self.http_workers == 1 else self._ipc("tokenizer_worker"),
+                decoupled_spec_ipc_config=None, instance_id=self._root.name,
             )
             self._ctx = zmq.Context()
+            self._ctx.linger = 0
             if self.http_workers == 1:
                 # Single worker: rows carry http_worker_ipc None, output goes to tokenizer_ipc_name.
                 self.http_worker_ipcs = [None]
-                addresses = [self.port_args.tokenizer_ipc_name]
+                addresses = [port_args.tokenizer_ipc_name]
             else:
-                self.http_worker_ipcs = [ipc(f"http_worker_{i}") for i in range(self.http_workers)]
-                addresses = list(self.http_worker_ipcs)
+                self.http_worker_ipcs = addresses = [self._ipc(f"http_worker_{i}") for i in range(self.http_workers)]
             for address in addresses:
-                sock = self._ctx.socket(zmq.PULL)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.bind(address)
-                self._pulls.append(sock)
+                self._pulls.append(self._ctx.socket(zmq.PULL))
+                self._pulls[-1].bind(address)
             self._push = self._ctx.socket(zmq.PUSH)
-            self._push.setsockopt(zmq.LINGER, 0)
-            self._push.connect(self.port_args.detokenizer_ipc_name)
-
+            self._push.connect(port_args.detokenizer_ipc_name)
             if threading.current_thread() is threading.main_thread():
                 # SGLang's run_detokenizer_process SIGQUITs its parent on an exception.
                 self._old_sigquit = signal.signal(signal.SIGQUIT, self._on_sigquit)
-            target = self.target or _sglang_target()
             with ipc_encoding(self.encoding):  # the children inherit it before importing sglang
-                self._spawn(target)
+                self._spawn(self.target or _sglang_target(), server_args, port_args)
         except BaseException:
             self.close()
             raise
         return self
 
-    def _spawn(self, target: Callable) -> None:
+    def _spawn(self, target: Callable, server_args: Any, port_args: Any) -> None:
         """What Engine._launch_detokenizer_subprocesses starts: the detokenizer on SGLang's
         address, or N of them on their own addresses and SGLang's router on SGLang's."""
         import multiprocessing as mp
 
-        spawn = mp.get_context("spawn")
-
         def start(name: str, fn: Callable, args: tuple, kwargs: dict | None = None) -> None:
-            proc = spawn.Process(target=fn, name=name, args=args, kwargs=kwargs or {}, daemon=True)
+            proc = mp.get_context("spawn").Process(target=fn, name=name, args=args, kwargs=kwargs or {}, daemon=True)
             proc.start()
             self.processes.append(proc)
 
         if self.detokenizers == 1:
-            start("detokenizer", target, (self.server_args, self.port_args))
+            start("detokenizer", target, (server_args, port_args))
             return
         from sglang.srt.managers.multi_tokenizer_mixin import run_multi_detokenizer_router_process
 
-        own = [f"ipc://{self._root / f'detokenizer_{i}'}" for i in range(self.detokenizers)]
+        own = [self._ipc(f"detokenizer_{i}") for i in range(self.detokenizers)]
         for i, address in enumerate(own):
-            port_args = dataclasses.replace(self.port_args, detokenizer_ipc_name=address)
-            start(f"detokenizer_{i}", target, (self.server_args, port_args))
+            start(f"detokenizer_{i}", target, (server_args, replace(port_args, detokenizer_ipc_name=address)))
         # enable_metrics is 0.5.21's and newer.
         takes = inspect.signature(run_multi_detokenizer_router_process).parameters
-        start("detokenizer_router", run_multi_detokenizer_router_process, (own, self.server_args, self.port_args),
+        start("detokenizer_router", run_multi_detokenizer_router_process, (own, server_args, port_args),
               {"enable_metrics": False} if "enable_metrics" in takes else {})
 
     def _on_sigquit(self, signum, frame) -> None:
@@ -505,13 +432,9 @@ class SglangDetokenizerUnderTest:
                 proc.kill()
                 proc.join(5)
         self.processes = []
-        for sock in [self._push, *self._pulls]:
-            if sock is not None:
-                sock.close(0)
-        self._push, self._pulls = None, []
         if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+            self._ctx.destroy()  # closes its sockets, which linger 0
+        self._ctx, self._push, self._pulls = None, None, []
         if self._old_sigquit is not None:
             signal.signal(signal.SIGQUIT, self._old_sigquit)
             self._old_sigquit = None
@@ -528,7 +451,8 @@ class SglangDetokenizerUnderTest:
     # traffic
 
     def build(self, requests: Sequence[Scripted], tokenizer: Any = None) -> list[Any]:
-        return build_stream(requests, encoding=self.encoding, http_worker_ipcs=self.http_worker_ipcs, tokenizer=tokenizer)
+        ipcs = self.http_worker_ipcs
+        return build_stream(requests, encoding=self.encoding, http_worker_ipcs=ipcs, tokenizer=tokenizer)
 
     def send(self, messages: Iterable[Any]) -> None:
         from sglang.srt.managers.io_struct import sock_send
@@ -544,7 +468,7 @@ class SglangDetokenizerUnderTest:
         from sglang.srt.managers.io_struct import sock_recv
 
         self._fences += 1
-        tag = str(self._fences)
+        tag = f"{FENCE_PREFIX}{self._fences}:"
         ipcs = self.http_worker_ipcs
         fence_rids = [_fence_rids(tag, i, ipc, self.detokenizers) for i, ipc in enumerate(ipcs)]
         self.send([*messages, fence_batch(fence_rids, encoding=self.encoding, http_worker_ipcs=ipcs)])
@@ -559,7 +483,7 @@ class SglangDetokenizerUnderTest:
                 self._check_alive()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    pending = [i for i, left_due in enumerate(due) if left_due]
+                    pending = [i for i, n in enumerate(due) if n]
                     raise TimeoutError(f"no fence from receivers {pending} within {timeout}s")
                 for sock, _ in poller.poll(min(left, 0.5) * 1000):
                     i = self._pulls.index(sock)
@@ -568,12 +492,12 @@ class SglangDetokenizerUnderTest:
                     fences = [r for r in rids if isinstance(r, str) and r.startswith(FENCE_PREFIX)]
                     if not fences:
                         got[i].append(out)
-                        continue
-                    if len(fences) != len(rids):
+                    elif len(fences) != len(rids):
                         raise AssertionError(f"fence rows mixed into an output: {rids}")
-                    if any(not r.startswith(f"{FENCE_PREFIX}{tag}:") for r in fences):
+                    elif any(not r.startswith(tag) for r in fences):
                         raise AssertionError(f"stale fence {fences}")
-                    due[i] -= len(fences)
+                    else:
+                        due[i] -= len(fences)
         return got
 
     def _check_alive(self) -> None:
@@ -588,4 +512,3 @@ def _sglang_target() -> Callable:
     from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
 
     return run_detokenizer_process
-
