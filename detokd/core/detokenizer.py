@@ -192,9 +192,9 @@ class Detokenizer:
         it returns (`end` when it takes them all). The rows are `rows` (an OutRow each
         for its worker) or else `columns` (a dialect that places rows by position: row
         i's text goes to `texts[i - at]`; the columns carry no seq, start or meta to
-        check). The text of a row of settled ids
-        is the decoder's settled table's; other rows step the decoder. One loop, not a
-        helper per row: a call per row costs ~10% of it (measured)."""
+        check). A row's text is the decoder's settled table's when each of its ids has
+        one, else the decoder's step. One loop, not a helper per row: a call per row
+        costs ~10% of it (measured)."""
         get = self.table.states.get
         vocab_size = self.vocab_size
         max_ids = self.limits.row_ids
