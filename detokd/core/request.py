@@ -48,7 +48,8 @@ class Request:
 
     def keep_sent(self, text: str) -> None:
         """`text` went out: `sent` keeps its last SENT_TAIL characters or more. The rule
-        of the sent tail; the dispatcher's two fast paths write it out inline."""
+        of the sent tail; the dispatcher's fast path (Detokenizer._advance) writes it out
+        inline."""
         sent = self.sent + text
         self.sent = sent if len(sent) <= SENT_KEEP else sent[-SENT_TAIL:]
 
