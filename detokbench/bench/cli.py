@@ -57,7 +57,7 @@ def parse_args(argv=None):
     ap.add_argument("--quiet-budget", type=float, default=120.0, help="seconds of such waiting over the whole run, at most")
     ap.add_argument("--shards", type=int, default=1, help="detokd only: `serve --shards N`, rows routed by crc32(rid) %% N to <input>.<i>")
     ap.add_argument("--max-states", type=int, default=0, help="detokd only: pass --max-states N (0: its default)")
-    ap.add_argument("--detokd-cmd", default="", help="command that starts detokd's server, instead of `python -m detokd serve` of this checkout (e.g. \"env PYTHONPATH=/other/tree python -m detokd serve\")")
+    ap.add_argument("--detokd-cmd", default="", help="command that starts detokd's server, instead of `python -m detokd serve` of this checkout (e.g. \"env -C /other/tree python -m detokd serve\"; not PYTHONPATH alone: it runs in this checkout, which `-m` puts first)")
     ap.add_argument("--detokd-args", default="", help="extra arguments for `python -m detokd serve`")
     ap.add_argument("--out", default=None, help="folder for results.json, table.md and the plots (default docs/bench, or a temp folder with --quick)")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (sockets, process logs)")
