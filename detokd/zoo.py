@@ -135,14 +135,20 @@ def build(name: str, root: Path | None = None) -> Path:
     out = (root or cache_root()) / name
     if (out / "tokenizer.json").exists():
         return out
+    return built_aside(out, _BUILDERS[name])
+
+
+def built_aside(out: Path, fill: Callable[[Path], None]) -> Path:
+    """The folder `out`, written by `fill` into a folder beside it and renamed into
+    place, so that builders running at once never see half a folder; one that loses
+    the race keeps the winner's."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so concurrent builders never see half a folder.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        _BUILDERS[name](tmp)
+        fill(tmp)
         try:
             tmp.rename(out)
-        except OSError:  # another process won the race
+        except OSError:  # another builder won the race
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

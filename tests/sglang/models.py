@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import tomllib
 from pathlib import Path
 
@@ -56,10 +55,11 @@ def model_folder(root: Path, name: str | None) -> Path:
     folder = root / f"model-{name or 'bare'}"
     if folder.exists():
         return folder
-    # Built aside and renamed into place: tests that start servers side by side may ask
-    # for the same folder at once, and none may see it half written.
-    root.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=root))
+    # Tests that start servers side by side may ask for the same folder at once.
+    return zoo.built_aside(folder, lambda building: _fill_model_folder(building, name))
+
+
+def _fill_model_folder(building: Path, name: str | None) -> None:
     config = {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -76,8 +76,3 @@ def model_folder(root: Path, name: str | None) -> Path:
         tc_path.write_text(json.dumps(tc))
         config.update(vocab_size=v.size, eos_token_id=eos)
     (building / "config.json").write_text(json.dumps(config))
-    try:
-        building.rename(folder)
-    except OSError:  # another caller's copy is in place; it is the same
-        shutil.rmtree(building)
-    return folder
