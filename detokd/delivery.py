@@ -62,6 +62,14 @@ MAX_OWED_BYTES = 16 << 20  # and their bytes: rids are the peer's strings, of an
 # zero-copy (tracking a zero-copy frame until ZMQ is done with it costs more than
 # copying a small one).
 COPY_BELOW = 65536
+# ZMQ_EVENTS and its bits as plain ints: `&` with pyzmq's flag enums builds an Enum on
+# each test (~0.7 µs, more than half the option read), and the loop tests them each turn.
+EVENTS = int(zmq.EVENTS)
+POLLIN = int(zmq.POLLIN)
+POLLOUT = int(zmq.POLLOUT)
+# Seconds between two reads of the workers' ZMQ queue state for /metrics' writable gauge,
+# at most: a read costs ~1 µs a worker, and a busy loop publishes every few µs.
+ROOM_EVERY = 0.05
 
 
 def owed_cost(rid: str, row: OutRow) -> int:
@@ -184,6 +192,8 @@ class Delivery:
         self.poller: zmq.Poller | None = None  # the loop's: a backlogged worker's POLLOUT wakes it
         self.broken: list[WorkerOut] = []  # live requests' rows lost with a connection, for the loop to fail
         self.backlogged: dict[int, Worker] = {}
+        self.room: dict[int, bool] = {}  # worker -> its ZMQ queue had room when last read for /metrics
+        self.room_read = 0.0  # when
         self.stats = stats
         self.workers: dict[int, Worker] = {}
         self.feedback: Worker | None = None  # the scheduler's `stopped` messages, queued as a worker's
@@ -278,7 +288,7 @@ class Delivery:
         # Asked first: a read that finds nothing raises zmq.Again, several times dearer,
         # and nearly every turn finds nothing.
         # pyzmq types every option's value int | bytes; EVENTS is an int.
-        while w.monitor is not None and w.monitor.get(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]
+        while w.monitor is not None and w.monitor.get(EVENTS) & POLLIN:  # type: ignore[operator]
             try:
                 event = recv_monitor_message(w.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
@@ -446,7 +456,7 @@ class Delivery:
             except zmq.Again:
                 # A non-blocking send reads ZMQ's "the I/O thread took them" notices at
                 # most once a millisecond; asking for EVENTS reads them now.
-                if asked or not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:  # type: ignore[arg-type, operator]  # an int (_read_events)
+                if asked or not sock.getsockopt(EVENTS) & POLLOUT:  # type: ignore[operator]  # an int (_read_events)
                     return
                 asked = True
                 continue
@@ -513,14 +523,20 @@ class Delivery:
         and ZMQ's queue below its mark (ZMQ exposes no depth, only this)."""
         return (
             w.socket is not None and not w.backlog
-            and bool(w.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT)  # type: ignore[arg-type, operator]  # an int (_read_events)
+            and bool(w.socket.getsockopt(EVENTS) & POLLOUT)  # type: ignore[operator]  # an int (_read_events)
         )
 
-    def publish(self) -> None:
-        """Per-worker figures for /metrics."""
+    def publish(self, now: float) -> None:
+        """Per-worker figures for /metrics. A worker with a backlog is not writable; one
+        without is as its ZMQ queue was when last read, at most ROOM_EVERY s ago."""
+        if now - self.room_read >= ROOM_EVERY:
+            self.room_read = now
+            self.room = {w.index: self.has_room(w) for w in self.workers.values()}
+        room = self.room
         self.stats.workers = {
             w.index: WorkerFigures(
-                sent=w.sent, dropped=w.dropped, disconnects=w.disconnects, writable=self.has_room(w),
+                sent=w.sent, dropped=w.dropped, disconnects=w.disconnects,
+                writable=not w.backlog and room.get(w.index, False),
                 owed=len(w.owed), backlog=len(w.backlog), backlog_bytes=w.backlog_bytes,
             )
             for w in self.workers.values()

@@ -419,9 +419,9 @@ class Server:
             self._guard_rss(now)
         self.gc_policy.tick(now)  # the young generations: every gc_policy.STARTS starts, or a second
         self.conductor.between_batches()
-        self._publish_stats()
+        self._publish_stats(now)
 
-    def _publish_stats(self) -> None:
+    def _publish_stats(self, now: float) -> None:
         """What /metrics reads of the core's and delivery's state (counters are bumped as
         they happen; these are sizes)."""
         core = self.core
@@ -431,7 +431,7 @@ class Server:
             "stop_automata": (len(core.automata.cache), core.automata.cache.nbytes),
             "stop_automata_alive": (core.automata.alive, core.automata.alive_bytes),
         }
-        self.delivery.publish()
+        self.delivery.publish(now)
 
     def close(self) -> None:
         if self.metrics is not None:
