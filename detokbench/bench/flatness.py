@@ -10,8 +10,7 @@ from typing import Any
 from ..proc import machine_busy_ns
 from .harness import Impl
 from .pipeline import STEP, Clocks, Pipeline, check_record, measured
-from .progress import Progress
-from .report import fmt_rate, median
+from .report import median
 from .workload import Workload
 
 
@@ -94,11 +93,11 @@ class Flatness:
         self.probes.append(Probe(j, lc, pos, sc, (m1 or 0) - (m0 or 0) - (c2 - c0) - (hc1 - hc0), w1 - w0))
         self.short_done()
 
-    def run(self, max_seconds: float, progress: Progress) -> int:
+    def run(self, max_seconds: float) -> int:
         """The long streams' steps, probed every `probe_every`; the steps run (the run
         stops early past max_seconds)."""
-        L, n, B = self.L, self.n, self.wl_long.batch
-        t0, t_start = time.monotonic(), time.monotonic_ns()
+        L, n = self.L, self.n
+        t0 = time.monotonic()
         j = 0
         while j < self.steps:
             lp = L["start"] if j == 0 else L["cyc"][j % len(L["cyc"])]
@@ -107,13 +106,8 @@ class Flatness:
             else:
                 self.send(lp, j * n)
             j += 1
-            if (j & 63) == 0:
-                tm = time.monotonic()
-                if tm - t0 > max_seconds:
-                    break
-                if progress.tty and tm - progress.last > 0.2:
-                    el = (time.monotonic_ns() - t_start) / 1e9
-                    progress.update(f"flatness step {j}/{self.steps}  {fmt_rate(j * B * n / el if el > 0 else 0)} tok/s  {len(self.probes)} probes")
+            if (j & 63) == 0 and time.monotonic() - t0 > max_seconds:
+                break
         self.send(L["finish"], j * n)
         if self.sp:
             self.end_short_round()
@@ -122,8 +116,7 @@ class Flatness:
 
 
 def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: int, probe_every: int,
-                 short_len: int, window: int, max_seconds: float, check: str, progress: Progress,
-                 segments: int = 8) -> dict:
+                 short_len: int, window: int, max_seconds: float, check: str, segments: int = 8) -> dict:
     """Per-token cost at output length ~`steps` against ~`short_len`/2, drift-free.
 
     B long streams run `steps` steps (window `window`). Every `probe_every` steps the
@@ -139,7 +132,7 @@ def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: in
                  window=window, segments=segments)
     with measured(impl, B, "sample" if watch else "off", watch):
         c0, t_start = Clocks.read(impl), time.monotonic_ns()
-        j = f.run(max_seconds, progress)
+        j = f.run(max_seconds)
     secs = (time.monotonic_ns() - t_start) / 1e9
     c1 = Clocks.read(impl)
     tokens = (j + sum(f.short_rounds)) * B * f.n

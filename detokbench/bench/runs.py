@@ -8,8 +8,7 @@ from typing import Any
 
 from .harness import Impl
 from .pipeline import FINISH, START, STEP, Clocks, Pipeline, check_record, measured
-from .progress import Progress
-from .report import fmt_rate, lat_stats, median
+from .report import lat_stats, median
 from .workload import Workload
 
 
@@ -20,29 +19,23 @@ def watched(check: str, batch: int) -> list[int]:
     return list(range(batch)) if check == "all" else []
 
 
-def one_round(p: Pipeline, wl: Workload, frames: dict, nsteps: int, t_cap: float, label: str, progress: Progress) -> int:
+def one_round(p: Pipeline, wl: Workload, frames: dict, nsteps: int, t_cap: float) -> int:
     """Every stream starts, runs `nsteps` steps and finishes; the steps run (a round
     stops early past t_cap)."""
     start, finish, cyc = frames["start"], frames["finish"], frames["cyc"]
-    period, n, g0 = len(cyc), wl.n, p.sent
+    period, n = len(cyc), wl.n
     j = 0
     while j < nsteps:
         p.send(start if j == 0 else cyc[j % period], j * n, START if j == 0 else STEP)
         j += 1
-        if (j & 15) == 0:
-            tm = time.monotonic()
-            if tm > t_cap:
-                break
-            if progress.tty and tm - progress.last > 0.2:
-                el = (time.monotonic_ns() - p.send_t[g0]) / 1e9
-                progress.update(f"{label} step {j}/{nsteps}  {fmt_rate(j * wl.batch * n / el if el > 0 else 0)} tok/s")
+        if (j & 15) == 0 and time.monotonic() > t_cap:
+            break
     p.send(finish, j * n, FINISH)
     return j
 
 
 def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_seconds: float,
-               lat_steps: int, lat_max_seconds: float, window: int, check: str,
-               progress: Progress) -> dict:
+               lat_steps: int, lat_max_seconds: float, window: int, check: str) -> dict:
     """One configuration through one implementation.
 
     Throughput phase: rounds of `steps` steps (every stream starts, runs `steps` steps,
@@ -57,7 +50,7 @@ def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_
         t0 = time.monotonic()
         rounds: list[int] = []
         while True:
-            rounds.append(one_round(p, wl, frames, steps, t0 + max_seconds, "throughput", progress))
+            rounds.append(one_round(p, wl, frames, steps, t0 + max_seconds))
             if time.monotonic() - t0 >= min_seconds or rounds[-1] < steps:
                 break
         p.drain()
@@ -66,7 +59,7 @@ def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_
         lat_rounds: list[int] = []
         if lat_steps:
             p.window = 1
-            lat_rounds.append(one_round(p, wl, frames, lat_steps, time.monotonic() + lat_max_seconds, "latency", progress))
+            lat_rounds.append(one_round(p, wl, frames, lat_steps, time.monotonic() + lat_max_seconds))
             p.drain()
     result = figures(impl, wl, p, g1, before, after, rounds, lat_rounds, steps, window)
     result["check"] = check_text(impl, wl, watch_idx, rounds + lat_rounds, check)
