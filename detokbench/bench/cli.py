@@ -11,7 +11,6 @@ import shutil
 import signal
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,42 +75,24 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-@dataclass
-class Plan:
-    """What a run measures, from the options."""
+class Bench:
+    """One run: what it measures (from the options), the harness, the implementations of
+    the tokenizer at hand, the results (saved to results.json after every configuration)."""
 
-    impls: list[str]
-    toks: list[str]
-    batches: list[int]
-    nids: list[int]  # ids per row
-    long_impls: list[str]  # the flatness run's
-    long_toks: list[str]
-    out_dir: Path
-
-    @classmethod
-    def of(cls, args) -> Plan:
-        impls = _csv(args.impls)
-        for i in impls:
+    def __init__(self, args, command: str) -> None:
+        self.args = args
+        self.impls = _csv(args.impls)
+        for i in self.impls:
             if i not in IMPLS:
                 raise SystemExit(f"unknown implementation {i!r}; known: {', '.join(IMPLS)}")
-        toks = _csv(args.tokenizers)
-        out_dir = Path(args.out) if args.out else (
+        self.toks = _csv(args.tokenizers)
+        self.batches = [int(x) for x in _csv(args.batch)]
+        self.nids = [int(x) for x in _csv(args.ids_per_row)]  # ids per row
+        self.long_impls = [i for i in _csv(args.long_impls) if i in self.impls] if args.long_steps else []
+        self.long_toks = [t for t in _csv(args.long_tokenizers) if t in self.toks] if args.long_steps else []
+        self.out_dir = Path(args.out) if args.out else (
             Path(tempfile.mkdtemp(prefix="detokd-bench-quick-")) if args.quick else ROOT / "docs" / "bench")
-        return cls(
-            impls=impls, toks=toks, batches=[int(x) for x in _csv(args.batch)], nids=[int(x) for x in _csv(args.ids_per_row)],
-            long_impls=[i for i in _csv(args.long_impls) if i in impls] if args.long_steps else [],
-            long_toks=[t for t in _csv(args.long_tokenizers) if t in toks] if args.long_steps else [],
-            out_dir=out_dir,
-        )
-
-
-class Bench:
-    """One run: the harness, the implementations of the tokenizer at hand, the results
-    (saved to results.json after every configuration)."""
-
-    def __init__(self, args, plan: Plan, command: str) -> None:
-        self.args, self.plan = args, plan
-        plan.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.results: dict[str, Any] = {
             "command": command,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -129,7 +110,7 @@ class Bench:
         self.results["wall_seconds"] = time.monotonic() - self.t_start
         self.results["ratios"] = ratios(self.results["runs"])
         self.results["quiet_wait_seconds"] = self.quiet.waited
-        (self.plan.out_dir / "results.json").write_text(json.dumps(self.results, indent=1))
+        (self.out_dir / "results.json").write_text(json.dumps(self.results, indent=1))
 
     def say(self, line: str) -> None:
         if not self.args.quiet:
@@ -150,12 +131,12 @@ class Bench:
         flatness run."""
         corp = Corpus(tok)
         self.running = {}
-        for name in self.plan.impls:
+        for name in self.impls:
             self.start(name, tok, corp)
-        for cid, (n, B) in enumerate(((n, B) for n in self.plan.nids for B in self.plan.batches), 1):
+        for cid, (n, B) in enumerate(((n, B) for n in self.nids for B in self.batches), 1):
             self.configuration(tok, corp, B, n, f"c{cid}")
             self.save()
-        if tok in self.plan.long_toks:
+        if tok in self.long_toks:
             self.flatness(tok, corp)
             self.save()
         for impl in self.running.values():
@@ -163,7 +144,7 @@ class Bench:
 
     def configuration(self, tok: str, corp: Corpus, B: int, n: int, tag: str) -> None:
         wl = Workload(corp, B, n, tag)
-        for name in self.plan.impls:
+        for name in self.impls:
             impl = self.running.get(name)
             if impl is None:
                 continue
@@ -203,7 +184,7 @@ class Bench:
         args = self.args
         wl = Workload(corp, args.long_batch, 1, "long")
         wl_short = Workload(corp, args.long_batch, 1, "short")
-        for name in self.plan.long_impls:
+        for name in self.long_impls:
             impl = self.running.get(name)
             if impl is None:
                 continue
@@ -222,12 +203,23 @@ class Bench:
                      f"{fl.get('late_long_us_per_tok', 0):.3f}, control at {fl.get('short_len', 0):.0f}: "
                      f"{fl.get('late_short_us_per_tok', 0):.3f} ({fl.get('late_ratio') or 0:.2f}×)")
 
-    def close(self) -> None:
-        for impl in list(self.running.values()):
-            impl.stop()
-        self.h.close()
-        self.save()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    def run(self) -> int:
+        """Every tokenizer, then the report; an interrupt ends the run early, saving what ran."""
+        try:
+            for tok in self.toks:
+                self.tokenizer(tok)
+        except KeyboardInterrupt:
+            log("interrupted: saving what ran")
+        finally:
+            for impl in list(self.running.values()):
+                impl.stop()
+            self.h.close()
+            self.save()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        print(f"results: {self.out_dir / 'results.json'}  ({self.results['wall_seconds']:.0f} s, "
+              f"{self.quiet.waited:.0f} s of it waiting for other processes)")
+        write_report(self.results, self.out_dir, self.args.no_plot)
+        return 1 if self.results["failures"] else 0
 
 
 def write_report(results: dict, out_dir: Path, no_plot: bool, full: bool = True, tables: bool = True) -> None:
@@ -242,21 +234,6 @@ def write_report(results: dict, out_dir: Path, no_plot: bool, full: bool = True,
             print(f"plot: {p}")
 
 
-def run(args, command: str) -> int:
-    plan = Plan.of(args)
-    b = Bench(args, plan, command)
-    try:
-        for tok in plan.toks:
-            b.tokenizer(tok)
-    except KeyboardInterrupt:
-        log("interrupted: saving what ran")
-    finally:
-        b.close()
-    print(f"results: {plan.out_dir / 'results.json'}  ({b.results['wall_seconds']:.0f} s, {b.quiet.waited:.0f} s of it waiting for other processes)")
-    write_report(b.results, plan.out_dir, args.no_plot)
-    return 1 if b.results["failures"] else 0
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.report:
@@ -268,4 +245,4 @@ def main(argv: list[str]) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    return run(args, command_line("bench", argv))
+    return Bench(args, command_line("bench", argv)).run()
