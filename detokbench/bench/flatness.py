@@ -13,6 +13,7 @@ from .pipeline import STEP, Clocks, Pipeline, check_record, measured
 from .report import median
 from .workload import Workload
 
+SEGMENTS = 8  # stretches of the long run the summary takes medians over
 
 @dataclass(frozen=True)
 class Probe:
@@ -31,9 +32,9 @@ class Flatness:
     steps, so its rows sit at output positions 1..short_len, mean ≈ short_len/2)."""
 
     def __init__(self, impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: int, probe_every: int,
-                 short_len: int, window: int, segments: int) -> None:
+                 short_len: int, window: int) -> None:
         assert wl_short.batch == wl_long.batch and wl_short.n == wl_long.n
-        self.impl, self.wl_long, self.wl_short = impl, wl_long, wl_short
+        self.impl = impl
         self.steps, self.probe_every, self.short_len, self.window = steps, probe_every, short_len, window
         self.n = wl_long.n
         self.L, self.S = wl_long.frames(impl.shards), wl_short.frames(impl.shards)
@@ -43,7 +44,7 @@ class Flatness:
         self.sp = 0  # the short set's next step in its round
         # Between two probes the control set moves on by `stride` steps, so that every
         # stretch of the long run samples it over a whole round (mean position short_len/2).
-        self.stride = max(1, round(short_len * segments * probe_every / max(1, steps)))
+        self.stride = max(1, round(short_len * SEGMENTS * probe_every / max(1, steps)))
 
     def send(self, step: list, seq: int, window: int | None = None) -> None:
         self.p.window = window or self.window
@@ -116,20 +117,14 @@ class Flatness:
 
 
 def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: int, probe_every: int,
-                 short_len: int, window: int, max_seconds: float, check: str, segments: int = 8) -> dict:
-    """Per-token cost at output length ~`steps` against ~`short_len`/2, drift-free.
-
-    B long streams run `steps` steps (window `window`). Every `probe_every` steps the
-    pipeline is drained and two steps go through it alone, back to back (Flatness.probe):
-    one of the long streams and one of the short control streams. The implementation's
-    CPU time is read around each of the two: both costs are measured within a
-    millisecond of each other, so the machine's own drift (a VM's speed moves by ±20%
-    over seconds here) cancels in their ratio."""
+                 short_len: int, window: int, max_seconds: float, check: str) -> dict:
+    """One implementation's flatness run (Flatness): its figures, the probes' summary, the
+    text check. The two steps of a probe are measured within a millisecond of each other, so
+    the machine's own drift (a VM's speed moves by ±20% over seconds here) cancels in their ratio."""
     B = wl_long.batch
     watch_idx = sorted({0, B - 1, B // 2}) if check != "off" else []
     watch = [wl_long.rids[i] for i in watch_idx] + [wl_short.rids[i] for i in watch_idx]
-    f = Flatness(impl, wl_long, wl_short, steps=steps, probe_every=probe_every, short_len=short_len,
-                 window=window, segments=segments)
+    f = Flatness(impl, wl_long, wl_short, steps=steps, probe_every=probe_every, short_len=short_len, window=window)
     with measured(impl, B, "sample" if watch else "off", watch):
         c0, t_start = Clocks.read(impl), time.monotonic_ns()
         j = f.run(max_seconds)
@@ -144,7 +139,7 @@ def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: in
         cpu_s_per_mtok=impl_ns / 1e9 / tokens * 1e6 if tokens else None,
         peak_rss_mb=impl.tree.peak_rss_mb(),
         other_cores=c1.other_cores(c0, secs) if (c0.machine_ns and c1.machine_ns and secs) else None,
-        flatness=flatness_summary(f.probes, B * f.n, j, segments), probe_data=[list(astuple(p)) for p in f.probes],
+        flatness=flatness_summary(f.probes, B * f.n, j), probe_data=[list(astuple(p)) for p in f.probes],
     )
     dump = impl.h.dump()
     bad = sum(dump["texts"].get(wl.rids[i], "") != wl.reference(i, rounds)
@@ -153,16 +148,16 @@ def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: in
     return result
 
 
-def flatness_summary(probes: list[Probe], tokens_per_step: int, length: int, segments: int) -> dict:
-    """Probe costs in `segments` stretches of the long run: medians of the long and the
+def flatness_summary(probes: list[Probe], tokens_per_step: int, length: int) -> dict:
+    """Probe costs in SEGMENTS stretches of the long run: medians of the long and the
     short (control) steps' µs/token, and their ratio. The first stretch has both sets at
     similar lengths (ratio ≈ 1 unless the two sets differ); the last one compares
     output length ≈`length` with the control's ≈short_len/2."""
     if not probes:
         return {"segments": []}
-    seg_len = max(1, length // segments)
+    seg_len = max(1, length // SEGMENTS)
     out = []
-    for k in range(segments):
+    for k in range(SEGMENTS):
         ps = [p for p in probes if k * seg_len <= p.long_pos < (k + 1) * seg_len]
         if not ps:
             continue
