@@ -18,9 +18,9 @@ from .. import ROOT
 from ..commands import command_line
 from ..proc import QuietWait
 from .flatness import run_flatness
-from .harness import Harness, Impl, Stall, start_impl
+from .harness import Harness, Impl, Stall
 from .report import IMPLS, TOKENIZERS, fmt_rate, log, machine, plot, ratios, report, versions
-from .runs import run_config
+from .runs import run_config, start_impl
 from .workload import Corpus, Workload
 
 

@@ -138,7 +138,7 @@ def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: in
         short_stride=f.stride, tokens=tokens, seconds=secs, tok_per_s=tokens / secs if secs > 0 else None,
         cpu_s_per_mtok=impl_ns / 1e9 / tokens * 1e6 if tokens else None,
         peak_rss_mb=impl.tree.peak_rss_mb(),
-        other_cores=c1.other_cores(c0, secs) if (c0.machine_ns and c1.machine_ns and secs) else None,
+        other_cores=c1.other_cores(c0, secs),
         flatness=flatness_summary(f.probes, B * f.n, j), probe_data=[list(astuple(p)) for p in f.probes],
     )
     dump = impl.h.dump()

@@ -130,37 +130,3 @@ class Impl:
         else:
             stop_proc(self.proc)
 
-
-def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
-    """Launch and wait until it has answered a small warm-up round (64 streams, 8 steps)."""
-    from .pipeline import Pipeline
-    from .runs import one_round
-    from .workload import Workload
-
-    impl = Impl(name, tokenizer, h, args)
-    wl = Workload(corp, 64, 1, f"warm{name}")
-    try:
-        if impl.detokd is not None:  # until every shard said READY=1; a baseline is ready once it answers
-            impl.detokd.wait_ready(180)
-        fr = wl.frames(impl.shards)
-        h.configure(64, "off", [])
-        p = Pipeline(impl, window=9, stall_s=2.0)
-        # Frames sent before a baseline binds wait in the socket: send, then wait.
-        one_round(p, wl, fr, 8, float("inf"))
-        deadline = time.monotonic() + 180
-        while p.next < p.sent:
-            if impl.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited ({impl.proc.returncode}):\n{impl.log_tail()}")
-            try:
-                p.drain()
-            except Stall:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not answer within 180 s:\n{impl.log_tail()}") from None
-        dump = h.dump()
-        if dump["n_errors"]:
-            sys.stderr.write(f"warning: {name} answered the warm-up with error rows: {dump['errors'][:3]}\n")
-    except BaseException:
-        impl.stop()
-        raise
-    impl.tree.refresh()
-    return impl

@@ -1,12 +1,13 @@
-"""One configuration through one implementation: a throughput phase, then an idle
-latency phase, then the check of the text the worker kept."""
+"""An implementation started and warmed up; then one configuration through it: a
+throughput phase, then an idle latency phase, then the check of the text the worker kept."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
-from .harness import Impl
+from .harness import Harness, Impl, Stall
 from .pipeline import FINISH, START, STEP, Clocks, Pipeline, check_record, measured
 from .report import lat_stats, median
 from .workload import Workload
@@ -90,8 +91,7 @@ def figures(impl: Impl, wl: Workload, p: Pipeline, g1: int, c0: Clocks, c1: Cloc
         scheduler_cpu_s_per_mtok=(c1.scheduler_ns - c0.scheduler_ns) / 1e9 / mtok if tokens else None,
         worker_cpu_s_per_mtok=(c1.worker_ns - c0.worker_ns) / 1e9 / mtok if tokens else None,
         peak_rss_mb=impl.tree.peak_rss_mb(),
-        other_cores=c1.other_cores(c0, secs) if (c0.machine_ns is not None and c1.machine_ns is not None and secs > 0)
-        else None,
+        other_cores=c1.other_cores(c0, secs),
         steal_cores=((c1.steal_ns - c0.steal_ns) / 1e9 / secs) if (c0.steal_ns is not None and c1.steal_ns is not None and secs > 0) else None,
         truncated=rounds[-1] < steps,
     )
@@ -110,3 +110,34 @@ def check_text(impl: Impl, wl: Workload, watch_idx: list[int], rounds: list[int]
             bad.append({"rid": rid, "at": j, "got": got[max(0, j - 10):j + 10], "want": ref[max(0, j - 10):j + 10],
                         "len_got": len(got), "len_want": len(ref)})
     return check_record(check, len(watch_idx), len(bad), bad[:3], dump)
+
+
+def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
+    """Launch and wait until it has answered a small warm-up round (64 streams, 8 steps)."""
+    impl = Impl(name, tokenizer, h, args)
+    wl = Workload(corp, 64, 1, f"warm{name}")
+    try:
+        if impl.detokd is not None:  # until every shard said READY=1; a baseline is ready once it answers
+            impl.detokd.wait_ready(180)
+        fr = wl.frames(impl.shards)
+        h.configure(64, "off", [])
+        p = Pipeline(impl, window=9, stall_s=2.0)
+        # Frames sent before a baseline binds wait in the socket: send, then wait.
+        one_round(p, wl, fr, 8, float("inf"))
+        deadline = time.monotonic() + 180
+        while p.next < p.sent:
+            if impl.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({impl.proc.returncode}):\n{impl.log_tail()}")
+            try:
+                p.drain()
+            except Stall:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not answer within 180 s:\n{impl.log_tail()}") from None
+        dump = h.dump()
+        if dump["n_errors"]:
+            sys.stderr.write(f"warning: {name} answered the warm-up with error rows: {dump['errors'][:3]}\n")
+    except BaseException:
+        impl.stop()
+        raise
+    impl.tree.refresh()
+    return impl
