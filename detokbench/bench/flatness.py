@@ -4,8 +4,7 @@ measured side by side so the machine's drift cancels."""
 from __future__ import annotations
 
 import time
-from dataclasses import astuple, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..proc import machine_busy_ns
 from .harness import Impl
@@ -15,8 +14,8 @@ from .workload import Workload
 
 SEGMENTS = 8  # stretches of the long run the summary takes medians over
 
-@dataclass(frozen=True)
-class Probe:
+
+class Probe(NamedTuple):
     """One long-stream step and one short-stream step, each alone in the pipeline."""
 
     long_pos: int
@@ -139,7 +138,7 @@ def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: in
         cpu_s_per_mtok=impl_ns / 1e9 / tokens * 1e6 if tokens else None,
         peak_rss_mb=impl.tree.peak_rss_mb(),
         other_cores=c1.other_cores(c0, secs),
-        flatness=flatness_summary(f.probes, B * f.n, j), probe_data=[list(astuple(p)) for p in f.probes],
+        flatness=flatness_summary(f.probes, B * f.n, j), probe_data=[list(p) for p in f.probes],
     )
     dump = impl.h.dump()
     bad = sum(dump["texts"].get(wl.rids[i], "") != wl.reference(i, rounds)
