@@ -31,13 +31,13 @@ from detokd.client import SchedulerClient, shard_for
 from detokd.config import Config
 from detokd.launch import derive_address
 from detokd.process import NotReady
-from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
 
 from .bench.report import md_head
+from .bench.workload import Corpus
 from .children import detokd_process
 from .commands import parser, write_json
-from .corpus import TAIL, corpus
+from .corpus import TAIL
 from .engine import push
 from .proc import cpu_s, descendants
 from .sink import pull
@@ -45,9 +45,13 @@ from .sink import pull
 MARK = "\x01end-"  # marker rids: no text of the corpus contains \x01
 
 
-def marker(shard: int, n: int, prefix: str = MARK) -> str:
-    """A marker rid that falls on `shard` of `n`."""
-    return next(m for j in range(10_000) if shard_for(m := f"{prefix}{shard}.{j}", n) == shard)
+def markers(client: SchedulerClient, n: int, prefix: str = MARK) -> list[bytes]:
+    """Begin and finish at once a marker rid on each of the `n` shards, the first of `prefix`i.0,
+    `prefix`i.1, ... that falls on shard i: the row that shard answers last."""
+    marks = [next(m for j in range(10_000) if shard_for(m := f"{prefix}{i}.{j}", n) == i) for i in range(n)]
+    for m in marks:
+        client.begin(m, finish=Finish("length"))
+    return [m.encode() for m in marks]
 
 
 def spin(n: int = 400_000) -> float:
@@ -74,24 +78,18 @@ class Streams:
     """B streams over the corpus' ids, each from its own offset, and their oracle texts."""
 
     def __init__(self, tokenizer: str, batch: int, steps: int, per_row: int) -> None:
-        self.vocab = load(tokenizer)
-        ids = self.vocab.backend.encode(corpus(), add_special_tokens=False).ids
-        n = steps * per_row
+        corp = Corpus(tokenizer)
+        offsets = [b * len(corp.base) // batch for b in range(batch)]
         self.rids = [f"s{b}" for b in range(batch)]
-        self.tails, self.outs = [], []
-        for b in range(batch):
-            o = b * len(ids) // batch
-            seq = [ids[(o + i) % len(ids)] for i in range(TAIL + n)]
-            self.tails.append(seq[:TAIL])
-            self.outs.append(seq[TAIL:])
-        self.want = {rid: self.vocab.reference(t, o) for rid, t, o in zip(self.rids, self.tails, self.outs)}
+        self.tails = [corp.ids(o, 0, TAIL) for o in offsets]
+        self.outs = [corp.ids(o, TAIL, steps * per_row) for o in offsets]
+        self.want = {rid: corp.vocab.reference(t, o) for rid, t, o in zip(self.rids, self.tails, self.outs)}
 
     def frames(self, addresses: list[str], steps: int, per_row: int) -> tuple[list[list[bytes]], list[bytes]]:
         """Each shard's frames of one round, and the marker each shard answers last."""
         n = len(addresses)
         client = SchedulerClient(addresses)
         out: list[list[bytes]] = [[] for _ in range(n)]
-        marks = [marker(i, n) for i in range(n)]
         for k in range(steps):
             for rid, tail, ids in zip(self.rids, self.tails, self.outs):
                 chunk = ids[k * per_row:(k + 1) * per_row]
@@ -101,12 +99,11 @@ class Streams:
                 else:
                     client.add(rid, chunk, finish=fin)
             if k == steps - 1:
-                for m in marks:
-                    client.begin(m, finish=Finish("length"))
+                marks = markers(client, n)
             for shard, frame in client.take():
                 out[shard].append(frame)
         client.close(linger=0)
-        return out, [m.encode() for m in marks]
+        return out, marks
 
 
 class Target:
@@ -130,8 +127,7 @@ class Target:
         except NotReady as e:
             raise SystemExit(f"detokd with {self.shards} shard(s): {e}") from None
         client = SchedulerClient(self.addresses)
-        for i in range(len(self.addresses)):
-            client.begin(marker(i, len(self.addresses), "\x01probe-"), finish=Finish("length"))
+        markers(client, len(self.addresses), "\x01probe-")
         for shard, frame in client.take():
             self.pushes[shard].send(frame)
         client.close(linger=0)

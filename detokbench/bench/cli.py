@@ -11,7 +11,6 @@ import shutil
 import signal
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,9 @@ from .. import ROOT
 from ..commands import command_line
 from ..proc import QuietWait
 from .flatness import run_flatness
-from .harness import Harness, Impl, Stall, start_impl
-from .progress import Progress
+from .harness import Harness, Impl, Stall
 from .report import IMPLS, TOKENIZERS, fmt_rate, log, machine, plot, ratios, report, versions
-from .runs import run_config
+from .runs import run_config, start_impl
 from .workload import Corpus, Workload
 
 
@@ -54,15 +52,12 @@ def parse_args(argv=None):
     ap.add_argument("--quiet-cores", type=float, default=0.2, help="a run during which other processes kept more cores than this busy is disturbed: it is retried, and the flatness run ignores such windows")
     ap.add_argument("--retries", type=int, default=1, help="extra attempts of a disturbed configuration (the least disturbed one is kept)")
     ap.add_argument("--quiet-wait", type=float, default=10.0, help="seconds to wait, before each configuration, for other processes to leave the cores idle")
-    ap.add_argument("--quiet-budget", type=float, default=120.0, help="seconds of such waiting over the whole run, at most")
     ap.add_argument("--shards", type=int, default=1, help="detokd only: `serve --shards N`, rows routed by crc32(rid) %% N to <input>.<i>")
     ap.add_argument("--max-states", type=int, default=0, help="detokd only: pass --max-states N (0: its default)")
     ap.add_argument("--detokd-cmd", default="", help="command that starts detokd's server, instead of `python -m detokd serve` of this checkout (e.g. \"env -C /other/tree python -m detokd serve\"; not PYTHONPATH alone: it runs in this checkout, which `-m` puts first)")
-    ap.add_argument("--detokd-args", default="", help="extra arguments for `python -m detokd serve`")
     ap.add_argument("--out", default=None, help="folder for results.json, table.md and the plots (default docs/bench, or a temp folder with --quick)")
-    ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (sockets, process logs)")
     ap.add_argument("--no-plot", action="store_true", help="do not draw the plots")
-    ap.add_argument("--quiet", "-q", action="store_true", help="no progress display")
+    ap.add_argument("--quiet", "-q", action="store_true", help="no line per result on stderr")
     ap.add_argument("--report", metavar="RESULTS_JSON", help="only print the markdown tables of a results.json (and redraw its plots)")
     ap.add_argument("--summary", action="store_true", help="with --report: the shorter tables of docs/performance.md")
     args = ap.parse_args(argv)
@@ -80,46 +75,24 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-@dataclass
-class Plan:
-    """What a run measures, from the options."""
+class Bench:
+    """One run: what it measures (from the options), the harness, the implementations of
+    the tokenizer at hand, the results (saved to results.json after every configuration)."""
 
-    impls: list[str]
-    toks: list[str]
-    batches: list[int]
-    nids: list[int]  # ids per row
-    long_impls: list[str]  # the flatness run's
-    long_toks: list[str]
-    out_dir: Path
-
-    @classmethod
-    def of(cls, args) -> Plan:
-        impls = _csv(args.impls)
-        for i in impls:
+    def __init__(self, args, command: str) -> None:
+        self.args = args
+        self.impls = _csv(args.impls)
+        for i in self.impls:
             if i not in IMPLS:
                 raise SystemExit(f"unknown implementation {i!r}; known: {', '.join(IMPLS)}")
-        toks = _csv(args.tokenizers)
-        out_dir = Path(args.out) if args.out else (
+        self.toks = _csv(args.tokenizers)
+        self.batches = [int(x) for x in _csv(args.batch)]
+        self.nids = [int(x) for x in _csv(args.ids_per_row)]  # ids per row
+        self.long_impls = [i for i in _csv(args.long_impls) if i in self.impls] if args.long_steps else []
+        self.long_toks = [t for t in _csv(args.long_tokenizers) if t in self.toks] if args.long_steps else []
+        self.out_dir = Path(args.out) if args.out else (
             Path(tempfile.mkdtemp(prefix="detokd-bench-quick-")) if args.quick else ROOT / "docs" / "bench")
-        return cls(
-            impls=impls, toks=toks, batches=[int(x) for x in _csv(args.batch)], nids=[int(x) for x in _csv(args.ids_per_row)],
-            long_impls=[i for i in _csv(args.long_impls) if i in impls] if args.long_steps else [],
-            long_toks=[t for t in _csv(args.long_tokenizers) if t in toks] if args.long_steps else [],
-            out_dir=out_dir,
-        )
-
-    @property
-    def total(self) -> int:
-        return len(self.toks) * len(self.batches) * len(self.nids) * len(self.impls) + len(self.long_toks) * len(self.long_impls)
-
-
-class Bench:
-    """One run: the harness, the implementations of the tokenizer at hand, the results
-    (saved to results.json after every configuration)."""
-
-    def __init__(self, args, plan: Plan, command: str) -> None:
-        self.args, self.plan = args, plan
-        plan.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.results: dict[str, Any] = {
             "command": command,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -127,24 +100,23 @@ class Bench:
             "options": {k: v for k, v in vars(args).items() if k != "report"},
             "runs": [], "flatness": [], "failures": [],
         }
-        self.progress = Progress(plan.total, args.quiet)
-        self.quiet = QuietWait(args.quiet_budget)
+        self.quiet = QuietWait()
         self.tmp = Path(tempfile.mkdtemp(prefix="detokd-bench-"))
-        self.h = Harness(self.tmp, args)
+        self.h = Harness(self.tmp)
         self.running: dict[str, Impl] = {}
         self.t_start = time.monotonic()
 
     def save(self) -> None:
         self.results["wall_seconds"] = time.monotonic() - self.t_start
         self.results["ratios"] = ratios(self.results["runs"])
-        (self.plan.out_dir / "results.json").write_text(json.dumps(self.results, indent=1))
+        self.results["quiet_wait_seconds"] = self.quiet.waited
+        (self.out_dir / "results.json").write_text(json.dumps(self.results, indent=1))
 
-    def say(self, label: str) -> None:
-        self.progress.label = label
-        self.progress.update("", force=True)
+    def say(self, line: str) -> None:
+        if not self.args.quiet:
+            log(line)
 
     def fail(self, impl: Impl | None, error: Exception, where: str, **record) -> None:
-        self.progress.close()
         log(f"{where}: {error}" + (f"\n{impl.log_tail()}" if impl is not None else ""))
         self.results["failures"].append({**record, "error": str(error)})
 
@@ -157,30 +129,22 @@ class Bench:
     def tokenizer(self, tok: str) -> None:
         """Every configuration of one tokenizer through every implementation, then its
         flatness run."""
-        self.say(f"{tok}: building the streams")
         corp = Corpus(tok)
         self.running = {}
-        for name in self.plan.impls:
-            self.say(f"{tok}: starting {name}")
+        for name in self.impls:
             self.start(name, tok, corp)
-        for cid, (n, B) in enumerate(((n, B) for n in self.plan.nids for B in self.plan.batches), 1):
+        for cid, (n, B) in enumerate(((n, B) for n in self.nids for B in self.batches), 1):
             self.configuration(tok, corp, B, n, f"c{cid}")
             self.save()
-        if tok in self.plan.long_toks:
+        if tok in self.long_toks:
             self.flatness(tok, corp)
             self.save()
         for impl in self.running.values():
             impl.stop()
 
     def configuration(self, tok: str, corp: Corpus, B: int, n: int, tag: str) -> None:
-        args = self.args
-        self.say(f"{tok} B={B} ids/row={n}: building messages")
         wl = Workload(corp, B, n, tag)
-        wl.frames(args.shards if "detokd" in self.plan.impls else 1)
-        if args.shards > 1 and len(self.plan.impls) > 1:
-            wl.frames(1)
-        for name in self.plan.impls:
-            self.progress.begin(f"{name:<12} {tok} B={B} ids/row={n}")
+        for name in self.impls:
             impl = self.running.get(name)
             if impl is None:
                 continue
@@ -196,22 +160,19 @@ class Bench:
             chk = r["check"]
             flag = "" if not (chk["mismatches"] or chk["errors"]) else f"  CHECK: {chk['mismatches']} mismatches, {chk['errors']} errors"
             il = r["lat_idle"] or r["lat_loaded"] or {}
-            self.progress.done(f"{fmt_rate(r['tok_per_s'])} tok/s  p99 {il.get('p99_ms', float('nan')):.2f} ms  "
-                               f"{r['cpu_s_per_mtok'] or 0:.2f} cpu-s/Mtok{flag}")
-
-    def wait_quiet(self) -> None:
-        self.quiet(self.args.quiet_cores, self.args.quiet_wait, lambda text: self.progress.update(text, force=True))
+            self.say(f"{name:<12} {tok} B={B} ids/row={n}  {fmt_rate(r['tok_per_s'])} tok/s  "
+                     f"p99 {il.get('p99_ms', float('nan')):.2f} ms  {r['cpu_s_per_mtok'] or 0:.2f} cpu-s/Mtok{flag}")
 
     def measure(self, impl: Impl, wl: Workload) -> dict:
         """One configuration, retried while other processes disturbed it (the least
         disturbed attempt is kept)."""
         args, r = self.args, None
         for attempt in range(1 + max(0, args.retries)):
-            self.wait_quiet()
+            self.quiet(args.quiet_cores, args.quiet_wait, self.say)
             ri = run_config(impl, wl, steps=args.steps, min_seconds=args.min_seconds,
                             max_seconds=args.max_seconds, lat_steps=args.latency_steps,
                             lat_max_seconds=args.latency_max_seconds, window=args.window,
-                            check=args.check, progress=self.progress)
+                            check=args.check)
             ri["attempt"] = attempt + 1
             if r is None or (ri["other_cores"] or 0) < (r["other_cores"] or 0):
                 r = ri
@@ -223,35 +184,42 @@ class Bench:
         args = self.args
         wl = Workload(corp, args.long_batch, 1, "long")
         wl_short = Workload(corp, args.long_batch, 1, "short")
-        for name in self.plan.long_impls:
-            self.progress.begin(f"{name:<12} {tok} flatness B={args.long_batch} length {args.long_steps}")
+        for name in self.long_impls:
             impl = self.running.get(name)
             if impl is None:
                 continue
             try:
-                self.wait_quiet()
+                self.quiet(args.quiet_cores, args.quiet_wait, self.say)
                 r = run_flatness(impl, wl, wl_short, steps=args.long_steps, probe_every=args.probe_every,
                                  short_len=args.short_len, window=args.window,
-                                 max_seconds=args.long_max_seconds, check=args.check, progress=self.progress)
+                                 max_seconds=args.long_max_seconds, check=args.check)
             except (Stall, RuntimeError) as e:
                 self.fail(impl, e, f"{name} {tok} flatness", impl=name, tokenizer=tok, flatness=True)
                 continue
             fl = r["flatness"]
             self.results["flatness"].append(r)
-            self.progress.done(f"{fmt_rate(r['tok_per_s'])} tok/s  µs/token at {fl.get('late_len', 0):.0f}: "
-                               f"{fl.get('late_long_us_per_tok', 0):.3f}, control at {fl.get('short_len', 0):.0f}: "
-                               f"{fl.get('late_short_us_per_tok', 0):.3f} ({fl.get('late_ratio') or 0:.2f}×)")
+            self.say(f"{name:<12} {tok} flatness B={args.long_batch} length {args.long_steps}  "
+                     f"{fmt_rate(r['tok_per_s'])} tok/s  µs/token at {fl.get('late_len', 0):.0f}: "
+                     f"{fl.get('late_long_us_per_tok', 0):.3f}, control at {fl.get('short_len', 0):.0f}: "
+                     f"{fl.get('late_short_us_per_tok', 0):.3f} ({fl.get('late_ratio') or 0:.2f}×)")
 
-    def close(self) -> None:
-        self.progress.close()
-        for impl in list(self.running.values()):
-            impl.stop()
-        self.h.close()
-        self.save()
-        if not self.args.keep_tmp:
+    def run(self) -> int:
+        """Every tokenizer, then the report; an interrupt ends the run early, saving what ran."""
+        try:
+            for tok in self.toks:
+                self.tokenizer(tok)
+        except KeyboardInterrupt:
+            log("interrupted: saving what ran")
+        finally:
+            for impl in list(self.running.values()):
+                impl.stop()
+            self.h.close()
+            self.save()
             shutil.rmtree(self.tmp, ignore_errors=True)
-        else:
-            log(f"logs and sockets kept in {self.tmp}")
+        print(f"results: {self.out_dir / 'results.json'}  ({self.results['wall_seconds']:.0f} s, "
+              f"{self.quiet.waited:.0f} s of it waiting for other processes)")
+        write_report(self.results, self.out_dir, self.args.no_plot)
+        return 1 if self.results["failures"] else 0
 
 
 def write_report(results: dict, out_dir: Path, no_plot: bool, full: bool = True, tables: bool = True) -> None:
@@ -266,24 +234,6 @@ def write_report(results: dict, out_dir: Path, no_plot: bool, full: bool = True,
             print(f"plot: {p}")
 
 
-def run(args, command: str) -> int:
-    plan = Plan.of(args)
-    b = Bench(args, plan, command)
-    try:
-        for tok in plan.toks:
-            b.tokenizer(tok)
-    except KeyboardInterrupt:
-        b.progress.close()
-        log("interrupted: saving what ran")
-    finally:
-        b.close()
-    b.results["quiet_wait_seconds"] = b.quiet.waited
-    b.save()
-    print(f"results: {plan.out_dir / 'results.json'}  ({b.results['wall_seconds']:.0f} s, {b.quiet.waited:.0f} s of it waiting for other processes)")
-    write_report(b.results, plan.out_dir, args.no_plot)
-    return 1 if b.results["failures"] else 0
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.report:
@@ -295,4 +245,4 @@ def main(argv: list[str]) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    return run(args, command_line("bench", argv))
+    return Bench(args, command_line("bench", argv)).run()

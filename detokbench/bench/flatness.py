@@ -4,19 +4,18 @@ measured side by side so the machine's drift cancels."""
 from __future__ import annotations
 
 import time
-from dataclasses import astuple, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..proc import machine_busy_ns
 from .harness import Impl
 from .pipeline import STEP, Clocks, Pipeline, check_record, measured
-from .progress import Progress
-from .report import fmt_rate, median
+from .report import median
 from .workload import Workload
 
+SEGMENTS = 8  # stretches of the long run the summary takes medians over
 
-@dataclass(frozen=True)
-class Probe:
+
+class Probe(NamedTuple):
     """One long-stream step and one short-stream step, each alone in the pipeline."""
 
     long_pos: int
@@ -32,9 +31,9 @@ class Flatness:
     steps, so its rows sit at output positions 1..short_len, mean ≈ short_len/2)."""
 
     def __init__(self, impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: int, probe_every: int,
-                 short_len: int, window: int, segments: int) -> None:
+                 short_len: int, window: int) -> None:
         assert wl_short.batch == wl_long.batch and wl_short.n == wl_long.n
-        self.impl, self.wl_long, self.wl_short = impl, wl_long, wl_short
+        self.impl = impl
         self.steps, self.probe_every, self.short_len, self.window = steps, probe_every, short_len, window
         self.n = wl_long.n
         self.L, self.S = wl_long.frames(impl.shards), wl_short.frames(impl.shards)
@@ -44,7 +43,7 @@ class Flatness:
         self.sp = 0  # the short set's next step in its round
         # Between two probes the control set moves on by `stride` steps, so that every
         # stretch of the long run samples it over a whole round (mean position short_len/2).
-        self.stride = max(1, round(short_len * segments * probe_every / max(1, steps)))
+        self.stride = max(1, round(short_len * SEGMENTS * probe_every / max(1, steps)))
 
     def send(self, step: list, seq: int, window: int | None = None) -> None:
         self.p.window = window or self.window
@@ -94,11 +93,11 @@ class Flatness:
         self.probes.append(Probe(j, lc, pos, sc, (m1 or 0) - (m0 or 0) - (c2 - c0) - (hc1 - hc0), w1 - w0))
         self.short_done()
 
-    def run(self, max_seconds: float, progress: Progress) -> int:
+    def run(self, max_seconds: float) -> int:
         """The long streams' steps, probed every `probe_every`; the steps run (the run
         stops early past max_seconds)."""
-        L, n, B = self.L, self.n, self.wl_long.batch
-        t0, t_start = time.monotonic(), time.monotonic_ns()
+        L, n = self.L, self.n
+        t0 = time.monotonic()
         j = 0
         while j < self.steps:
             lp = L["start"] if j == 0 else L["cyc"][j % len(L["cyc"])]
@@ -107,13 +106,8 @@ class Flatness:
             else:
                 self.send(lp, j * n)
             j += 1
-            if (j & 63) == 0:
-                tm = time.monotonic()
-                if tm - t0 > max_seconds:
-                    break
-                if progress.tty and tm - progress.last > 0.2:
-                    el = (time.monotonic_ns() - t_start) / 1e9
-                    progress.update(f"flatness step {j}/{self.steps}  {fmt_rate(j * B * n / el if el > 0 else 0)} tok/s  {len(self.probes)} probes")
+            if (j & 63) == 0 and time.monotonic() - t0 > max_seconds:
+                break
         self.send(L["finish"], j * n)
         if self.sp:
             self.end_short_round()
@@ -122,24 +116,17 @@ class Flatness:
 
 
 def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: int, probe_every: int,
-                 short_len: int, window: int, max_seconds: float, check: str, progress: Progress,
-                 segments: int = 8) -> dict:
-    """Per-token cost at output length ~`steps` against ~`short_len`/2, drift-free.
-
-    B long streams run `steps` steps (window `window`). Every `probe_every` steps the
-    pipeline is drained and two steps go through it alone, back to back (Flatness.probe):
-    one of the long streams and one of the short control streams. The implementation's
-    CPU time is read around each of the two: both costs are measured within a
-    millisecond of each other, so the machine's own drift (a VM's speed moves by ±20%
-    over seconds here) cancels in their ratio."""
+                 short_len: int, window: int, max_seconds: float, check: str) -> dict:
+    """One implementation's flatness run (Flatness): its figures, the probes' summary, the
+    text check. The two steps of a probe are measured within a millisecond of each other, so
+    the machine's own drift (a VM's speed moves by ±20% over seconds here) cancels in their ratio."""
     B = wl_long.batch
     watch_idx = sorted({0, B - 1, B // 2}) if check != "off" else []
     watch = [wl_long.rids[i] for i in watch_idx] + [wl_short.rids[i] for i in watch_idx]
-    f = Flatness(impl, wl_long, wl_short, steps=steps, probe_every=probe_every, short_len=short_len,
-                 window=window, segments=segments)
+    f = Flatness(impl, wl_long, wl_short, steps=steps, probe_every=probe_every, short_len=short_len, window=window)
     with measured(impl, B, "sample" if watch else "off", watch):
         c0, t_start = Clocks.read(impl), time.monotonic_ns()
-        j = f.run(max_seconds, progress)
+        j = f.run(max_seconds)
     secs = (time.monotonic_ns() - t_start) / 1e9
     c1 = Clocks.read(impl)
     tokens = (j + sum(f.short_rounds)) * B * f.n
@@ -150,8 +137,8 @@ def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: in
         short_stride=f.stride, tokens=tokens, seconds=secs, tok_per_s=tokens / secs if secs > 0 else None,
         cpu_s_per_mtok=impl_ns / 1e9 / tokens * 1e6 if tokens else None,
         peak_rss_mb=impl.tree.peak_rss_mb(),
-        other_cores=c1.other_cores(c0, secs) if (c0.machine_ns and c1.machine_ns and secs) else None,
-        flatness=flatness_summary(f.probes, B * f.n, j, segments), probe_data=[list(astuple(p)) for p in f.probes],
+        other_cores=c1.other_cores(c0, secs),
+        flatness=flatness_summary(f.probes, B * f.n, j), probe_data=[list(p) for p in f.probes],
     )
     dump = impl.h.dump()
     bad = sum(dump["texts"].get(wl.rids[i], "") != wl.reference(i, rounds)
@@ -160,16 +147,16 @@ def run_flatness(impl: Impl, wl_long: Workload, wl_short: Workload, *, steps: in
     return result
 
 
-def flatness_summary(probes: list[Probe], tokens_per_step: int, length: int, segments: int) -> dict:
-    """Probe costs in `segments` stretches of the long run: medians of the long and the
+def flatness_summary(probes: list[Probe], tokens_per_step: int, length: int) -> dict:
+    """Probe costs in SEGMENTS stretches of the long run: medians of the long and the
     short (control) steps' µs/token, and their ratio. The first stretch has both sets at
     similar lengths (ratio ≈ 1 unless the two sets differ); the last one compares
     output length ≈`length` with the control's ≈short_len/2."""
     if not probes:
         return {"segments": []}
-    seg_len = max(1, length // segments)
+    seg_len = max(1, length // SEGMENTS)
     out = []
-    for k in range(segments):
+    for k in range(SEGMENTS):
         ps = [p for p in probes if k * seg_len <= p.long_pos < (k + 1) * seg_len]
         if not ps:
             continue

@@ -37,9 +37,8 @@ class Stall(RuntimeError):
 class Harness:
     """The worker process and the scheduler's sockets."""
 
-    def __init__(self, tmp: Path, args) -> None:
+    def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.args = args
         self.ctx = zmq.Context()
         self.text_addr = f"ipc://{tmp}/text"
         self.ack_addr = f"ipc://{tmp}/ack"
@@ -73,10 +72,9 @@ class Harness:
             if a[0] == kind and a[1] == self.cid:
                 return a
 
-    def configure(self, expected: int, check: str, watch: list[str]) -> int:
+    def configure(self, expected: int, check: str, watch: list[str]) -> None:
         self.cid += 1
         self.ask(Configure(self.cid, expected, check, watch), ACK_CONFIG)
-        return self.cid
 
     def dump(self) -> dict:
         return self.ask(Dump(self.cid), ACK_DUMP)[2]
@@ -103,7 +101,7 @@ class Impl:
             settings = {"max_states": args.max_states} if args.max_states else {}
             cfg = msgspec.structs.replace(Config(), input=base, workers=[h.text_addr], tokenizer=tokenizer,
                                           log_level="warning", **settings)
-            extra = (["--shards", str(self.shards)] if self.shards > 1 else []) + shlex.split(args.detokd_args or "")
+            extra = ["--shards", str(self.shards)] if self.shards > 1 else []
             self.detokd = detokd_process(cfg, h.tmp, extra, shlex.split(args.detokd_cmd) if args.detokd_cmd else None)
             self.detokd.spawn()
             self.proc = self.detokd.proc
@@ -132,38 +130,3 @@ class Impl:
         else:
             stop_proc(self.proc)
 
-
-def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
-    """Launch and wait until it has answered a small warm-up round (64 streams, 8 steps)."""
-    from .pipeline import Pipeline
-    from .progress import Progress
-    from .runs import one_round
-    from .workload import Workload
-
-    impl = Impl(name, tokenizer, h, args)
-    wl = Workload(corp, 64, 1, f"warm{name}")
-    try:
-        if impl.detokd is not None:  # until every shard said READY=1; a baseline is ready once it answers
-            impl.detokd.wait_ready(180)
-        fr = wl.frames(impl.shards)
-        h.configure(64, "off", [])
-        p = Pipeline(impl, window=9, stall_s=2.0)
-        # Frames sent before a baseline binds wait in the socket: send, then wait.
-        one_round(p, wl, fr, 8, float("inf"), "warm-up", Progress(0, quiet=True))
-        deadline = time.monotonic() + 180
-        while p.next < p.sent:
-            if impl.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited ({impl.proc.returncode}):\n{impl.log_tail()}")
-            try:
-                p.drain()
-            except Stall:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not answer within 180 s:\n{impl.log_tail()}") from None
-        dump = h.dump()
-        if dump["n_errors"]:
-            sys.stderr.write(f"warning: {name} answered the warm-up with error rows: {dump['errors'][:3]}\n")
-    except BaseException:
-        impl.stop()
-        raise
-    impl.tree.refresh()
-    return impl

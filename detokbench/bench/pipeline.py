@@ -118,11 +118,13 @@ class Clocks:
         return cls(impl.tree.cpu_ns(), impl.tree.cpu_psutil(), h.self_tree.cpu_ns(), h.worker_tree.cpu_ns(),
                    machine_busy_ns(), steal_ns())
 
-    def other_cores(self, before: Clocks, seconds: float) -> float:
+    def other_cores(self, before: Clocks, seconds: float) -> Optional[float]:
         """Cores kept busy by processes outside the benchmark (another test run, ...) since
-        `before`: should be ~0 for the figures to mean anything. Needs machine_ns."""
+        `before`: should be ~0 for the figures to mean anything. None without /proc/stat."""
+        if self.machine_ns is None or before.machine_ns is None or seconds <= 0:
+            return None
         own = sum(getattr(self, k) - getattr(before, k) for k in ("impl_ns", "scheduler_ns", "worker_ns"))
-        return max(0, (self.machine_ns or 0) - (before.machine_ns or 0) - own) / 1e9 / seconds
+        return max(0, self.machine_ns - before.machine_ns - own) / 1e9 / seconds
 
 
 def check_record(mode: str, streams: int, mismatches: int, examples: list, dump: dict) -> dict:

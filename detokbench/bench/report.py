@@ -155,12 +155,11 @@ def report(res: dict, full: bool = True) -> str:
     def mark(r) -> str:
         return " †" if (r.get("other_cores") or 0) > quiet else ""
 
-    idx = _index(runs)
     impls = [i for i in IMPLS if any(r["impl"] == i for r in runs)]
     shards = max((r.get("shards", 1) for r in runs if r["impl"] == "detokd"), default=1)
     keys = sorted({(r["tokenizer"], r["ids_per_row"], r["batch"]) for r in runs},
                   key=lambda k: (TOKENIZERS.index(k[0]) if k[0] in TOKENIZERS else 99, k[0], k[1], k[2]))
-    cells = {(i, tok, n, B): r for (i, tok, B, n), r in idx.items()}
+    cells = {(r["impl"], r["tokenizer"], r["ids_per_row"], r["batch"]): r for r in runs}  # in the tables' order
     L = _header(res, quiet, sum(1 for r in runs if mark(r)))
     L.append("### Throughput, tokens/s through the whole pipeline\n")
     ratio_cols = [b for b in BASELINES if b in impls] if "detokd" in impls else []

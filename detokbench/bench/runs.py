@@ -1,15 +1,15 @@
-"""One configuration through one implementation: a throughput phase, then an idle
-latency phase, then the check of the text the worker kept."""
+"""An implementation started and warmed up; then one configuration through it: a
+throughput phase, then an idle latency phase, then the check of the text the worker kept."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
-from .harness import Impl
+from .harness import Harness, Impl, Stall
 from .pipeline import FINISH, START, STEP, Clocks, Pipeline, check_record, measured
-from .progress import Progress
-from .report import fmt_rate, lat_stats, median
+from .report import lat_stats, median
 from .workload import Workload
 
 
@@ -20,29 +20,23 @@ def watched(check: str, batch: int) -> list[int]:
     return list(range(batch)) if check == "all" else []
 
 
-def one_round(p: Pipeline, wl: Workload, frames: dict, nsteps: int, t_cap: float, label: str, progress: Progress) -> int:
+def one_round(p: Pipeline, wl: Workload, frames: dict, nsteps: int, t_cap: float) -> int:
     """Every stream starts, runs `nsteps` steps and finishes; the steps run (a round
     stops early past t_cap)."""
     start, finish, cyc = frames["start"], frames["finish"], frames["cyc"]
-    period, n, g0 = len(cyc), wl.n, p.sent
+    period, n = len(cyc), wl.n
     j = 0
     while j < nsteps:
         p.send(start if j == 0 else cyc[j % period], j * n, START if j == 0 else STEP)
         j += 1
-        if (j & 15) == 0:
-            tm = time.monotonic()
-            if tm > t_cap:
-                break
-            if progress.tty and tm - progress.last > 0.2:
-                el = (time.monotonic_ns() - p.send_t[g0]) / 1e9
-                progress.update(f"{label} step {j}/{nsteps}  {fmt_rate(j * wl.batch * n / el if el > 0 else 0)} tok/s")
+        if (j & 15) == 0 and time.monotonic() > t_cap:
+            break
     p.send(finish, j * n, FINISH)
     return j
 
 
 def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_seconds: float,
-               lat_steps: int, lat_max_seconds: float, window: int, check: str,
-               progress: Progress) -> dict:
+               lat_steps: int, lat_max_seconds: float, window: int, check: str) -> dict:
     """One configuration through one implementation.
 
     Throughput phase: rounds of `steps` steps (every stream starts, runs `steps` steps,
@@ -57,7 +51,7 @@ def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_
         t0 = time.monotonic()
         rounds: list[int] = []
         while True:
-            rounds.append(one_round(p, wl, frames, steps, t0 + max_seconds, "throughput", progress))
+            rounds.append(one_round(p, wl, frames, steps, t0 + max_seconds))
             if time.monotonic() - t0 >= min_seconds or rounds[-1] < steps:
                 break
         p.drain()
@@ -66,7 +60,7 @@ def run_config(impl: Impl, wl: Workload, *, steps: int, min_seconds: float, max_
         lat_rounds: list[int] = []
         if lat_steps:
             p.window = 1
-            lat_rounds.append(one_round(p, wl, frames, lat_steps, time.monotonic() + lat_max_seconds, "latency", progress))
+            lat_rounds.append(one_round(p, wl, frames, lat_steps, time.monotonic() + lat_max_seconds))
             p.drain()
     result = figures(impl, wl, p, g1, before, after, rounds, lat_rounds, steps, window)
     result["check"] = check_text(impl, wl, watch_idx, rounds + lat_rounds, check)
@@ -97,8 +91,7 @@ def figures(impl: Impl, wl: Workload, p: Pipeline, g1: int, c0: Clocks, c1: Cloc
         scheduler_cpu_s_per_mtok=(c1.scheduler_ns - c0.scheduler_ns) / 1e9 / mtok if tokens else None,
         worker_cpu_s_per_mtok=(c1.worker_ns - c0.worker_ns) / 1e9 / mtok if tokens else None,
         peak_rss_mb=impl.tree.peak_rss_mb(),
-        other_cores=c1.other_cores(c0, secs) if (c0.machine_ns is not None and c1.machine_ns is not None and secs > 0)
-        else None,
+        other_cores=c1.other_cores(c0, secs),
         steal_cores=((c1.steal_ns - c0.steal_ns) / 1e9 / secs) if (c0.steal_ns is not None and c1.steal_ns is not None and secs > 0) else None,
         truncated=rounds[-1] < steps,
     )
@@ -117,3 +110,34 @@ def check_text(impl: Impl, wl: Workload, watch_idx: list[int], rounds: list[int]
             bad.append({"rid": rid, "at": j, "got": got[max(0, j - 10):j + 10], "want": ref[max(0, j - 10):j + 10],
                         "len_got": len(got), "len_want": len(ref)})
     return check_record(check, len(watch_idx), len(bad), bad[:3], dump)
+
+
+def start_impl(name: str, tokenizer: str, h: Harness, args, corp) -> Impl:
+    """Launch and wait until it has answered a small warm-up round (64 streams, 8 steps)."""
+    impl = Impl(name, tokenizer, h, args)
+    wl = Workload(corp, 64, 1, f"warm{name}")
+    try:
+        if impl.detokd is not None:  # until every shard said READY=1; a baseline is ready once it answers
+            impl.detokd.wait_ready(180)
+        fr = wl.frames(impl.shards)
+        h.configure(64, "off", [])
+        p = Pipeline(impl, window=9, stall_s=2.0)
+        # Frames sent before a baseline binds wait in the socket: send, then wait.
+        one_round(p, wl, fr, 8, float("inf"))
+        deadline = time.monotonic() + 180
+        while p.next < p.sent:
+            if impl.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({impl.proc.returncode}):\n{impl.log_tail()}")
+            try:
+                p.drain()
+            except Stall:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not answer within 180 s:\n{impl.log_tail()}") from None
+        dump = h.dump()
+        if dump["n_errors"]:
+            sys.stderr.write(f"warning: {name} answered the warm-up with error rows: {dump['errors'][:3]}\n")
+    except BaseException:
+        impl.stop()
+        raise
+    impl.tree.refresh()
+    return impl

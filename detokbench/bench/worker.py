@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
+from collections import defaultdict
 from operator import attrgetter
 from typing import Callable, Union
 
@@ -56,9 +57,11 @@ class Steps:
 
     def __init__(self, ack: Callable[[tuple], None], cfg: Configure | None = None) -> None:
         cfg = cfg or Configure(0, 1)
-        self.ack, self.expected, self.check, self.watch = ack, cfg.expected, cfg.check, set(cfg.watch)
+        self.ack, self.expected = ack, cfg.expected
+        self.keep_all = cfg.check == "all"
+        self.watch = set(cfg.watch) if cfg.check == "sample" else set()
         self.counts: dict[int, int] = {}
-        self.texts: dict[str, list[str]] = {}
+        self.texts: defaultdict[str, list[str]] = defaultdict(list)
         self.errors: list[list] = []
         self.n_errors = self.bad_frames = 0
 
@@ -71,25 +74,16 @@ class Steps:
         else:
             self.counts[step] = c
 
-    def keep(self, r) -> None:
-        if (lst := self.texts.get(r.rid)) is None:
-            lst = self.texts[r.rid] = []
-        lst.append(r.text)
-
     def rows(self, rows: list, t: int) -> None:
         """One `text` message received at t: usually every row of one step."""
         if any(map(_error, rows)):
             self.one_by_one(rows, t)
             return
-        check = self.check
-        if check == "all":
+        if self.keep_all or self.watch:
+            keep_all, watch, texts = self.keep_all, self.watch, self.texts
             for r in rows:
-                self.keep(r)
-        elif check == "sample":
-            watch = self.watch
-            for r in rows:
-                if r.rid in watch:
-                    self.keep(r)
+                if keep_all or r.rid in watch:
+                    texts[r.rid].append(r.text)
         try:
             s0, t0 = _meta(rows[0].meta)
             same = _meta(rows[-1].meta)[0] == s0
@@ -117,8 +111,8 @@ class Steps:
                 step, t_send = _meta(r.meta)
             except msgspec.DecodeError:
                 continue
-            if self.check == "all" or (self.check == "sample" and r.rid in self.watch):
-                self.keep(r)
+            if self.keep_all or r.rid in self.watch:
+                self.texts[r.rid].append(r.text)
             self.account(step, 1, t_send, t)
 
     def dump(self) -> dict:

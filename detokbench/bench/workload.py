@@ -30,17 +30,15 @@ class Corpus:
         self.vocab = load(tokenizer)
         fast = self.vocab.backend
         self.base = fast.encode(corpus(), add_special_tokens=False).ids
-        n = len(self.base)
-        self.cyc = self.base * 3
         # Stream starts where the previous ids decode with no broken character and the
         # next ones start a whole character: the prompt tail then means the same to
         # every implementation (no character split across the prompt boundary).
         self.starts: list[int] = []
-        for p in range(n, 2 * n):
-            head = fast.decode(self.cyc[p - TAIL:p])
-            nxt = fast.decode(self.cyc[p:p + 3])
+        for p in range(len(self.base)):
+            head = fast.decode(self.tail(p))
+            nxt = fast.decode(self.ids(p, 0, 3))
             if "\ufffd" not in head and not nxt.startswith("\ufffd"):
-                self.starts.append(p - n)
+                self.starts.append(p)
         if not self.starts:
             raise RuntimeError(f"no clean stream start in the corpus for {tokenizer}")
         self._ref_cache: dict[tuple, str] = {}
@@ -49,15 +47,13 @@ class Corpus:
         return self.starts[(i * 7919 + 13) % len(self.starts)]
 
     def ids(self, off: int, start: int, count: int) -> list[int]:
-        n = len(self.base)
-        a = off + start
-        if a + count <= len(self.cyc):
-            return self.cyc[a:a + count]
-        return [self.base[(a + j) % n] for j in range(count)]
+        """`count` ids of the stream at `off` from its `start`th, the corpus read round and round."""
+        base, a = self.base, off + start
+        return [base[(a + j) % len(base)] for j in range(count)]
 
     def tail(self, off: int) -> list[int]:
-        n = len(self.base)
-        return [self.base[(off - TAIL + j) % n] for j in range(TAIL)]
+        """The TAIL prompt ids before the stream at `off`."""
+        return self.ids(off - TAIL, 0, TAIL)
 
     def reference(self, off: int, count: int) -> str:
         """The oracle's text of the first `count` ids of the stream at `off`."""
@@ -127,12 +123,8 @@ class Workload:
     def frames(self, shards: int) -> dict:
         """{"start": frames, "cyc": [frames] * period, "finish": frames}; frames is a
         list of (shard, Template), one entry per shard that has rows."""
-        b = self._built.get(shards)
-        if b is None:
-            b = self._built[shards] = self._build(shards)
-        return b
-
-    def _build(self, shards: int) -> dict:
+        if shards in self._built:
+            return self._built[shards]
         groups: list[list[int]] = [[] for _ in range(shards)]
         for i, rid in enumerate(self.rids):
             groups[shard_for(rid, shards)].append(i)
@@ -144,12 +136,13 @@ class Workload:
 
         starts = [Start(prompt_tail=corp.tail(off)) for off in self.offsets]
         length = Finish("length")
-        return {
+        b = self._built[shards] = {
             "start": step(lambda i: Row(rids[i], corp.ids(self.offsets[i], 0, n), 0, starts[i], None, _META_HOLE)),
             "finish": step(lambda i: Row(rids[i], [], _SEQ_HOLE, None, length, _META_HOLE)),
             "cyc": [step(lambda i: Row(rids[i], corp.ids(self.offsets[i], j * n, n), _SEQ_HOLE, None, None, _META_HOLE))
                     for j in range(self.period)],
         }
+        return b
 
     def reference(self, i: int, rounds: list[int]) -> str:
         """Everything stream i's rid receives over rounds of these step counts."""
