@@ -18,8 +18,6 @@ import zmq
 
 from .waits import wait_on
 
-OPEN: list[Sink] = []  # closed by `close_all` before their context is destroyed
-
 
 def pull(ctx: zmq.Context, address: str, *, hwm: int | None = None, rcvbuf: int | None = None) -> zmq.Socket:
     """A PULL socket bound at `address` that drops what is queued when closed; `hwm` 0
@@ -50,7 +48,6 @@ class Sink:
         self.socks = [pull(ctx, a, hwm=rcvhwm, rcvbuf=rcvbuf) for a in addresses]
         self.sock = self.socks[0]
         self.thread: threading.Thread | None = None
-        OPEN.append(self)
         if read:
             self.thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
             self.thread.start()
@@ -70,8 +67,6 @@ class Sink:
 
     def close(self) -> None:
         self.stopping = True
-        if self in OPEN:
-            OPEN.remove(self)
         if self.thread is not None:
             self.thread.join(5)
         else:
@@ -105,21 +100,14 @@ class Sink:
                 self.cond.notify_all()
 
 
-def close_all(ctx: zmq.Context) -> None:
-    """Close every open Sink on `ctx` (its socket must close before the context is destroyed)."""
-    for s in [s for s in OPEN if s.ctx is ctx]:
-        s.close()
-
-
 class Recorder(Sink):
     """Keeps every row it receives as a dict, by rid: `text` rows in `by_rid`,
-    `embeddings` rows in `embedded`; counts messages, by type in `kinds`."""
+    `embeddings` rows in `embedded`; counts messages."""
 
     def __init__(self, ctx: zmq.Context, addresses: str | list[str], **kw: Any) -> None:
         self.by_rid: dict[str, list[dict]] = collections.defaultdict(list)
         self.embedded: dict[str, list[dict]] = collections.defaultdict(list)
         self.messages = 0
-        self.kinds: collections.Counter = collections.Counter()
         super().__init__(ctx, addresses, **kw)
 
     def read(self, frame: bytes) -> dict:
@@ -127,7 +115,6 @@ class Recorder(Sink):
 
     def keep(self, msg: dict) -> None:
         self.messages += 1
-        self.kinds[msg["type"]] += 1
         rows = self.by_rid if msg["type"] == "text" else self.embedded
         for row in msg["rows"]:
             rows[row["rid"]].append(row)

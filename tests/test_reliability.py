@@ -28,7 +28,6 @@ import pytest
 import zmq
 
 from detokbench.frames import Hostile
-from detokbench.sink import close_all
 from detokd.client import SchedulerClient, shard_for
 from detokd.launch import derive_address
 from detokd.process import DetokdProcess, ipc_config
@@ -38,6 +37,7 @@ from utils import (
     Req,
     Sink,
     WorkerProcess,
+    close_all,
     deepseek,
     enc,
     expected_text,
