@@ -15,6 +15,7 @@ Exit status 0 when every scenario completed with its probe exact.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import random
 import subprocess
@@ -414,10 +415,8 @@ def sigterm(t: Target, frame: Frame) -> dict:
     signalled = time.monotonic()
     code = t.stop(EXIT_WAIT_S)
     exit_s = time.monotonic() - signalled
-    try:  # what detokd queued before it exited may still be on its way in
+    with contextlib.suppress(TimeoutError):  # what detokd queued before it exited may still be on its way in
         t.sink.wait(lambda: t.sink.since(t0), ANSWER_AFTER_EXIT_S, "answer")
-    except TimeoutError:
-        pass
     return {
         "signal_after_send_s": round(signalled - t0, 3),
         "exit_s": round(exit_s, 3),
