@@ -91,9 +91,9 @@ class Churn:
     def going(self) -> bool:
         return self.made < self.args.requests or bool(self.active)
 
-    def refill(self) -> list[str]:
-        """New requests up to `concurrency`; the rids whose text is to be checked."""
-        args, rng, watch = self.args, self.rng, []
+    def refill(self) -> None:
+        """New requests up to `concurrency`."""
+        args, rng = self.args, self.rng
         while len(self.active) < args.concurrency and self.made < args.requests:
             # Lengths log-uniform in [1, max_len].
             n = max(1, int(math.exp(rng.random() * self.log_max)))
@@ -105,14 +105,12 @@ class Churn:
             stop_at = rng.randrange(n) + 1 if fate != Fate.FINISH else n
             rid = f"s{self.made}"
             if self.made % args.check_every == 0 and fate == Fate.FINISH:
-                self.checked[rid] = (tail, ids)
-                watch.append(rid)
+                self.checked[rid] = (tail, ids)  # before its first row is sent: the worker keeps its text
             self.lengths[self.made] = n
             self.fates[self.made] = fate
             self.fate_counts[fate] += 1
             self.active.append(EReq(rid, ids, tail, self.made % args.workers, fate, stop_at))
             self.made += 1
-        return watch
 
     def step(self) -> None:
         """1..max_delta ids of every active request in one `tokens` frame, then the
@@ -158,21 +156,17 @@ class Ending(IntEnum):
 class Worker(Sink):
     """PULLs every worker address and records each request's ending as it comes: one
     byte per request number (rid "s<n>"), so a million requests cost a megabyte here;
-    keeps the whole text of the watched rids only."""
+    keeps the whole text of the churn's checked rids only."""
 
     _decode = msgspec.msgpack.Decoder(Text).decode
 
-    def __init__(self, ctx: zmq.Context, addresses: list[str], lengths, fates) -> None:
-        self.lengths, self.fates = lengths, fates
-        self.ended = bytearray(len(lengths))
+    def __init__(self, ctx: zmq.Context, addresses: list[str], churn: Churn) -> None:
+        self.lengths, self.fates, self.checked = churn.lengths, churn.fates, churn.checked
+        self.ended = bytearray(len(self.lengths))
         self.rows = self.messages = self.duplicate_endings = 0
-        self.texts: dict[str, list[str]] = {}  # watched rids only
+        self.texts: dict[str, list[str]] = {}  # checked rids only
         self.errors: dict[str, int] = {}
         super().__init__(ctx, addresses, rcvhwm=100_000)
-
-    def watch(self, rid: str) -> None:
-        with self.cond:
-            self.texts[rid] = []
 
     def read(self, frame: bytes) -> list:
         return self._decode(frame).rows
@@ -181,9 +175,8 @@ class Worker(Sink):
         self.messages += 1
         self.rows += len(rows)
         for r in rows:
-            t = self.texts.get(r.rid)
-            if r.error is None and t is not None:
-                t.append(r.text)
+            if r.error is None and r.rid in self.checked:
+                self.texts.setdefault(r.rid, []).append(r.text)
             if r.error is not None or r.finish is not None:
                 self._end(r)
 
@@ -277,7 +270,7 @@ class Soak:
         self.args = args
         self.vocab = load("deepseek")
         self.churn = Churn(args, self.vocab.hf, client=None)  # the client comes once detokd is up
-        self.rig = Rig("detokd-soak-", lambda ctx, addrs: [Worker(ctx, addrs, self.churn.lengths, self.churn.fates)],
+        self.rig = Rig("detokd-soak-", lambda ctx, addrs: [Worker(ctx, addrs, self.churn)],
                        workers=args.workers, max_states=args.max_states)
         self.worker = self.rig.sinks[0]
         self.rig.start()
@@ -293,8 +286,7 @@ class Soak:
         """Churn until every request was made and sent; the seconds it took."""
         churn = self.churn
         while churn.going:
-            for rid in churn.refill():
-                self.worker.watch(rid)
+            churn.refill()
             churn.step()
             if self.rig.detokd.proc.poll() is not None:
                 raise RuntimeError(f"detokd exited {self.rig.detokd.proc.returncode}")
@@ -324,8 +316,8 @@ class Soak:
         """The run's figures, and the rids whose text was not the oracle's."""
         churn, worker, samples = self.churn, self.worker, self.sampler.samples
         ends = worker.endings(churn.made)
-        texts = {rid: "".join(parts) for rid, parts in worker.texts.items()}
-        wrong = [rid for rid, (tail, ids) in churn.checked.items() if texts.get(rid) != self.vocab.reference(tail, ids)]
+        texts = {rid: "".join(worker.texts.get(rid, ())) for rid in churn.checked}
+        wrong = [rid for rid, (tail, ids) in churn.checked.items() if texts[rid] != self.vocab.reference(tail, ids)]
         return {
             **header(command, platform=platform.platform()),
             "tokens": int(final.get("detokd_tokens_total", 0)),
