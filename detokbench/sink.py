@@ -34,23 +34,19 @@ def pull(ctx: zmq.Context, address: str, *, hwm: int | None = None, rcvbuf: int 
 
 
 class Sink:
-    """Bound at once (detokd connects to it), read by a thread until `close`, or with
-    `read=False` bound and never read (`sock`: the first socket). `zero_copy` hands
-    `read` a memoryview of the frame instead of bytes (for frames of a gigabyte)."""
+    """Bound at once (detokd connects to it), read by a thread until `close`. `zero_copy`
+    hands `read` a memoryview of the frame instead of bytes (for frames of a gigabyte)."""
 
     def __init__(self, ctx: zmq.Context, addresses: str | list[str], *, rcvhwm: int | None = None,
-                 rcvbuf: int | None = None, zero_copy: bool = False, read: bool = True) -> None:
+                 zero_copy: bool = False) -> None:
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         self.ctx, self.address = ctx, addresses[0]
         self.cond = threading.Condition()
         self.zero_copy = zero_copy
         self.stopping = False
-        self.socks = [pull(ctx, a, hwm=rcvhwm, rcvbuf=rcvbuf) for a in addresses]
-        self.sock = self.socks[0]
-        self.thread: threading.Thread | None = None
-        if read:
-            self.thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
-            self.thread.start()
+        self.socks = [pull(ctx, a, hwm=rcvhwm) for a in addresses]
+        self.thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+        self.thread.start()
 
     def read(self, frame: bytes | memoryview) -> Any:
         """What a frame says (runs without the lock)."""
@@ -67,11 +63,7 @@ class Sink:
 
     def close(self) -> None:
         self.stopping = True
-        if self.thread is not None:
-            self.thread.join(5)
-        else:
-            for s in self.socks:
-                s.close(linger=0)
+        self.thread.join(5)
 
     def _run(self) -> None:
         poller = zmq.Poller()

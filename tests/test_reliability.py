@@ -46,6 +46,7 @@ from utils import (
     make_ids,
     metric,
     metrics_port,
+    pull,
     scrape,
     wait_until,
 )
@@ -324,7 +325,7 @@ def test_a_stalled_or_gone_worker_never_blocks_the_others(detokd, tmp_path, zctx
     # for a stuck one.
     d = detokd(workers=4, args=["--metrics-port", "0"], send_queue_bytes=64 * 1024, linger_ms=200)
     good = {0: Sink(zctx, d.workers[0]), 2: Sink(zctx, d.workers[2])}
-    stuck = Sink(zctx, d.workers[1], read=False, rcvhwm=1, rcvbuf=4096)
+    stuck = pull(zctx, d.workers[1], hwm=1, rcvbuf=4096)
     d.wait_ready()
     port = metrics_port(d)
     eng = Engine(zctx, d.input)

@@ -31,7 +31,7 @@ from conftest import vocab
 from detokbench.engine import Engine  # noqa: F401  (the tests' engine)
 from detokbench.frames import CORPUS, mixed_ids
 from detokbench.metrics import metrics_port  # noqa: F401  (the tests' too)
-from detokbench.sink import Recorder
+from detokbench.sink import Recorder, pull  # noqa: F401  (pull: a worker that never reads)
 from detokbench.waits import wait_on, wait_until  # noqa: F401  (wait_until: the tests' wait too)
 from detokd.client import SchedulerClient
 from detokd.config import Config
