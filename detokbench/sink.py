@@ -16,21 +16,14 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from .engine import socket
 from .waits import wait_on
 
 
 def pull(ctx: zmq.Context, address: str, *, hwm: int | None = None, rcvbuf: int | None = None) -> zmq.Socket:
-    """A PULL socket bound at `address` that drops what is queued when closed; `hwm` 0
-    queues without bound, `rcvbuf` shrinks the kernel's buffer (a worker that stalls
-    then holds little: the queue fills in detokd)."""
-    s = ctx.socket(zmq.PULL)
-    s.setsockopt(zmq.LINGER, 0)
-    if hwm is not None:
-        s.setsockopt(zmq.RCVHWM, hwm)
-    if rcvbuf is not None:
-        s.setsockopt(zmq.RCVBUF, rcvbuf)
-    s.bind(address)
-    return s
+    """`hwm` 0 queues without bound, `rcvbuf` shrinks the kernel's buffer (a worker that
+    stalls then holds little: the queue fills in detokd)."""
+    return socket(ctx, zmq.PULL, address, RCVHWM=hwm, RCVBUF=rcvbuf)
 
 
 class Sink:
