@@ -16,15 +16,20 @@ from pathlib import Path
 
 PROG = "python -m detokbench"
 COMMANDS = {  # name: (module, summary)
-    "bench": ("detokbench.bench.cli", "end-to-end benchmark: detokd and the baselines between a scheduler and a worker process"),
-    "baselines": ("detokbench.baselines_server", "serve one baseline detokenizer behind detokd's wire protocol (bench starts them)"),
+    "bench": ("detokbench.bench.cli",
+              "end-to-end benchmark: detokd and the baselines between a scheduler and a worker process"),
+    "baselines": ("detokbench.baselines_server",
+                  "serve one baseline detokenizer behind detokd's wire protocol (bench starts them)"),
     "scale": ("detokbench.scale", "detokd alone on a harness too cheap to matter: 1 vs N shards, CPU per token"),
     "soak": ("detokbench.soak", "millions of tokens with request churn through a real detokd: is RSS flat?"),
     "fuzz": ("detokbench.fuzz", "honest and hostile frames through a real detokd: alive, exact, counted, RSS kept"),
     "worst-frames": ("detokbench.worst_frames", "what one worst-case frame at the default caps costs a real detokd"),
-    "gc-pauses": ("detokbench.gc_pauses", "the collector's pauses in detokd's loop under continuous batching, in-process: its policy against once a second"),
-    "sglang-bench": ("detokbench.sglang_bench", "detokd in SGLang mode against SGLang's own detokenizer (in SGLang's environment)"),
-    "sglang-aging": ("detokbench.sglang_aging", "does detokd in SGLang mode slow down as it ages? one process for all passes against a fresh one per pass"),
+    "gc-pauses": ("detokbench.gc_pauses", "the collector's pauses in detokd's loop under continuous batching, "
+                  "in-process: its policy against once a second"),
+    "sglang-bench": ("detokbench.sglang_bench",
+                     "detokd in SGLang mode against SGLang's own detokenizer (in SGLang's environment)"),
+    "sglang-aging": ("detokbench.sglang_aging", "does detokd in SGLang mode slow down as it ages? "
+                     "one process for all passes against a fresh one per pass"),
 }
 
 
