@@ -12,32 +12,24 @@ import json
 import os
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 PROG = "python -m detokbench"
-
-
-@dataclass(frozen=True)
-class Command:
-    name: str
-    module: str
-    summary: str
-
-
-COMMANDS = {
-    c.name: c
-    for c in (
-        Command("bench", "detokbench.bench.cli", "end-to-end benchmark: detokd and the baselines between a scheduler and a worker process"),
-        Command("baselines", "detokbench.baselines_server", "serve one baseline detokenizer behind detokd's wire protocol (bench starts them)"),
-        Command("scale", "detokbench.scale", "detokd alone on a harness too cheap to matter: 1 vs N shards, CPU per token"),
-        Command("soak", "detokbench.soak", "millions of tokens with request churn through a real detokd: is RSS flat?"),
-        Command("fuzz", "detokbench.fuzz", "honest and hostile frames through a real detokd: alive, exact, counted, RSS kept"),
-        Command("worst-frames", "detokbench.worst_frames", "what one worst-case frame at the default caps costs a real detokd"),
-        Command("gc-pauses", "detokbench.gc_pauses", "the collector's pauses in detokd's loop under continuous batching, in-process: its policy against once a second"),
-        Command("sglang-bench", "detokbench.sglang_bench", "detokd in SGLang mode against SGLang's own detokenizer (in SGLang's environment)"),
-        Command("sglang-aging", "detokbench.sglang_aging", "does detokd in SGLang mode slow down as it ages? one process for all passes against a fresh one per pass"),
-    )
+COMMANDS = {  # name: (module, summary)
+    "bench": ("detokbench.bench.cli",
+              "end-to-end benchmark: detokd and the baselines between a scheduler and a worker process"),
+    "baselines": ("detokbench.baselines_server",
+                  "serve one baseline detokenizer behind detokd's wire protocol (bench starts them)"),
+    "scale": ("detokbench.scale", "detokd alone on a harness too cheap to matter: 1 vs N shards, CPU per token"),
+    "soak": ("detokbench.soak", "millions of tokens with request churn through a real detokd: is RSS flat?"),
+    "fuzz": ("detokbench.fuzz", "honest and hostile frames through a real detokd: alive, exact, counted, RSS kept"),
+    "worst-frames": ("detokbench.worst_frames", "what one worst-case frame at the default caps costs a real detokd"),
+    "gc-pauses": ("detokbench.gc_pauses", "the collector's pauses in detokd's loop under continuous batching, "
+                  "in-process: its policy against once a second"),
+    "sglang-bench": ("detokbench.sglang_bench",
+                     "detokd in SGLang mode against SGLang's own detokenizer (in SGLang's environment)"),
+    "sglang-aging": ("detokbench.sglang_aging", "does detokd in SGLang mode slow down as it ages? "
+                     "one process for all passes against a fresh one per pass"),
 }
 
 
@@ -60,7 +52,7 @@ def write_json(path: str | Path, doc: object) -> None:
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"usage: {PROG} COMMAND [args]   ({PROG} COMMAND --help for its options)", "", "commands:"]
-    lines += [f"  {c.name:<{width}}  {c.summary}" for c in COMMANDS.values()]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -69,11 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
-    command = COMMANDS.get(argv[0])
-    if command is None:
+    if argv[0] not in COMMANDS:
         print(f"{PROG}: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
     # Tokenizers come from the zoo's packages: nothing is fetched from a model hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    return importlib.import_module(command.module).main(argv[1:])
+    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])

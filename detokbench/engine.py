@@ -14,17 +14,24 @@ import zmq
 COPY_BELOW = 65536  # bigger frames go without a copy (ZMQ keeps a reference while it sends)
 
 
-def push(ctx: zmq.Context, address: str, *, hwm: int | None = None, send_ms: int | None = None) -> zmq.Socket:
-    """A PUSH socket connected to `address` that drops what is unsent when closed;
-    `hwm` 0 queues without bound, `send_ms` bounds how long a send may block."""
-    s = ctx.socket(zmq.PUSH)
+def socket(ctx: zmq.Context, kind: int, address: str, **options: int | None) -> zmq.Socket:
+    """A PUSH socket connected to `address`, or a PULL socket bound there, that drops
+    what is queued when closed; `options` are zmq's (SNDHWM=...), None leaves one be."""
+    s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
-    if hwm is not None:
-        s.setsockopt(zmq.SNDHWM, hwm)
-    if send_ms is not None:
-        s.setsockopt(zmq.SNDTIMEO, send_ms)
-    s.connect(address)
+    for name, value in options.items():
+        if value is not None:
+            s.setsockopt(getattr(zmq, name), value)
+    if kind == zmq.PULL:
+        s.bind(address)
+    else:
+        s.connect(address)
     return s
+
+
+def push(ctx: zmq.Context, address: str, *, hwm: int | None = None, send_ms: int | None = None) -> zmq.Socket:
+    """`hwm` 0 queues without bound, `send_ms` bounds how long a send may block."""
+    return socket(ctx, zmq.PUSH, address, SNDHWM=hwm, SNDTIMEO=send_ms)
 
 
 class Engine:

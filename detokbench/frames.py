@@ -9,7 +9,6 @@ detokd.wire, so they test detokd's decoding instead of sharing it.
 
 from __future__ import annotations
 
-import collections
 import random
 from typing import Sequence
 
@@ -68,9 +67,10 @@ def S(s: str) -> bytes:
 
 
 class Hostile:
-    """Malformed frames, each labelled: `bad` (detokd must count it in
-    detokd_bad_frames) or schema-valid but hostile (negative, huge, out-of-vocabulary
-    ids, unknown workers and ops...: answered with error rows, not bad frames).
+    """Malformed frames: `gens` holds (weight, generator) pairs, each generator giving
+    (frame or multipart frames, bad). A `bad` frame detokd must count in
+    detokd_bad_frames; the others are schema-valid but hostile (negative, huge,
+    out-of-vocabulary ids, unknown workers and ops...: answered with error rows).
     Hostile rows only use rids starting with "x-", never a valid request's rid."""
 
     MAP_MARKERS = set(range(0x80, 0x90)) | {0xDE, 0xDF}
@@ -79,7 +79,6 @@ class Hostile:
         self.rng = rng
         self.vocab_size = vocab_size
         self.n = 0
-        self.counts: collections.Counter = collections.Counter()
         self.big_left = 6  # the expensive ones (hundreds of thousands of rows), a few times
         self.gens = [
             (8, self.random_bytes), (2, self.empty), (3, self.not_a_map), (3, self.no_type),
@@ -89,18 +88,10 @@ class Hostile:
             (1, self.unknown_op), (1, self.odd_embeddings), (1, self.odd_register), (1, self.junk_abort),
             (1, self.huge_register),
         ]
-        self.weights = [w for w, _ in self.gens]
 
     def rid(self) -> str:
         self.n += 1
         return f"x-{self.n}"
-
-    def next(self) -> tuple[str, list[bytes] | bytes, bool]:
-        """(kind, frame or multipart frames, whether it is a bad frame)."""
-        gen = self.rng.choices(self.gens, self.weights)[0][1]
-        frame, bad = gen()
-        self.counts[gen.__name__] += 1
-        return gen.__name__, frame, bad
 
     # --- bad frames: detokd cannot decode them
     def random_bytes(self):
@@ -235,14 +226,13 @@ class Hostile:
 
 
 class OverCaps:
-    """Frames beyond one of detokd's caps (config keys max_*), each labelled like
-    Hostile's: (kind, frame, whether detokd counts it as a bad frame). Over
-    max_rows a frame is bad; over every other cap the row gets `too_large`, or, for
-    a rid over max_rid_len, no row at all. `oversized` frames (over max_frame_bytes)
-    are never read by detokd: send them from a socket of their own, whose
-    connection ZMQ drops. Rids start with "x-", like Hostile's. `quiet_id` is an id
-    whose text is "" (a special token, skipped): a row within a frame's budget beside
-    one past it then ends without text."""
+    """Frames beyond one of detokd's caps (config keys max_*), each (frame, bad) like
+    Hostile's. Over max_rows a frame is bad; over every other cap the row gets
+    `too_large`, or, for a rid over max_rid_len, no row at all. `oversized` frames (over
+    max_frame_bytes) are never read by detokd: send them from a socket of their own,
+    whose connection ZMQ drops. Rids start with "x-". `quiet_id` is an id whose text
+    is "" (a special token, skipped): a row within a frame's budget beside one past it
+    then ends without text."""
 
     def __init__(self, rng: random.Random, caps, quiet_id: int = 0) -> None:
         self.rng = rng

@@ -158,16 +158,11 @@ class ProcTree:
                 total += t.user + t.system
         return total
 
-    def reset_peak(self) -> bool:
+    def reset_peak(self) -> None:
         """Restart VmHWM from the current RSS (clear_refs 5), so a peak is per phase."""
-        ok = True
         for p in self.pids:
-            try:
-                with open(f"/proc/{p}/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                ok = False
-        return ok
+            with contextlib.suppress(OSError), open(f"/proc/{p}/clear_refs", "w") as f:
+                f.write("5")
 
     def peak_rss_mb(self) -> Optional[float]:
         try:

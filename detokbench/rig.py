@@ -35,12 +35,12 @@ class Rig:
     metrics port is a free one and the log says `info`, unless given. `sinks` makes
     the workers' sinks from the context and the worker addresses."""
 
-    def __init__(self, prefix: str, sinks: Callable[[zmq.Context, list[str]], list] | None = None, *,
+    def __init__(self, prefix: str, sinks: Callable[[zmq.Context, list[str]], list], *,
                  root: str | None = None, **settings: Any) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
         self.cfg = ipc_config(self.folder, **{"metrics_port": 0, "log_level": "info", **settings})
         self.ctx = zmq.Context()
-        self.sinks = sinks(self.ctx, self.cfg.workers) if sinks else []
+        self.sinks = sinks(self.ctx, self.cfg.workers)
         self.detokd = detokd_process(self.cfg, self.folder)
         self.port: int | None = None
         self.died = False  # detokd exited before `stop`
@@ -58,10 +58,6 @@ class Rig:
 
     def start(self, timeout: float = 120.0) -> Rig:
         return self.spawn().ready(timeout)
-
-    @property
-    def pid(self) -> int:
-        return self.detokd.pid
 
     def engine(self, send_ms: int) -> Engine:
         e = Engine(self.ctx, self.cfg.input, send_ms)
@@ -122,7 +118,7 @@ class Sampler(threading.Thread):
 
     def sample(self) -> None:
         try:
-            rss, cpu, m = self.rig.memory().rss_kb * 1024, tick_cpu_s(self.rig.pid), self.rig.metrics()
+            rss, cpu, m = self.rig.memory().rss_kb * 1024, tick_cpu_s(self.rig.detokd.pid), self.rig.metrics()
         except Exception as exc:  # the process went away: the run will say so
             self.say(f"sampler: {exc}")
             return

@@ -16,44 +16,30 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from .engine import socket
 from .waits import wait_on
-
-OPEN: list[Sink] = []  # closed by `close_all` before their context is destroyed
 
 
 def pull(ctx: zmq.Context, address: str, *, hwm: int | None = None, rcvbuf: int | None = None) -> zmq.Socket:
-    """A PULL socket bound at `address` that drops what is queued when closed; `hwm` 0
-    queues without bound, `rcvbuf` shrinks the kernel's buffer (a worker that stalls
-    then holds little: the queue fills in detokd)."""
-    s = ctx.socket(zmq.PULL)
-    s.setsockopt(zmq.LINGER, 0)
-    if hwm is not None:
-        s.setsockopt(zmq.RCVHWM, hwm)
-    if rcvbuf is not None:
-        s.setsockopt(zmq.RCVBUF, rcvbuf)
-    s.bind(address)
-    return s
+    """`hwm` 0 queues without bound, `rcvbuf` shrinks the kernel's buffer (a worker that
+    stalls then holds little: the queue fills in detokd)."""
+    return socket(ctx, zmq.PULL, address, RCVHWM=hwm, RCVBUF=rcvbuf)
 
 
 class Sink:
-    """Bound at once (detokd connects to it), read by a thread until `close`, or with
-    `read=False` bound and never read (`sock`: the first socket). `zero_copy` hands
-    `read` a memoryview of the frame instead of bytes (for frames of a gigabyte)."""
+    """Bound at once (detokd connects to it), read by a thread until `close`. `zero_copy`
+    hands `read` a memoryview of the frame instead of bytes (for frames of a gigabyte)."""
 
     def __init__(self, ctx: zmq.Context, addresses: str | list[str], *, rcvhwm: int | None = None,
-                 rcvbuf: int | None = None, zero_copy: bool = False, read: bool = True) -> None:
+                 zero_copy: bool = False) -> None:
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         self.ctx, self.address = ctx, addresses[0]
         self.cond = threading.Condition()
         self.zero_copy = zero_copy
         self.stopping = False
-        self.socks = [pull(ctx, a, hwm=rcvhwm, rcvbuf=rcvbuf) for a in addresses]
-        self.sock = self.socks[0]
-        self.thread: threading.Thread | None = None
-        OPEN.append(self)
-        if read:
-            self.thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
-            self.thread.start()
+        self.socks = [pull(ctx, a, hwm=rcvhwm) for a in addresses]
+        self.thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+        self.thread.start()
 
     def read(self, frame: bytes | memoryview) -> Any:
         """What a frame says (runs without the lock)."""
@@ -70,13 +56,7 @@ class Sink:
 
     def close(self) -> None:
         self.stopping = True
-        if self in OPEN:
-            OPEN.remove(self)
-        if self.thread is not None:
-            self.thread.join(5)
-        else:
-            for s in self.socks:
-                s.close(linger=0)
+        self.thread.join(5)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -105,21 +85,14 @@ class Sink:
                 self.cond.notify_all()
 
 
-def close_all(ctx: zmq.Context) -> None:
-    """Close every open Sink on `ctx` (its socket must close before the context is destroyed)."""
-    for s in [s for s in OPEN if s.ctx is ctx]:
-        s.close()
-
-
 class Recorder(Sink):
     """Keeps every row it receives as a dict, by rid: `text` rows in `by_rid`,
-    `embeddings` rows in `embedded`; counts messages, by type in `kinds`."""
+    `embeddings` rows in `embedded`; counts messages."""
 
     def __init__(self, ctx: zmq.Context, addresses: str | list[str], **kw: Any) -> None:
         self.by_rid: dict[str, list[dict]] = collections.defaultdict(list)
         self.embedded: dict[str, list[dict]] = collections.defaultdict(list)
         self.messages = 0
-        self.kinds: collections.Counter = collections.Counter()
         super().__init__(ctx, addresses, **kw)
 
     def read(self, frame: bytes) -> dict:
@@ -127,7 +100,6 @@ class Recorder(Sink):
 
     def keep(self, msg: dict) -> None:
         self.messages += 1
-        self.kinds[msg["type"]] += 1
         rows = self.by_rid if msg["type"] == "text" else self.embedded
         for row in msg["rows"]:
             rows[row["rid"]].append(row)

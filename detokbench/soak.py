@@ -16,7 +16,6 @@ import collections
 import math
 import platform
 import random
-import sys
 import time
 from dataclasses import dataclass
 from enum import IntEnum
@@ -26,7 +25,6 @@ import msgspec
 import zmq
 
 from detokd.client import SchedulerClient
-from detokd.process import NotReady
 from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
 
@@ -93,9 +91,9 @@ class Churn:
     def going(self) -> bool:
         return self.made < self.args.requests or bool(self.active)
 
-    def refill(self) -> list[str]:
-        """New requests up to `concurrency`; the rids whose text is to be checked."""
-        args, rng, watch = self.args, self.rng, []
+    def refill(self) -> None:
+        """New requests up to `concurrency`."""
+        args, rng = self.args, self.rng
         while len(self.active) < args.concurrency and self.made < args.requests:
             # Lengths log-uniform in [1, max_len].
             n = max(1, int(math.exp(rng.random() * self.log_max)))
@@ -107,14 +105,12 @@ class Churn:
             stop_at = rng.randrange(n) + 1 if fate != Fate.FINISH else n
             rid = f"s{self.made}"
             if self.made % args.check_every == 0 and fate == Fate.FINISH:
-                self.checked[rid] = (tail, ids)
-                watch.append(rid)
+                self.checked[rid] = (tail, ids)  # before its first row is sent: the worker keeps its text
             self.lengths[self.made] = n
             self.fates[self.made] = fate
             self.fate_counts[fate] += 1
             self.active.append(EReq(rid, ids, tail, self.made % args.workers, fate, stop_at))
             self.made += 1
-        return watch
 
     def step(self) -> None:
         """1..max_delta ids of every active request in one `tokens` frame, then the
@@ -160,21 +156,17 @@ class Ending(IntEnum):
 class Worker(Sink):
     """PULLs every worker address and records each request's ending as it comes: one
     byte per request number (rid "s<n>"), so a million requests cost a megabyte here;
-    keeps the whole text of the watched rids only."""
+    keeps the whole text of the churn's checked rids only."""
 
     _decode = msgspec.msgpack.Decoder(Text).decode
 
-    def __init__(self, ctx: zmq.Context, addresses: list[str], lengths, fates) -> None:
-        self.lengths, self.fates = lengths, fates
-        self.ended = bytearray(len(lengths))
+    def __init__(self, ctx: zmq.Context, addresses: list[str], churn: Churn) -> None:
+        self.lengths, self.fates, self.checked = churn.lengths, churn.fates, churn.checked
+        self.ended = bytearray(len(self.lengths))
         self.rows = self.messages = self.duplicate_endings = 0
-        self.texts: dict[str, list[str]] = {}  # watched rids only
+        self.texts: dict[str, list[str]] = {}  # checked rids only
         self.errors: dict[str, int] = {}
         super().__init__(ctx, addresses, rcvhwm=100_000)
-
-    def watch(self, rid: str) -> None:
-        with self.cond:
-            self.texts[rid] = []
 
     def read(self, frame: bytes) -> list:
         return self._decode(frame).rows
@@ -183,9 +175,8 @@ class Worker(Sink):
         self.messages += 1
         self.rows += len(rows)
         for r in rows:
-            t = self.texts.get(r.rid)
-            if r.error is None and t is not None:
-                t.append(r.text)
+            if r.error is None and r.rid in self.checked:
+                self.texts.setdefault(r.rid, []).append(r.text)
             if r.error is not None or r.finish is not None:
                 self._end(r)
 
@@ -270,7 +261,6 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
 
 
 DRAIN_S = 120  # after the last frame, for detokd to decode it all and the worker to get it
-LOG_EVERY_S = 15
 
 
 class Soak:
@@ -280,35 +270,26 @@ class Soak:
         self.args = args
         self.vocab = load("deepseek")
         self.churn = Churn(args, self.vocab.hf, client=None)  # the client comes once detokd is up
-        self.rig = Rig("detokd-soak-", lambda ctx, addrs: [Worker(ctx, addrs, self.churn.lengths, self.churn.fates)],
+        self.rig = Rig("detokd-soak-", lambda ctx, addrs: [Worker(ctx, addrs, self.churn)],
                        workers=args.workers, max_states=args.max_states)
         self.worker = self.rig.sinks[0]
-        try:
-            self.rig.start()
-        except NotReady as e:
-            sys.exit(f"detokd did not start:\n{str(e)[-3000:]}")
+        self.rig.start()
         self.churn.client = self.rig.client(sndhwm=1000, send_timeout=30)
         self.t0 = time.monotonic()
         self.sampler = Sampler(self.rig, args.interval, self.t0, log)
         self.sampler.sample()
         self.sampler.start()
-        log(f"detokd pid {self.rig.pid}, metrics on port {self.rig.port}; "
+        log(f"detokd pid {self.rig.detokd.pid}, metrics on port {self.rig.port}; "
             f"{args.requests:,} requests, about {args.tokens:,} tokens")
 
     def send_all(self) -> float:
         """Churn until every request was made and sent; the seconds it took."""
-        churn, last_log = self.churn, time.monotonic()
+        churn = self.churn
         while churn.going:
-            for rid in churn.refill():
-                self.worker.watch(rid)
+            churn.refill()
             churn.step()
             if self.rig.detokd.proc.poll() is not None:
                 raise RuntimeError(f"detokd exited {self.rig.detokd.proc.returncode}")
-            if time.monotonic() - last_log > LOG_EVERY_S:
-                last_log = time.monotonic()
-                s = self.sampler.samples[-1] if self.sampler.samples else {}
-                log(f"{churn.made:,} requests, {churn.sent_tokens / 1e6:.1f}M tokens sent; "
-                    f"detokd RSS {s.get('rss_mb')} MB, live {s.get('live'):.0f}")
         return time.monotonic() - self.t0
 
     def drain(self) -> dict:
@@ -335,8 +316,8 @@ class Soak:
         """The run's figures, and the rids whose text was not the oracle's."""
         churn, worker, samples = self.churn, self.worker, self.sampler.samples
         ends = worker.endings(churn.made)
-        texts = {rid: "".join(parts) for rid, parts in worker.texts.items()}
-        wrong = [rid for rid, (tail, ids) in churn.checked.items() if texts.get(rid) != self.vocab.reference(tail, ids)]
+        texts = {rid: "".join(worker.texts.get(rid, ())) for rid in churn.checked}
+        wrong = [rid for rid, (tail, ids) in churn.checked.items() if texts[rid] != self.vocab.reference(tail, ids)]
         return {
             **header(command, platform=platform.platform()),
             "tokens": int(final.get("detokd_tokens_total", 0)),

@@ -15,6 +15,7 @@ Exit status 0 when every scenario completed with its probe exact.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import random
 import subprocess
@@ -116,20 +117,15 @@ def malformed(scale: Scale, vocab: Vocab) -> Frame:
     return Frame(msgspec.msgpack.encode(msg), scale.rows, scale.rows * k, f"{scale.rows} rows of {k} ids and a string")
 
 
-def holdback_stops() -> list[str]:
-    """max_stop_strings strings of max_stop_chars characters in all, each spaces and a
-    mark (at the defaults 15 and one), so a text of spaces always holds its last
-    spaces back."""
-    n = CAPS.max_stop_strings
-    each = CAPS.max_stop_chars // n
-    return [" " * (each - 1) + chr(0x4E00 + i) for i in range(n)]
-
-
 def stop_holdback(scale: Scale, vocab: Vocab) -> Frame:
-    """One request: its start carries holdback_stops(), every row the longest-text id."""
+    """One request, every row the longest-text id; its start carries max_stop_strings
+    stops of max_stop_chars characters in all, each spaces and a mark (at the defaults
+    15 and one), so a text of spaces always holds its last spaces back."""
     tid = longest_id(vocab)
     ids = [tid] * scale.row_ids
-    first = Row("S-0", ids, start=Start(stop=holdback_stops()))
+    each = CAPS.max_stop_chars // CAPS.max_stop_strings
+    stops = [" " * (each - 1) + chr(0x4E00 + i) for i in range(CAPS.max_stop_strings)]
+    first = Row("S-0", ids, start=Start(stop=stops))
     fixed = 16 + len(encode(first))
     n = 1 + fit(scale.frame_bytes, fixed, len(encode(Row("S-0", ids, seq=2**32))), scale.rows - 1)
     rows = [first] + [Row("S-0", ids, seq=k * len(ids)) for k in range(1, n)]
@@ -337,7 +333,7 @@ class HealthPoller(threading.Thread):
     def __init__(self, port: int, t0: float) -> None:
         super().__init__(daemon=True)
         self.port, self.t0, self.done = port, t0, threading.Event()
-        self.polls, self.worst_s = 0, 0.0
+        self.latencies: list[float] = []
         self.bad: list[dict] = []  # non-200 answers and failures (status None)
 
     def run(self) -> None:
@@ -347,12 +343,10 @@ class HealthPoller(threading.Thread):
                 status, body = get(self.port, "/health", HEALTH_TIMEOUT_S)
             except OSError as e:  # a timeout, a refused connection
                 status, body = None, f"{type(e).__name__}: {e}"
-            latency = time.monotonic() - start
-            self.polls += 1
-            self.worst_s = max(self.worst_s, latency)
+            self.latencies.append(time.monotonic() - start)
             if status != 200:
                 self.bad.append({"at_s": round(start - self.t0, 3), "status": status, "body": body.strip(),
-                                 "latency_s": round(latency, 3)})
+                                 "latency_s": round(self.latencies[-1], 3)})
             if self.done.wait(max(0.0, start + HEALTH_EVERY_S - time.monotonic())):
                 return
 
@@ -361,8 +355,8 @@ class HealthPoller(threading.Thread):
         self.join(HEALTH_TIMEOUT_S + 5)
         bad = self.bad
         return {
-            "polls": self.polls,
-            "worst_latency_s": round(self.worst_s, 3),
+            "polls": len(self.latencies),
+            "worst_latency_s": round(max(self.latencies, default=0.0), 3),
             "non_200": len(bad),
             "statuses": dict(collections.Counter(str(b["status"]) for b in bad)),
             "first_non_200_at_s": bad[0]["at_s"] if bad else None,
@@ -414,10 +408,8 @@ def sigterm(t: Target, frame: Frame) -> dict:
     signalled = time.monotonic()
     code = t.stop(EXIT_WAIT_S)
     exit_s = time.monotonic() - signalled
-    try:  # what detokd queued before it exited may still be on its way in
+    with contextlib.suppress(TimeoutError):  # what detokd queued before it exited may still be on its way in
         t.sink.wait(lambda: t.sink.since(t0), ANSWER_AFTER_EXIT_S, "answer")
-    except TimeoutError:
-        pass
     return {
         "signal_after_send_s": round(signalled - t0, 3),
         "exit_s": round(exit_s, 3),

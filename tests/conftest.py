@@ -162,8 +162,7 @@ def detokd(tmp_path):
 def zctx():
     """A ZMQ context for a test's peers; the Sink threads on it are closed first."""
     import zmq
-
-    from detokbench.sink import close_all
+    from utils import close_all
 
     ctx = zmq.Context()
     yield ctx

@@ -17,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from conftest import oracle, vocab
-from utils import Engine, Req, Sink, logged, make_ids, metric, metrics_port, scrape, wait_until
+from utils import Engine, Req, Sink, logged, make_ids, metric, metrics_port, pull, scrape, wait_until
 
 dec = msgspec.msgpack.decode
 
@@ -202,7 +202,7 @@ def test_above_max_rss_new_requests_are_refused_and_live_ones_go_on(detokd, zctx
     probe.kill()
     chunk = 40 << 20  # above glibc's largest mmap threshold: freed memory goes back to the system
     d = detokd(workers=2, args=["--metrics-port", "0"], max_rss_mb=int(base) + 80, max_meta_bytes=64 << 20)
-    stuck = Sink(zctx, d.workers[0], read=False, rcvhwm=1, rcvbuf=4096)
+    stuck = pull(zctx, d.workers[0], hwm=1, rcvbuf=4096)
     w1 = Sink(zctx, d.workers[1])
     d.wait_ready()
     port = metrics_port(d)
@@ -223,9 +223,9 @@ def test_above_max_rss_new_requests_are_refused_and_live_ones_go_on(detokd, zctx
     assert w1.errors("new1") == ["overloaded"]
     assert w1.text("live") == oracle(v, [], ids, True) and not w1.errors("live")
     # Worker 0 reads its queue: the memory goes, new requests are served again.
-    stuck.sock.setsockopt(zmq.RCVTIMEO, 20000)
+    stuck.setsockopt(zmq.RCVTIMEO, 20000)
     for _ in range(6):
-        assert [r["error"] for r in dec(stuck.sock.recv())["rows"]] == [None]
+        assert [r["error"] for r in dec(stuck.recv())["rows"]] == [None]
     wait_until(lambda: metric(scrape(port), "detokd_overloaded") == 0, 60, "the RSS guard to turn off")
     eng.rows([{"rid": "new2", "ids": ids, "start": {"worker": 1}, "finish": {"reason": "length"}}])
     w1.wait(lambda: w1.ended("new2"), 20, "a new request after the guard turned off")
@@ -319,7 +319,7 @@ def test_the_feedback_queue_is_bounded_in_bytes_and_its_drops_are_counted(detokd
     # lost and counted.
     d = detokd(workers=1, feedback=True, args=["--metrics-port", "0"], send_hwm=4, send_queue_bytes=8 << 20)
     w = Sink(zctx, d.workers[0])
-    scheduler = Sink(zctx, d.feedback, read=False, rcvhwm=1, rcvbuf=4096)
+    scheduler = pull(zctx, d.feedback, hwm=1, rcvbuf=4096)
     d.wait_ready()
     port = metrics_port(d)
     eng = Engine(zctx, d.input)
@@ -343,10 +343,10 @@ def test_the_feedback_queue_is_bounded_in_bytes_and_its_drops_are_counted(detokd
     assert grown < 80, grown  # ~40 MB measured (ZMQ's 4, the backlog, buffers, the allocator); 1,000 messages held 175 MB
     logged(d, "feedback queue full")
     # The scheduler reads: what was queued arrives, and with what was lost it is every row.
-    scheduler.sock.setsockopt(zmq.RCVTIMEO, 20000)
+    scheduler.setsockopt(zmq.RCVTIMEO, 20000)
     got = 0
     while got + dropped < frames * per:
-        msg = dec(scheduler.sock.recv())
+        msg = dec(scheduler.recv())
         assert msg["type"] == "stopped" and all(r["matched"] == "world" for r in msg["rows"])
         got += len(msg["rows"])
     assert got + dropped == frames * per

@@ -35,7 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 from conftest import oracle, vocab
 from detokd.config import Config, to_toml
 from detokd.process import DetokdProcess, ipc_config
-from utils import Engine, Req, Sink, http_get, logged, make_ids, metric, metrics_port, scrape, wait_until
+from utils import Engine, Req, Sink, http_get, logged, make_ids, metric, metrics_port, pull, scrape, wait_until
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
@@ -598,7 +598,7 @@ def test_rows_in_flight_on_a_worker_connection_that_breaks_fail_their_requests_n
     # same address. What was in flight is gone with the connection: every request must
     # then either stream exactly to its end or get an error row saying it failed.
     d = detokd(workers=1, args=["--metrics-port", "0"])
-    old = Sink(zctx, d.workers[0], read=False, rcvhwm=1, rcvbuf=4096)
+    old = pull(zctx, d.workers[0], hwm=1, rcvbuf=4096)
     d.wait_ready()
     v = vocab("deepseek")
     ids = v.backend.encode(" one two three four five six seven eight nine ten" * 8000, add_special_tokens=False).ids

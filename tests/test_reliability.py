@@ -13,6 +13,7 @@ The peers and helpers are tests/utils.py's, shared with tests/test_metrics.py.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -28,7 +29,6 @@ import pytest
 import zmq
 
 from detokbench.frames import Hostile
-from detokbench.sink import close_all
 from detokd.client import SchedulerClient, shard_for
 from detokd.launch import derive_address
 from detokd.process import DetokdProcess, ipc_config
@@ -38,6 +38,7 @@ from utils import (
     Req,
     Sink,
     WorkerProcess,
+    close_all,
     deepseek,
     enc,
     expected_text,
@@ -45,6 +46,7 @@ from utils import (
     make_ids,
     metric,
     metrics_port,
+    pull,
     scrape,
     wait_until,
 )
@@ -89,6 +91,7 @@ def test_fuzz_hostile_frames_never_kill_or_corrupt(detokd, tmp_path, zctx):
     eng = Engine(zctx, d.input)
     reqs = [Req(f"ok-{i}", make_ids(rng, rng.randint(150, 400)), worker=i % 2) for i in range(12)]
     hostile = Hostile(rng, deepseek().size)
+    weights, counts = [w for w, _ in hostile.gens], collections.Counter()
     expected_bad = sent_bad = 0
     valid_frames = 0
     per_valid = int(1.3 * N_BAD) // (sum(len(r.ids) for r in reqs) // 8) + 1
@@ -99,7 +102,9 @@ def test_fuzz_hostile_frames_never_kill_or_corrupt(detokd, tmp_path, zctx):
             eng.rows([r.row(rng.randint(1, 6)) for r in batch])
             valid_frames += 1
         for _ in range(per_valid if expected_bad < N_BAD else 0):
-            kind, frame, bad = hostile.next()
+            gen = rng.choices(hostile.gens, weights)[0][1]
+            (frame, bad), kind = gen(), gen.__name__
+            counts[kind] += 1
             try:
                 eng.multipart(frame) if isinstance(frame, list) else eng.raw(frame)
             except TimeoutError:
@@ -125,11 +130,12 @@ def test_fuzz_hostile_frames_never_kill_or_corrupt(detokd, tmp_path, zctx):
     sinks[1].wait(lambda: sinks[1].ended("ok-late"), 30, "a request after the fuzz")
     assert sinks[1].text("ok-late") == late.expected()
     m = scrape(port)
-    assert metric(m, "detokd_bad_frames_total") == expected_bad, (metric(m, "detokd_bad_frames_total"), expected_bad, hostile.counts)
+    bad_frames = metric(m, "detokd_bad_frames_total")
+    assert bad_frames == expected_bad, (bad_frames, expected_bad, counts)
     assert expected_bad >= 10_000
-    assert metric(m, "detokd_errors_total", kind="bad_ids") >= hostile.counts["bad_ids"]
+    assert metric(m, "detokd_errors_total", kind="bad_ids") >= counts["bad_ids"]
     assert metric(m, "detokd_errors_total", kind="bad_row") > 0
-    assert metric(m, "detokd_errors_total", kind="bad_start") >= hostile.counts["bad_worker"]
+    assert metric(m, "detokd_errors_total", kind="bad_start") >= counts["bad_worker"]
     assert metric(m, "detokd_errors_total", kind="internal") == 0
     # Hostile rows are answered with error rows, never with text.
     for s in sinks:
@@ -139,7 +145,8 @@ def test_fuzz_hostile_frames_never_kill_or_corrupt(detokd, tmp_path, zctx):
 
     assert d.stop() == 0
     log_lines = d.log().splitlines()
-    print(f"{sent_bad} hostile frames ({expected_bad} bad), {valid_frames} valid frames, {len(log_lines)} log lines; {dict(hostile.counts)}")
+    print(f"{sent_bad} hostile frames ({expected_bad} bad), {valid_frames} valid frames, {len(log_lines)} log lines; "
+          f"{dict(counts)}")
     assert len(log_lines) < 300, "\n".join(log_lines[-100:])
     assert len(log_lines) < expected_bad / 30
     for s in sinks:
@@ -320,7 +327,7 @@ def test_a_stalled_or_gone_worker_never_blocks_the_others(detokd, tmp_path, zctx
     # for a stuck one.
     d = detokd(workers=4, args=["--metrics-port", "0"], send_queue_bytes=64 * 1024, linger_ms=200)
     good = {0: Sink(zctx, d.workers[0]), 2: Sink(zctx, d.workers[2])}
-    stuck = Sink(zctx, d.workers[1], read=False, rcvhwm=1, rcvbuf=4096)
+    stuck = pull(zctx, d.workers[1], hwm=1, rcvbuf=4096)
     d.wait_ready()
     port = metrics_port(d)
     eng = Engine(zctx, d.input)

@@ -31,7 +31,7 @@ from conftest import vocab
 from detokbench.engine import Engine  # noqa: F401  (the tests' engine)
 from detokbench.frames import CORPUS, mixed_ids
 from detokbench.metrics import metrics_port  # noqa: F401  (the tests' too)
-from detokbench.sink import Recorder as Sink  # noqa: F401  (the tests' worker)
+from detokbench.sink import Recorder, pull  # noqa: F401  (pull: a worker that never reads)
 from detokbench.waits import wait_on, wait_until  # noqa: F401  (wait_until: the tests' wait too)
 from detokd.client import SchedulerClient
 from detokd.config import Config
@@ -76,6 +76,28 @@ def config_ranges() -> dict[str, msgspec.inspect.IntType | msgspec.inspect.Float
 
 
 # --------------------------------------------------------------------------- peers
+
+
+OPEN: list[Sink] = []  # closed by `close_all` before their context is destroyed
+
+
+class Sink(Recorder):
+    """The tests' worker: a Recorder that `close_all` closes with its context."""
+
+    def __init__(self, ctx: zmq.Context, addresses: str | list[str], **kw: Any) -> None:
+        OPEN.append(self)
+        super().__init__(ctx, addresses, **kw)
+
+    def close(self) -> None:
+        if self in OPEN:
+            OPEN.remove(self)
+        super().close()
+
+
+def close_all(ctx: zmq.Context) -> None:
+    """Close every open Sink on `ctx` (its socket must close before the context is destroyed)."""
+    for s in [s for s in OPEN if s.ctx is ctx]:
+        s.close()
 
 
 class Req:
