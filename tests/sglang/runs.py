@@ -13,8 +13,8 @@ import os
 from conftest import vocab
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer as detokd_target
-from detokbench.sglang_replay import Scripted, SglangDetokenizerUnderTest, freeze_gc_req
-from replay import embedding_batch, health_check_batch, streams
+from detokbench.sglang_replay import Scripted, SglangDetokenizerUnderTest, build_stream
+from replay import WithPayloads, embedding_batch, health_check_batch, streams
 
 # The encodings (a transport concern) are crossed with one tokenizer; the other families
 # take one encoding each. (tokenizer, encoding, HTTP workers)
@@ -93,7 +93,7 @@ def scenario(name: str, workers: int = 1) -> list[Scripted]:
     empties = [other] * 12
     outside = vocab(name).size + 7
     return [
-        Scripted(rid="multilingual", prompt_ids=prompt, output_ids=out, chunks=ragged(len(out)),
+        WithPayloads(rid="multilingual", prompt_ids=prompt, output_ids=out, chunks=ragged(len(out)),
                  logprobs=True, hidden_states=True, routed_experts=True, indexer_topk=True,
                  customized_info=True, cached_tokens=3, retract_after_chunk=3, http_worker=w(0)),
         Scripted(rid="one-per-step", prompt_ids=prompt[:2], output_ids=out, http_worker=w(1), first_step=2),
@@ -152,13 +152,15 @@ class Run:
     detokenizers)."""
 
     def __init__(self, name: str, proc: SglangDetokenizerUnderTest):
+        from sglang.srt.managers.io_struct import FreezeGCReq
+
         self.name, self.proc = name, proc
         self.requests = scenario(name, proc.http_workers)
         enc, ipcs = proc.encoding, proc.http_worker_ipcs
         self.sent = [
-            *proc.build(self.requests, tokenizer=vocab(name).hf),
+            *build_stream(self.requests, encoding=enc, http_worker_ipcs=ipcs, tokenizer=vocab(name).hf),
             health_check_batch(encoding=enc),
-            freeze_gc_req(),
+            FreezeGCReq(),
             embedding_batch(["emb-0", "emb-1"], encoding=enc, http_worker_ipcs=ipcs, workers=[0, 1 % proc.http_workers]),
         ]
         self.received = proc.exchange(self.sent, timeout=600)
