@@ -1,8 +1,8 @@
 """Replay a scripted scheduler stream through an SGLang-compatible detokenizer process,
 for `detokbench sglang-bench` and the SGLang tests (their own side: tests/sglang/replay.py).
 
-- `Scripted`: one request (prompt, outputs, per-step chunking, flags, finish kind,
-  HTTP worker); the tests' subclass adds fake per-token payloads.
+- `Scripted`: one request (prompt, outputs, per-step chunking, HTTP worker, retraction),
+  finished by length; the tests' subclass adds flags, stops, aborts and fake payloads.
 - `build_stream`: the per-step `BatchTokenIDOutput`, made by SGLang's own scheduler-side
   builder (`Req` + `_GenerationStreamAccumulator`), not by a re-implementation of it.
 - `SglangDetokenizerUnderTest`: a detokenizer (SGLang's or detokd's) started as SGLang's
@@ -35,7 +35,6 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 import msgspec
 
 Encoding = Literal["pickle", "msgpack"]
-FinishKind = Literal["length", "matched_token", "matched_str", "abort"]
 
 # Rows whose rid starts with this end every exchange: once each receiver has seen its
 # fence, everything sent before it has arrived (one PUSH per receiver keeps order).
@@ -43,9 +42,10 @@ FENCE_PREFIX = "__replay_fence__"
 
 
 class Scripted(msgspec.Struct, frozen=True, kw_only=True):
-    """One request as the scheduler would stream it. The payloads a model adds per token
-    (logprobs, hidden states, ...) are the tests' (tests/sglang/replay.py's WithPayloads
-    overrides the three hooks below): the benchmark streams text alone."""
+    """One request as the scheduler would stream it, finished by its length. Sampling
+    flags, stop tokens and strings, aborts and the payloads a model adds per token are the
+    tests' (tests/sglang/replay.py's Request overrides the hooks below): the benchmark
+    streams plain text."""
 
     rid: str
     prompt_ids: list[int]
@@ -54,14 +54,6 @@ class Scripted(msgspec.Struct, frozen=True, kw_only=True):
     chunks: list[int] | None = None
     # Step of the first chunk; later chunks land on consecutive steps.
     first_step: int = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    # matched_token: the last output id is the stop token; matched_str: `stop_str` ends
-    # the generated text; abort: FINISH_ABORT(abort_message).
-    finish: FinishKind = "length"
-    stop_str: str | None = None
-    abort_message: str | None = None
     http_worker: int = 0
     # Chunk index after which the scheduler retracts and later resumes the request.
     retract_after_chunk: int | None = None
@@ -74,6 +66,10 @@ class Scripted(msgspec.Struct, frozen=True, kw_only=True):
         ends = itertools.accumulate(sizes)
         return [self.output_ids[end - n : end] for n, end in zip(sizes, ends, strict=True)]
 
+    def sampling(self) -> dict:
+        """SamplingParams arguments beyond max_new_tokens."""
+        return {}
+
     def req_kwargs(self) -> dict:
         """Req arguments beyond the stream's own: the payloads asked for."""
         return {}
@@ -83,6 +79,12 @@ class Scripted(msgspec.Struct, frozen=True, kw_only=True):
 
     def stepped(self, req: Any, base: int) -> None:
         """A step appended req.output_ids[base:]."""
+
+    def finish_reason(self) -> Any:
+        """What the scheduler sets on the Req at the last step."""
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+        return FINISH_LENGTH(length=len(self.output_ids))
 
 
 # --- encoding -------------------------------------------------------------------------
@@ -112,27 +114,11 @@ def ipc_encoding(encoding: Encoding) -> Iterator[None]:
 # --- builder --------------------------------------------------------------------------
 
 
-def _finish_reason(s: Scripted):
-    from sglang.srt.managers import schedule_batch as sb
-
-    if s.finish == "length":
-        return sb.FINISH_LENGTH(length=len(s.output_ids))
-    if s.finish == "matched_token":
-        return sb.FINISH_MATCHED_TOKEN(matched=s.output_ids[-1])
-    if s.finish == "matched_str":
-        if not s.stop_str:
-            raise ValueError(f"{s.rid}: matched_str needs stop_str")
-        return sb.FINISH_MATCHED_STR(matched=s.stop_str)
-    return sb.FINISH_ABORT(message=s.abort_message)
-
-
 def _make_req(s: Scripted, ipc: str | None, tokenizer: Any):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    sp = SamplingParams(max_new_tokens=max(len(s.output_ids), 1) + 1, skip_special_tokens=s.skip_special_tokens,
-                        spaces_between_special_tokens=s.spaces_between_special_tokens, no_stop_trim=s.no_stop_trim,
-                        stop=[s.stop_str] if s.stop_str else None)
+    sp = SamplingParams(max_new_tokens=max(len(s.output_ids), 1) + 1, **s.sampling())
     sp.normalize(tokenizer)
     req = Req(s.rid, "", array("q", s.prompt_ids), sp, stream=True, http_worker_ipc=ipc, **s.req_kwargs())
     # Req.tail_str decodes with it when holding back a stop-string prefix.
@@ -147,7 +133,7 @@ def _advance(req, s: Scripted, chunk: list[int], last: bool) -> None:
     req.output_ids.extend(chunk)
     s.stepped(req, base)
     if last:
-        req.finished_reason = _finish_reason(s)
+        req.finished_reason = s.finish_reason()
         req.finished_len = len(req.output_ids)
 
 

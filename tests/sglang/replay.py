@@ -1,5 +1,5 @@
 """The SGLang tests' side of the replay harness (detokbench.sglang_replay): requests with
-the payloads a model adds, the scheduler's other messages, SGLang's prompt context, a
+flags, stops, aborts and the payloads a model adds, the scheduler's other messages, SGLang's prompt context, a
 comparable view of a message field, what a TokenizerManager accumulates, and the
 outputs cut into each detokenizer's stream."""
 
@@ -8,23 +8,50 @@ from __future__ import annotations
 import dataclasses
 import pickle
 from array import array
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 import msgspec
 
 from detokbench.sglang_replay import Encoding, Scripted, SglangDetokenizerUnderTest, _accumulator, ipc_encoding, route
 
 
-class WithPayloads(Scripted, frozen=True, kw_only=True):
-    """A request whose steps carry fake, deterministic passthrough payloads of the right
-    shapes, which a detokenizer must forward untouched."""
+class Request(Scripted, frozen=True, kw_only=True):
+    """A request with what else a scheduler's request carries: sampling flags, a finish
+    other than by length, and steps with fake, deterministic passthrough payloads of the
+    right shapes, which a detokenizer must forward untouched."""
 
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # matched_token: the last output id is the stop token; matched_str: `stop_str` ends
+    # the generated text; abort: FINISH_ABORT(abort_message).
+    finish: Literal["length", "matched_token", "matched_str", "abort"] = "length"
+    stop_str: str | None = None
+    abort_message: str | None = None
     logprobs: bool = False
     hidden_states: bool = False
     routed_experts: bool = False
     indexer_topk: bool = False
     customized_info: bool = False
     cached_tokens: int = 0
+
+    def sampling(self) -> dict:
+        return dict(skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim,
+                    spaces_between_special_tokens=self.spaces_between_special_tokens,
+                    stop=[self.stop_str] if self.stop_str else None)
+
+    def finish_reason(self) -> Any:
+        from sglang.srt.managers import schedule_batch as sb
+
+        if self.finish == "length":
+            return super().finish_reason()
+        if self.finish == "matched_token":
+            return sb.FINISH_MATCHED_TOKEN(matched=self.output_ids[-1])
+        if self.finish == "matched_str":
+            if not self.stop_str:
+                raise ValueError(f"{self.rid}: matched_str needs stop_str")
+            return sb.FINISH_MATCHED_STR(matched=self.stop_str)
+        return sb.FINISH_ABORT(message=self.abort_message)
 
     def req_kwargs(self) -> dict:
         return dict(return_logprob=self.logprobs, top_logprobs_num=2 if self.logprobs else 0,
