@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import codecs
 import json
-import os
 import re
 from functools import cached_property
 from typing import Sequence
@@ -24,7 +23,6 @@ class Tok:
     `tokenizer` setting), loaded the ways the baselines need it, each lazily."""
 
     def __init__(self, name_or_path: str) -> None:
-        self.name = name_or_path
         p = resolve(name_or_path)
         self.dir = p if p.is_dir() else p.parent
         self._tables: dict[bool, list[bytes]] = {}
@@ -39,13 +37,9 @@ class Tok:
     @cached_property
     def hf(self):
         """transformers' tokenizer, what SGLang's DetokenizerManager calls."""
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.dir))
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @cached_property
     def decoder_kinds(self) -> list[dict]:

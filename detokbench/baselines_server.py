@@ -62,7 +62,6 @@ class Server:
         for s in self.pushes:
             s.setsockopt(zmq.LINGER, -1)  # ZMQ's default: queued text still goes out
         self.states: dict[str, State] = {}
-        log.info("%s serving %s -> %s (%s)", algo, input_addr, workers, self.tok.dir)
 
     def serve(self) -> None:
         while True:
@@ -127,9 +126,8 @@ def main(argv: Iterable[str]) -> int:
     ap.add_argument("--input", required=True, help="address to PULL-bind, e.g. ipc:///tmp/x/in")
     ap.add_argument("--worker", action="append", required=True, help="worker address to PUSH-connect (repeat)")
     ap.add_argument("--tokenizer", default="deepseek", help="zoo name or folder with tokenizer.json")
-    ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(list(argv))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s baselines %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s baselines %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with contextlib.suppress(KeyboardInterrupt):
         Server(args.algo, args.input, args.worker, args.tokenizer).serve()

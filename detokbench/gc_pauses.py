@@ -123,12 +123,6 @@ def run_one(policy_name: str, batch: int, lifetime: int, steps: int) -> dict:
     }
 
 
-def _line(p: dict) -> str:
-    return (f"{p['collections']:4d} collections, {p['starts_per_s']:5.0f} starts/s, pause ms p50 {p['pause_ms']['p50']:.3f} "
-            f"max {p['pause_ms']['max']:.3f}, {p['gc_ms_per_s']:.2f} ms/s; turn ms "
-            + " ".join(f"{k} {v:.2f}" for k, v in p["turn_ms"].items()))
-
-
 def main(argv: list[str]) -> int:
     ap = parser("gc-pauses", __doc__)
     ap.add_argument("--batch", type=int, default=1024, help="B: requests in every step (default 1024)")
@@ -148,8 +142,11 @@ def main(argv: list[str]) -> int:
         for name in POLICIES if r % 2 == 0 else reversed(POLICIES):
             child = [sys.executable, "-m", "detokbench", "gc-pauses", "--one", name,
                      "--batch", str(args.batch), "--lifetime", str(args.lifetime), "--steps", str(args.steps)]
-            passes.append(json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout))
-            print(f"{name:>6}: {_line(passes[-1])}", flush=True)
+            p = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout)
+            passes.append(p)
+            print(f"{name:>6}: {p['collections']:4d} collections, {p['starts_per_s']:5.0f} starts/s, pause ms p50 "
+                  f"{p['pause_ms']['p50']:.3f} max {p['pause_ms']['max']:.3f}, {p['gc_ms_per_s']:.2f} ms/s; turn ms "
+                  + " ".join(f"{k} {v:.2f}" for k, v in p["turn_ms"].items()), flush=True)
     print("", *md_head("policy", "starts/s", "collections/s", "pause ms p50 / p99 / max", "GC ms per s",
                        "turn ms p50 / p99 / p99.9 / max"), sep="\n")
     for name in POLICIES:

@@ -209,9 +209,14 @@ def check(stream: Stream, answers: list, due: list[list[str]]) -> tuple[dict[str
     """Per rid text, and the problems: answers without the rows due (one answer per step
     and detokenizer), texts off the oracle."""
     shape = [list(a.rids) for a in answers] == due and all(type(a).__name__ == "BatchStrOutput" for a in answers)
-    acc = replay.accumulate(answers)
-    texts = {rid: lives[-1].text for rid, lives in acc.items()}
-    unfinished = sum(1 for lives in acc.values() if lives[-1].finished_reason is None)
+    texts: dict[str, str] = {}
+    finished: dict[str, Any] = {}  # each rid's last finished reason
+    for a in answers:
+        if type(a).__name__ == "BatchStrOutput":  # (the stream's rids are all distinct: no reuse to follow)
+            for rid, text, reason in zip(a.rids, a.output_strs, a.finished_reasons, strict=True):
+                texts[rid] = texts.get(rid, "") + text
+                finished[rid] = reason
+    unfinished = sum(1 for reason in finished.values() if reason is None)
     wrong = [rid for rid, want in stream.oracle.items() if texts.get(rid) != want]
     return texts, dict(one_answer_per_step=shape, rids=len(texts), unfinished=unfinished, off_oracle=len(wrong),
                        off_oracle_examples=wrong[:3])
@@ -311,6 +316,8 @@ def pooled(mine: list[dict], stream: Stream) -> dict:
 
 
 def bench_encoding(encoding: replay.Encoding, procs: dict, vocab, ids, args, raw: list[dict]) -> list[dict]:
+    from sglang.srt.managers.io_struct import FreezeGCReq
+
     results = []
     for batch in sorted(args.batch):
         case = f"[{encoding} B={batch}]"
@@ -319,7 +326,7 @@ def bench_encoding(encoding: replay.Encoding, procs: dict, vocab, ids, args, raw
             f"{len(stream.steady_steps)} steps timed) in {stream.build_seconds:.1f}s")
         for proc in procs.values():
             # --freeze-gc: what SGLang's /freeze_gc endpoint makes its detokenizer do (gc.freeze()).
-            proc.exchange([*stream.warmup, *([replay.freeze_gc_req()] if args.freeze_gc else [])])
+            proc.exchange([*stream.warmup, *([FreezeGCReq()] if args.freeze_gc else [])])
         passes, first_text, floors = abba(stream, procs, args, case)
         agree = first_text["sglang"] == first_text["detokd"]
         differing = sum(1 for rid, text in first_text["sglang"].items() if text != first_text["detokd"].get(rid))

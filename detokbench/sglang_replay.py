@@ -1,8 +1,8 @@
 """Replay a scripted scheduler stream through an SGLang-compatible detokenizer process,
 for `detokbench sglang-bench` and the SGLang tests (their own side: tests/sglang/replay.py).
 
-- `Scripted`: one request (prompt, outputs, per-step chunking, flags, finish kind,
-  HTTP worker, which passthrough fields carry fake values).
+- `Scripted`: one request (prompt, outputs, per-step chunking, HTTP worker, retraction),
+  finished by length; the tests' subclass adds flags, stops, aborts and fake payloads.
 - `build_stream`: the per-step `BatchTokenIDOutput`, made by SGLang's own scheduler-side
   builder (`Req` + `_GenerationStreamAccumulator`), not by a re-implementation of it.
 - `SglangDetokenizerUnderTest`: a detokenizer (SGLang's or detokd's) started as SGLang's
@@ -35,7 +35,6 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 import msgspec
 
 Encoding = Literal["pickle", "msgpack"]
-FinishKind = Literal["length", "matched_token", "matched_str", "abort"]
 
 # Rows whose rid starts with this end every exchange: once each receiver has seen its
 # fence, everything sent before it has arrived (one PUSH per receiver keeps order).
@@ -43,7 +42,10 @@ FENCE_PREFIX = "__replay_fence__"
 
 
 class Scripted(msgspec.Struct, frozen=True, kw_only=True):
-    """One request as the scheduler would stream it."""
+    """One request as the scheduler would stream it, finished by its length. Sampling
+    flags, stop tokens and strings, aborts and the payloads a model adds per token are the
+    tests' (tests/sglang/replay.py's Request overrides the hooks below): the benchmark
+    streams plain text."""
 
     rid: str
     prompt_ids: list[int]
@@ -52,22 +54,7 @@ class Scripted(msgspec.Struct, frozen=True, kw_only=True):
     chunks: list[int] | None = None
     # Step of the first chunk; later chunks land on consecutive steps.
     first_step: int = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    # matched_token: the last output id is the stop token; matched_str: `stop_str` ends
-    # the generated text; abort: FINISH_ABORT(abort_message).
-    finish: FinishKind = "length"
-    stop_str: str | None = None
-    abort_message: str | None = None
     http_worker: int = 0
-    # Fake, deterministic passthrough payloads of the right shapes.
-    logprobs: bool = False
-    hidden_states: bool = False
-    routed_experts: bool = False
-    indexer_topk: bool = False
-    customized_info: bool = False
-    cached_tokens: int = 0
     # Chunk index after which the scheduler retracts and later resumes the request.
     retract_after_chunk: int | None = None
 
@@ -79,14 +66,25 @@ class Scripted(msgspec.Struct, frozen=True, kw_only=True):
         ends = itertools.accumulate(sizes)
         return [self.output_ids[end - n : end] for n, end in zip(sizes, ends, strict=True)]
 
+    def sampling(self) -> dict:
+        """SamplingParams arguments beyond max_new_tokens."""
+        return {}
 
-class Accumulated(msgspec.Struct, kw_only=True):
-    """What a TokenizerManager assembles for one request lifetime."""
+    def req_kwargs(self) -> dict:
+        """Req arguments beyond the stream's own: the payloads asked for."""
+        return {}
 
-    rid: str
-    text: str = ""
-    finished_reason: dict | None = None
-    output_ids: list[int] = msgspec.field(default_factory=list)
+    def started(self, req: Any) -> None:
+        """The Req is made, before its first step."""
+
+    def stepped(self, req: Any, base: int) -> None:
+        """A step appended req.output_ids[base:]."""
+
+    def finish_reason(self) -> Any:
+        """What the scheduler sets on the Req at the last step."""
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+        return FINISH_LENGTH(length=len(self.output_ids))
 
 
 # --- encoding -------------------------------------------------------------------------
@@ -116,89 +114,30 @@ def ipc_encoding(encoding: Encoding) -> Iterator[None]:
 # --- builder --------------------------------------------------------------------------
 
 
-def _finish_reason(s: Scripted):
-    from sglang.srt.managers import schedule_batch as sb
-
-    if s.finish == "length":
-        return sb.FINISH_LENGTH(length=len(s.output_ids))
-    if s.finish == "matched_token":
-        return sb.FINISH_MATCHED_TOKEN(matched=s.output_ids[-1])
-    if s.finish == "matched_str":
-        if not s.stop_str:
-            raise ValueError(f"{s.rid}: matched_str needs stop_str")
-        return sb.FINISH_MATCHED_STR(matched=s.stop_str)
-    return sb.FINISH_ABORT(message=s.abort_message)
-
-
 def _make_req(s: Scripted, ipc: str | None, tokenizer: Any):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    sp = SamplingParams(max_new_tokens=max(len(s.output_ids), 1) + 1, skip_special_tokens=s.skip_special_tokens,
-                        spaces_between_special_tokens=s.spaces_between_special_tokens, no_stop_trim=s.no_stop_trim,
-                        stop=[s.stop_str] if s.stop_str else None)
+    sp = SamplingParams(max_new_tokens=max(len(s.output_ids), 1) + 1, **s.sampling())
     sp.normalize(tokenizer)
-    req = Req(s.rid, "", array("q", s.prompt_ids), sp, return_logprob=s.logprobs, stream=True,
-              top_logprobs_num=2 if s.logprobs else 0, return_hidden_states=s.hidden_states,
-              return_routed_experts=s.routed_experts, return_indexer_topk=s.indexer_topk, http_worker_ipc=ipc)
+    req = Req(s.rid, "", array("q", s.prompt_ids), sp, stream=True, http_worker_ipc=ipc, **s.req_kwargs())
     # Req.tail_str decodes with it when holding back a stop-string prefix.
     req.tokenizer = tokenizer
-    req.cached_tokens = s.cached_tokens
-    if s.logprobs:
-        n = len(s.prompt_ids)
-        lp = req.logprob
-        lp.input_token_logprobs_val = [None] + [-(i + 1) / 16 for i in range(n - 1)]
-        lp.input_token_logprobs_idx = list(s.prompt_ids)
-        lp.input_top_logprobs_val = [None] + [[-0.5, -1.5] for _ in range(n - 1)]
-        lp.input_top_logprobs_idx = [None] + [[t, 0] for t in s.prompt_ids[1:]]
-        lp.input_token_ids_logprobs_val = [None] * n
-        lp.input_token_ids_logprobs_idx = [None] * n
-        for name in ("val", "idx"):
-            for kind in ("token", "top", "token_ids"):
-                setattr(lp, f"output_{kind}_logprobs_{name}", [])
-    if s.customized_info:
-        req.customized_info = {"probe": []}
+    s.started(req)
     return req
 
 
-def append_output_logprobs(lp: Any, tokens: Sequence[int], start: int) -> None:
-    """Deterministic output logprobs of the shapes SGLang's streamer sends, for `tokens`
-    at output positions start, start + 1, ...: the TokenizerManager reads them from the
-    fields a detokenizer forwards."""
-    for k, tok in enumerate(tokens):
-        pos = start + k
-        lp.output_token_logprobs_val.append(-(pos + 1) / 8)
-        lp.output_token_logprobs_idx.append(tok)
-        lp.output_top_logprobs_val.append([-(pos + 1) / 8, -4.0])
-        lp.output_top_logprobs_idx.append([tok, 0])
-        lp.output_token_ids_logprobs_val.append(None)
-        lp.output_token_ids_logprobs_idx.append(None)
-
-
 def _advance(req, s: Scripted, chunk: list[int], last: bool) -> None:
-    """What a decode step leaves on the Req: new ids and their per-token payloads."""
-    import torch
-
+    """What a decode step leaves on the Req: new ids (and their payloads, `stepped`)."""
     base = len(req.output_ids)
     req.output_ids.extend(chunk)
-    if s.logprobs:
-        append_output_logprobs(req.logprob, chunk, base)
-    for pos in range(base, base + len(chunk)):
-        if s.hidden_states:
-            req.hidden_states.append([pos + 0.25, -pos - 0.5, 1.0])
-        if s.customized_info:
-            req.customized_info["probe"].append(f"{s.rid}:{pos}")
-    total = len(s.prompt_ids) + len(req.output_ids)
-    if s.routed_experts:
-        req.routed_experts = torch.arange(total * 2 * 2, dtype=torch.int32).reshape(total, 2, 2)
-    if s.indexer_topk:
-        req.indexer_topk = torch.arange(total * 3, dtype=torch.int32).reshape(total, 3) * 7
+    s.stepped(req, base)
     if last:
-        req.finished_reason = _finish_reason(s)
+        req.finished_reason = s.finish_reason()
         req.finished_len = len(req.output_ids)
 
 
-def _accumulator(return_logprob: bool, reqs: Sequence[Any], cached_details: Callable):
+def _accumulator(reqs: Sequence[Any]):
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.scheduler_components.output_streamer import _GenerationStreamAccumulator
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -206,19 +145,17 @@ def _accumulator(return_logprob: bool, reqs: Sequence[Any], cached_details: Call
     # The batch-level flags of OutputStreamer._stream_output_generation, as far as the
     # installed release takes them (0.5.21 and older have no request-level customized info).
     kwargs = dict(
-        return_logprob=return_logprob, return_hidden_states=any(r.return_hidden_states for r in reqs),
+        return_logprob=any(r.return_logprob for r in reqs),
+        return_hidden_states=any(r.return_hidden_states for r in reqs),
         return_routed_experts=any(r.return_routed_experts for r in reqs),
         return_indexer_topk=any(r.return_indexer_topk for r in reqs), spec_algorithm=SpeculativeAlgorithm.NONE,
         disaggregation_mode=DisaggregationMode.NULL, default_stream_interval=1, default_force_stream_interval=50,
-        get_cached_tokens_details=cached_details, is_request_level_customized_info_key=lambda key: False,
+        get_cached_tokens_details=lambda req: {"device": req.cached_tokens, "host": 0} if req.cached_tokens else None,
+        is_request_level_customized_info_key=lambda key: False,
         current_weight_version="default",  # ServerArgs.weight_version default
     )
     takes = inspect.signature(_GenerationStreamAccumulator).parameters
     return _GenerationStreamAccumulator(**{k: v for k, v in kwargs.items() if k in takes})
-
-
-def _cached_details(req) -> dict | None:
-    return {"device": req.cached_tokens, "host": 0} if req.cached_tokens else None
 
 
 def build_stream(requests: Sequence[Scripted], *, encoding: Encoding, http_worker_ipcs: Sequence[str | None] = (None,),
@@ -242,7 +179,7 @@ def build_stream(requests: Sequence[Scripted], *, encoding: Encoding, http_worke
                 if 0 <= k < len(plan):
                     _advance(req, s, plan[k], last=k == len(plan) - 1)
                     batch.append(req)
-            acc = _accumulator(any(r.return_logprob for r in batch), batch, _cached_details)
+            acc = _accumulator(batch)
             for req in batch:
                 acc.accept(req=req)
             payload = acc.to_payload(dp_rank=0, is_idle_batch=False)
@@ -252,20 +189,6 @@ def build_stream(requests: Sequence[Scripted], *, encoding: Encoding, http_worke
                 if s.retract_after_chunk is not None and step - s.first_step == s.retract_after_chunk:
                     req.reset_for_retract()
         return out
-
-
-def freeze_gc_req() -> Any:
-    from sglang.srt.managers.io_struct import FreezeGCReq
-
-    return FreezeGCReq()
-
-
-def fence_batch(rids: Sequence[Sequence[str]], *, encoding: Encoding, http_worker_ipcs: Sequence[str | None]) -> Any:
-    """Finished one-token rows, rids starting with FENCE_PREFIX: `rids[i]` for receiver i
-    (`_fence_rids`: one per detokenizer that sends to it)."""
-    rows = [Scripted(rid=r, prompt_ids=[1], output_ids=[1], http_worker=i) for i, mine in enumerate(rids) for r in mine]
-    (msg,) = build_stream(rows, encoding=encoding, http_worker_ipcs=http_worker_ipcs)
-    return msg
 
 
 def route(http_worker_ipc: str | None, rid: str, detokenizers: int) -> int:
@@ -286,27 +209,6 @@ def _fence_rids(tag: str, receiver: int, ipc: str | None, detokenizers: int) -> 
         rids.setdefault(route(ipc, rid, detokenizers), rid)
         salt += 1
     return [rids[d] for d in sorted(wanted)]
-
-
-# --- accumulation ---------------------------------------------------------------------
-
-
-def accumulate(outputs: Iterable[Any]) -> dict[str, list[Accumulated]]:
-    """Per rid, its lifetimes in order (a finished rid that appears again starts anew)."""
-    result: dict[str, list[Accumulated]] = {}
-    for out in outputs:
-        if type(out).__name__ != "BatchStrOutput":
-            continue
-        for i, rid in enumerate(out.rids):
-            lives = result.setdefault(rid, [])
-            if not lives or lives[-1].finished_reason is not None:
-                lives.append(Accumulated(rid=rid))
-            acc = lives[-1]
-            acc.text += out.output_strs[i]
-            if out.output_ids is not None and i < len(out.output_ids):
-                acc.output_ids.extend(out.output_ids[i])
-            acc.finished_reason = out.finished_reasons[i]
-    return result
 
 
 # --- runner ---------------------------------------------------------------------------
@@ -390,16 +292,20 @@ class SglangDetokenizerUnderTest:
                 # SGLang's run_detokenizer_process SIGQUITs its parent on an exception.
                 self._old_sigquit = signal.signal(signal.SIGQUIT, self._on_sigquit)
             with ipc_encoding(self.encoding):  # the children inherit it before importing sglang
-                self._spawn(self.target or _sglang_target(), server_args, port_args)
+                self._spawn(server_args, port_args)
         except BaseException:
             self.close()
             raise
         return self
 
-    def _spawn(self, target: Callable, server_args: Any, port_args: Any) -> None:
+    def _spawn(self, server_args: Any, port_args: Any) -> None:
         """What Engine._launch_detokenizer_subprocesses starts: the detokenizer on SGLang's
         address, or N of them on their own addresses and SGLang's router on SGLang's."""
         import multiprocessing as mp
+
+        from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+
+        target = self.target or run_detokenizer_process
 
         def start(name: str, fn: Callable, args: tuple, kwargs: dict | None = None) -> None:
             proc = mp.get_context("spawn").Process(target=fn, name=name, args=args, kwargs=kwargs or {}, daemon=True)
@@ -450,35 +356,29 @@ class SglangDetokenizerUnderTest:
 
     # traffic
 
-    def build(self, requests: Sequence[Scripted], tokenizer: Any = None) -> list[Any]:
-        ipcs = self.http_worker_ipcs
-        return build_stream(requests, encoding=self.encoding, http_worker_ipcs=ipcs, tokenizer=tokenizer)
-
-    def send(self, messages: Iterable[Any]) -> None:
-        from sglang.srt.managers.io_struct import sock_send
-
-        with ipc_encoding(self.encoding):
-            for m in messages:
-                sock_send(self._push, m)
-
     def exchange(self, messages: Iterable[Any], *, timeout: float = 180.0) -> list[list[Any]]:
         """Send `messages` then a fence; return, per receiver (HTTP worker), every output
         that arrived before its fences, in arrival order, fence rows removed."""
         import zmq
-        from sglang.srt.managers.io_struct import sock_recv
+        from sglang.srt.managers.io_struct import sock_recv, sock_send
 
         self._fences += 1
         tag = f"{FENCE_PREFIX}{self._fences}:"
         ipcs = self.http_worker_ipcs
+        # Finished one-token rows: for each receiver, one per detokenizer that sends to it.
         fence_rids = [_fence_rids(tag, i, ipc, self.detokenizers) for i, ipc in enumerate(ipcs)]
-        self.send([*messages, fence_batch(fence_rids, encoding=self.encoding, http_worker_ipcs=ipcs)])
+        fence_rows = [Scripted(rid=r, prompt_ids=[1], output_ids=[1], http_worker=i)
+                      for i, mine in enumerate(fence_rids) for r in mine]
+        (fence,) = build_stream(fence_rows, encoding=self.encoding, http_worker_ipcs=ipcs)
         due = list(map(len, fence_rids))  # fence rows each receiver waits for
         got: list[list[Any]] = [[] for _ in self._pulls]
         poller = zmq.Poller()
         for sock in self._pulls:
             poller.register(sock, zmq.POLLIN)
-        deadline = time.monotonic() + timeout
         with ipc_encoding(self.encoding):
+            for m in [*messages, fence]:
+                sock_send(self._push, m)
+            deadline = time.monotonic() + timeout
             while any(due):
                 self._check_alive()
                 left = deadline - time.monotonic()
@@ -506,9 +406,3 @@ class SglangDetokenizerUnderTest:
         for proc in self.processes:
             if not proc.is_alive():
                 raise DetokenizerDied(f"{proc.name} exited with code {proc.exitcode}")
-
-
-def _sglang_target() -> Callable:
-    from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
-
-    return run_detokenizer_process

@@ -51,7 +51,7 @@ def test_stream_equals_full_decode(algo, tok, text_ids):
     text, ids = text_ids
     if algo == "sglang":
         pytest.importorskip("transformers")
-    want = tok.decode(ids)
+    want = tok.fast.decode(ids)
     assert want == text  # byte-level BPE round-trips this text
     rng = random.Random(7)
     s = make(algo, tok)
@@ -66,8 +66,8 @@ def test_prompt_tail_context(algo, tok, text_ids):
     if algo == "sglang":
         pytest.importorskip("transformers")
     # A tail that ends on a whole character, then an output of the next 300 ids.
-    cut = next(p for p in range(400, 600) if "\ufffd" not in tok.decode(ids[p - 4:p])
-               and not tok.decode(ids[p:p + 3]).startswith("\ufffd"))
+    cut = next(p for p in range(400, 600) if "\ufffd" not in tok.fast.decode(ids[p - 4:p])
+               and not tok.fast.decode(ids[p:p + 3]).startswith("\ufffd"))
     tail, out = ids[cut - 4:cut], ids[cut:cut + 300]
     want = vocab("deepseek").reference(tail, out)
     s = make(algo, tok, prompt_tail=tail)
@@ -87,7 +87,7 @@ def test_sglang_batch_matches_single(tok, text_ids):
         outs = [o + t for o, t in zip(outs, texts)]
     texts = baselines.SGLangStream.step_batch(streams, [[] for _ in starts], [True] * len(starts))
     outs = [o + t for o, t in zip(outs, texts)]
-    assert outs == [tok.decode(ids[s:s + 160]) for s in starts]
+    assert outs == [tok.fast.decode(ids[s:s + 160]) for s in starts]
 
 
 def test_floor_flushes_incomplete_character(tok):
@@ -95,7 +95,7 @@ def test_floor_flushes_incomplete_character(tok):
     assert len(ids) > 1
     s = make("floor", tok)
     assert s.step(ids[:-1]) == ""
-    assert s.finish() == tok.decode(ids[:-1])  # U+FFFD, as the reference decode
+    assert s.finish() == tok.fast.decode(ids[:-1])  # U+FFFD, as the reference decode
 
 
 def test_bench_frames_are_protocol_messages(tok):

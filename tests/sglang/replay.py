@@ -1,5 +1,6 @@
-"""The SGLang tests' side of the replay harness (detokbench.sglang_replay): the scheduler's
-other messages, SGLang's prompt context, a comparable view of a message field, and the
+"""The SGLang tests' side of the replay harness (detokbench.sglang_replay): requests with
+flags, stops, aborts and the payloads a model adds, the scheduler's other messages, SGLang's prompt context, a
+comparable view of a message field, what a TokenizerManager accumulates, and the
 outputs cut into each detokenizer's stream."""
 
 from __future__ import annotations
@@ -7,25 +8,136 @@ from __future__ import annotations
 import dataclasses
 import pickle
 from array import array
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 import msgspec
 
-from detokbench.sglang_replay import (
-    Encoding,
-    SglangDetokenizerUnderTest,
-    _accumulator,
-    _cached_details,
-    ipc_encoding,
-    route,
-)
+from detokbench.sglang_replay import Encoding, Scripted, SglangDetokenizerUnderTest, _accumulator, ipc_encoding, route
+
+
+class Request(Scripted, frozen=True, kw_only=True):
+    """A request with what else a scheduler's request carries: sampling flags, a finish
+    other than by length, and steps with fake, deterministic passthrough payloads of the
+    right shapes, which a detokenizer must forward untouched."""
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # matched_token: the last output id is the stop token; matched_str: `stop_str` ends
+    # the generated text; abort: FINISH_ABORT(abort_message).
+    finish: Literal["length", "matched_token", "matched_str", "abort"] = "length"
+    stop_str: str | None = None
+    abort_message: str | None = None
+    logprobs: bool = False
+    hidden_states: bool = False
+    routed_experts: bool = False
+    indexer_topk: bool = False
+    customized_info: bool = False
+    cached_tokens: int = 0
+
+    def sampling(self) -> dict:
+        return dict(skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim,
+                    spaces_between_special_tokens=self.spaces_between_special_tokens,
+                    stop=[self.stop_str] if self.stop_str else None)
+
+    def finish_reason(self) -> Any:
+        from sglang.srt.managers import schedule_batch as sb
+
+        if self.finish == "length":
+            return super().finish_reason()
+        if self.finish == "matched_token":
+            return sb.FINISH_MATCHED_TOKEN(matched=self.output_ids[-1])
+        if self.finish == "matched_str":
+            if not self.stop_str:
+                raise ValueError(f"{self.rid}: matched_str needs stop_str")
+            return sb.FINISH_MATCHED_STR(matched=self.stop_str)
+        return sb.FINISH_ABORT(message=self.abort_message)
+
+    def req_kwargs(self) -> dict:
+        return dict(return_logprob=self.logprobs, top_logprobs_num=2 if self.logprobs else 0,
+                    return_hidden_states=self.hidden_states, return_routed_experts=self.routed_experts,
+                    return_indexer_topk=self.indexer_topk)
+
+    def started(self, req: Any) -> None:
+        req.cached_tokens = self.cached_tokens
+        if self.logprobs:
+            n = len(self.prompt_ids)
+            lp = req.logprob
+            lp.input_token_logprobs_val = [None] + [-(i + 1) / 16 for i in range(n - 1)]
+            lp.input_token_logprobs_idx = list(self.prompt_ids)
+            lp.input_top_logprobs_val = [None] + [[-0.5, -1.5] for _ in range(n - 1)]
+            lp.input_top_logprobs_idx = [None] + [[t, 0] for t in self.prompt_ids[1:]]
+            lp.input_token_ids_logprobs_val = [None] * n
+            lp.input_token_ids_logprobs_idx = [None] * n
+            for name in ("val", "idx"):
+                for kind in ("token", "top", "token_ids"):
+                    setattr(lp, f"output_{kind}_logprobs_{name}", [])
+        if self.customized_info:
+            req.customized_info = {"probe": []}
+
+    def stepped(self, req: Any, base: int) -> None:
+        import torch
+
+        if self.logprobs:
+            append_output_logprobs(req.logprob, req.output_ids[base:], base)
+        for pos in range(base, len(req.output_ids)):
+            if self.hidden_states:
+                req.hidden_states.append([pos + 0.25, -pos - 0.5, 1.0])
+            if self.customized_info:
+                req.customized_info["probe"].append(f"{self.rid}:{pos}")
+        total = len(self.prompt_ids) + len(req.output_ids)
+        if self.routed_experts:
+            req.routed_experts = torch.arange(total * 2 * 2, dtype=torch.int32).reshape(total, 2, 2)
+        if self.indexer_topk:
+            req.indexer_topk = torch.arange(total * 3, dtype=torch.int32).reshape(total, 3) * 7
+
+
+def append_output_logprobs(lp: Any, tokens: Sequence[int], start: int) -> None:
+    """Deterministic output logprobs of the shapes SGLang's streamer sends, for `tokens`
+    at output positions start, start + 1, ...: the TokenizerManager reads them from the
+    fields a detokenizer forwards."""
+    for k, tok in enumerate(tokens):
+        pos = start + k
+        lp.output_token_logprobs_val.append(-(pos + 1) / 8)
+        lp.output_token_logprobs_idx.append(tok)
+        lp.output_top_logprobs_val.append([-(pos + 1) / 8, -4.0])
+        lp.output_top_logprobs_idx.append([tok, 0])
+        lp.output_token_ids_logprobs_val.append(None)
+        lp.output_token_ids_logprobs_idx.append(None)
+
+
+class Accumulated(msgspec.Struct, kw_only=True):
+    """What a TokenizerManager assembles for one request lifetime."""
+
+    rid: str
+    text: str = ""
+    finished_reason: dict | None = None
+    output_ids: list[int] = msgspec.field(default_factory=list)
+
+
+def accumulate(outputs: Iterable[Any]) -> dict[str, list[Accumulated]]:
+    """Per rid, its lifetimes in order (a finished rid that appears again starts anew)."""
+    result: dict[str, list[Accumulated]] = {}
+    for out in outputs:
+        if type(out).__name__ != "BatchStrOutput":
+            continue
+        for i, rid in enumerate(out.rids):
+            lives = result.setdefault(rid, [])
+            if not lives or lives[-1].finished_reason is not None:
+                lives.append(Accumulated(rid=rid))
+            acc = lives[-1]
+            acc.text += out.output_strs[i]
+            if out.output_ids is not None and i < len(out.output_ids):
+                acc.output_ids.extend(out.output_ids[i])
+            acc.finished_reason = out.finished_reasons[i]
+    return result
 
 
 def health_check_batch(*, encoding: Encoding) -> Any:
     """An idle batch: what the scheduler streams with nothing to report (to_payload with
     is_idle_batch=True), the shape the health check's empty output comes from."""
     with ipc_encoding(encoding):
-        return _accumulator(False, [], _cached_details).to_payload(dp_rank=0, is_idle_batch=True)
+        return _accumulator([]).to_payload(dp_rank=0, is_idle_batch=True)
 
 
 def embedding_batch(

@@ -13,8 +13,8 @@ import os
 from conftest import vocab
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer as detokd_target
-from detokbench.sglang_replay import Scripted, SglangDetokenizerUnderTest, freeze_gc_req
-from replay import embedding_batch, health_check_batch, streams
+from detokbench.sglang_replay import SglangDetokenizerUnderTest, build_stream
+from replay import Request, embedding_batch, health_check_batch, streams
 
 # The encodings (a transport concern) are crossed with one tokenizer; the other families
 # take one encoding each. (tokenizer, encoding, HTTP workers)
@@ -71,7 +71,7 @@ def ragged(n: int) -> list[int]:
     return out
 
 
-def scenario(name: str, workers: int = 1) -> list[Scripted]:
+def scenario(name: str, workers: int = 1) -> list[Request]:
     out = ids_of(name, TEXT)
     eos, other = specials(name)
     prompt = ids_of(name, "Translate the following text, please:")
@@ -86,43 +86,43 @@ def scenario(name: str, workers: int = 1) -> list[Scripted]:
         ids = ids_of(name, text)
         at = next(k for k in range(1, len(ids) + 1) if stop in vocab(name).hf.decode(ids[:k]))
         for c, chunks in enumerate([None, ragged(at), ragged(at)[::-1]]):
-            straddles.append(Scripted(rid=f"straddle-{j}-{c}", prompt_ids=prompt[:3], output_ids=ids[:at], chunks=chunks,
+            straddles.append(Request(rid=f"straddle-{j}-{c}", prompt_ids=prompt[:3], output_ids=ids[:at], chunks=chunks,
                                       finish="matched_str", stop_str=stop, http_worker=w(j + c)))
     # Ids the tokenizer never produces on its own: ones that render as "" with
     # skip_special_tokens (the specials) between real text, and one outside the vocabulary.
     empties = [other] * 12
     outside = vocab(name).size + 7
     return [
-        Scripted(rid="multilingual", prompt_ids=prompt, output_ids=out, chunks=ragged(len(out)),
+        Request(rid="multilingual", prompt_ids=prompt, output_ids=out, chunks=ragged(len(out)),
                  logprobs=True, hidden_states=True, routed_experts=True, indexer_topk=True,
                  customized_info=True, cached_tokens=3, retract_after_chunk=3, http_worker=w(0)),
-        Scripted(rid="one-per-step", prompt_ids=prompt[:2], output_ids=out, http_worker=w(1), first_step=2),
-        Scripted(rid="specials-skipped", prompt_ids=prompt, output_ids=with_specials, http_worker=w(0)),
-        Scripted(rid="specials-kept", prompt_ids=prompt, output_ids=with_specials, skip_special_tokens=False,
+        Request(rid="one-per-step", prompt_ids=prompt[:2], output_ids=out, http_worker=w(1), first_step=2),
+        Request(rid="specials-skipped", prompt_ids=prompt, output_ids=with_specials, http_worker=w(0)),
+        Request(rid="specials-kept", prompt_ids=prompt, output_ids=with_specials, skip_special_tokens=False,
                  spaces_between_special_tokens=False, http_worker=w(1), first_step=1),
-        Scripted(rid="empty-tokens", prompt_ids=prompt, output_ids=out[:3] + empties + out[3:9], http_worker=w(0)),
-        Scripted(rid="out-of-vocabulary", prompt_ids=prompt, output_ids=out[:4] + [outside] + out[4:8],
+        Request(rid="empty-tokens", prompt_ids=prompt, output_ids=out[:3] + empties + out[3:9], http_worker=w(0)),
+        Request(rid="out-of-vocabulary", prompt_ids=prompt, output_ids=out[:4] + [outside] + out[4:8],
                  http_worker=w(1)),
         # The same within rows of several ids, where a step's known bounds skip each row's check.
-        Scripted(rid="out-of-vocabulary-ragged", prompt_ids=prompt, output_ids=out[:4] + [outside] + out[4:8],
+        Request(rid="out-of-vocabulary-ragged", prompt_ids=prompt, output_ids=out[:4] + [outside] + out[4:8],
                  chunks=[3, 3, 3], http_worker=w(0)),
-        Scripted(rid="stop-token", prompt_ids=prompt, output_ids=out[:mid] + [eos], finish="matched_token",
+        Request(rid="stop-token", prompt_ids=prompt, output_ids=out[:mid] + [eos], finish="matched_token",
                  chunks=ragged(mid + 1), http_worker=w(0)),
-        Scripted(rid="stop-token-kept", prompt_ids=prompt, output_ids=out[:mid] + [eos], finish="matched_token",
+        Request(rid="stop-token-kept", prompt_ids=prompt, output_ids=out[:mid] + [eos], finish="matched_token",
                  no_stop_trim=True, skip_special_tokens=False, http_worker=w(1)),
-        Scripted(rid="stop-str", prompt_ids=prompt, output_ids=stop_ids[:stop_at], finish="matched_str",
+        Request(rid="stop-str", prompt_ids=prompt, output_ids=stop_ids[:stop_at], finish="matched_str",
                  stop_str="END", http_worker=w(0)),
-        Scripted(rid="stop-str-kept", prompt_ids=prompt, output_ids=stop_ids[:stop_at], finish="matched_str",
+        Request(rid="stop-str-kept", prompt_ids=prompt, output_ids=stop_ids[:stop_at], finish="matched_str",
                  stop_str="END", no_stop_trim=True, http_worker=w(1), first_step=3),
-        Scripted(rid="aborted", prompt_ids=prompt, output_ids=out[:5], finish="abort", abort_message="client gone",
+        Request(rid="aborted", prompt_ids=prompt, output_ids=out[:5], finish="abort", abort_message="client gone",
                  http_worker=w(0)),
-        Scripted(rid="reused", prompt_ids=prompt, output_ids=out[:4], http_worker=w(1)),
-        Scripted(rid="reused", prompt_ids=prompt[:3], output_ids=out[4:9], http_worker=w(1), first_step=6),
+        Request(rid="reused", prompt_ids=prompt, output_ids=out[:4], http_worker=w(1)),
+        Request(rid="reused", prompt_ids=prompt[:3], output_ids=out[4:9], http_worker=w(1), first_step=6),
         *straddles,
     ]
 
 
-def expected_text(name: str, s: Scripted, ctx: list[int]) -> str:
+def expected_text(name: str, s: Request, ctx: list[int]) -> str:
     """The oracle with SGLang's context (the first row's decode_ids[:read_offset]), its
     clamp of ids outside the vocabulary to 0, and its trim rules on finish."""
     v = vocab(name)
@@ -137,7 +137,7 @@ def expected_text(name: str, s: Scripted, ctx: list[int]) -> str:
     return text
 
 
-def matches_oracle(got: str, want: str, s: Scripted) -> bool:
+def matches_oracle(got: str, want: str, s: Request) -> bool:
     """`got` is the oracle's text `want`; a straddling request may also carry the first
     characters of its stop string, which SGLang's scheduler let out before it matched
     (docs/sglang.md, "Text semantics"), never the whole of it."""
@@ -152,21 +152,23 @@ class Run:
     detokenizers)."""
 
     def __init__(self, name: str, proc: SglangDetokenizerUnderTest):
+        from sglang.srt.managers.io_struct import FreezeGCReq
+
         self.name, self.proc = name, proc
         self.requests = scenario(name, proc.http_workers)
         enc, ipcs = proc.encoding, proc.http_worker_ipcs
         self.sent = [
-            *proc.build(self.requests, tokenizer=vocab(name).hf),
+            *build_stream(self.requests, encoding=enc, http_worker_ipcs=ipcs, tokenizer=vocab(name).hf),
             health_check_batch(encoding=enc),
-            freeze_gc_req(),
+            FreezeGCReq(),
             embedding_batch(["emb-0", "emb-1"], encoding=enc, http_worker_ipcs=ipcs, workers=[0, 1 % proc.http_workers]),
         ]
         self.received = proc.exchange(self.sent, timeout=600)
         # What arrives in the order one process sent it (per receiver and detokenizer).
         self.streams = streams(proc, self.received)
 
-    def lifetimes(self) -> dict[str, list[Scripted]]:
-        out: dict[str, list[Scripted]] = {}
+    def lifetimes(self) -> dict[str, list[Request]]:
+        out: dict[str, list[Request]] = {}
         for s in self.requests:
             out.setdefault(s.rid, []).append(s)
         return out

@@ -17,9 +17,10 @@ from detokd.delivery import Delivery
 from detokd.gc_policy import GcPolicy
 from detokd.core.stats import Stats
 from detokd.sglang import schema
-from detokbench.sglang_replay import Scripted, accumulate, build_stream, ipc_encoding
+from detokbench.sglang_replay import Scripted, build_stream, ipc_encoding
 from detokd.sglang.dialect import SglangDialect
 from messages import Calls
+from replay import accumulate
 
 NAME = "deepseek"
 PROMPT = [1, 2, 3]

@@ -17,8 +17,8 @@ import pytest
 from conftest import vocab
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer
-from detokbench.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, accumulate
-from replay import plain
+from detokbench.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, build_stream
+from replay import accumulate, plain
 from runs import CASES, MULTI, ROUTED, RUNS, expected_text, ids_of, matches_oracle
 
 ALL = [pytest.param(*c, 1, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]] + [
@@ -204,9 +204,9 @@ def test_a_state_evicted_to_stay_within_capacity_kills_sglang_and_aborts_one_req
     try:
         with SglangDetokenizerUnderTest(zoo.build(name), encoding="msgpack") as sglang:
             with pytest.raises(DetokenizerDied):
-                sglang.exchange(sglang.build(reqs), timeout=600)
+                sglang.exchange(build_stream(reqs, encoding="msgpack"), timeout=600)
         with SglangDetokenizerUnderTest(zoo.build(name), encoding="msgpack", target=run_sglang_detokenizer) as detokd:
-            (got,) = detokd.exchange(detokd.build(reqs), timeout=600)
+            (got,) = detokd.exchange(build_stream(reqs, encoding="msgpack"), timeout=600)
     finally:
         del os.environ["SGLANG_DETOKENIZER_MAX_STATES"]
     acc = accumulate(got)

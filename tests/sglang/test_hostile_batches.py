@@ -19,7 +19,8 @@ import torch
 from conftest import vocab
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer
-from detokbench.sglang_replay import Scripted, SglangDetokenizerUnderTest, accumulate, build_stream, ipc_encoding
+from detokbench.sglang_replay import Scripted, SglangDetokenizerUnderTest, build_stream, ipc_encoding
+from replay import accumulate
 from runs import ids_of
 
 NAME = "deepseek"

@@ -8,8 +8,7 @@ import base64
 
 import pytest
 
-from detokbench.sglang_replay import accumulate
-from replay import plain, prompt_context
+from replay import accumulate, plain, prompt_context
 from runs import CASES as RUN_CASES
 from runs import MULTI, RUNS, expected_text, matches_oracle
 
