@@ -318,7 +318,10 @@ class Server:
                 if not self.core.closing and monotonic() >= drain_until:
                     self.core.closing = True
                     log.warning("shutdown: no time left to decode; the rows still queued get error shutdown")
-            self.process(message)
+            # The Frame goes before its bytes are decoded: a large one would be held twice.
+            more, frame = message.more, message.bytes
+            del message
+            self.process(frame, more)
             # The heartbeat of /health: a busy loop is alive, only a stuck one is not.
             stats.last_turn = monotonic()
         return drained, False
@@ -363,18 +366,18 @@ class Server:
             self.stopping_notified = True
             readiness.notify("STOPPING=1")
 
-    def process(self, message: zmq.Frame) -> None:
+    def process(self, frame: bytes, more: bool) -> None:
         """One inbound message, start to finish: the conductor has the dialect handle its
-        frame and delivery send what it produced."""
+        frame and delivery send what it produced. `more`: parts follow (it is dropped)."""
         t0 = time.perf_counter()
         stats = self.stats
         stats.frames += 1
-        if message.more:
+        if more:
             self._drop_multipart()
             return
         if self.max_rss is not None:  # per frame, not per turn: a turn may be 256 frames of held text
             self._guard_rss(time.monotonic())
-        if self.conductor.frame(message.bytes):  # a step is a decoded frame's: the histogram counts those
+        if self.conductor.frame(frame):  # a step is a decoded frame's: the histogram counts those
             stats.step(time.perf_counter() - t0)
 
     def _drop_multipart(self) -> None:
