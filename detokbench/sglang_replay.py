@@ -356,11 +356,19 @@ class SglangDetokenizerUnderTest:
 
     # traffic
 
+    def send(self, messages: Iterable[Any]) -> None:
+        """Send `messages` as SGLang's scheduler does (sock_send), and no fence."""
+        from sglang.srt.managers.io_struct import sock_send
+
+        with ipc_encoding(self.encoding):
+            for m in messages:
+                sock_send(self._push, m)
+
     def exchange(self, messages: Iterable[Any], *, timeout: float = 180.0) -> list[list[Any]]:
         """Send `messages` then a fence; return, per receiver (HTTP worker), every output
         that arrived before its fences, in arrival order, fence rows removed."""
         import zmq
-        from sglang.srt.managers.io_struct import sock_recv, sock_send
+        from sglang.srt.managers.io_struct import sock_recv
 
         self._fences += 1
         tag = f"{FENCE_PREFIX}{self._fences}:"
@@ -375,9 +383,8 @@ class SglangDetokenizerUnderTest:
         poller = zmq.Poller()
         for sock in self._pulls:
             poller.register(sock, zmq.POLLIN)
+        self.send([*messages, fence])
         with ipc_encoding(self.encoding):
-            for m in [*messages, fence]:
-                sock_send(self._push, m)
             deadline = time.monotonic() + timeout
             while any(due):
                 self._check_alive()
