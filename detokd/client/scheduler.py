@@ -47,6 +47,11 @@ _stopped = msgspec.msgpack.Decoder(Stopped)
 # what a broken connection may have taken (ZMQ's queues and the socket buffers on both
 # sides, and detokd's input queue: 1,000 messages) is taken as lost with it.
 IN_FLIGHT_ROWS = 4096
+# ZMQ_EVENTS and its bit as plain ints, as detokd.delivery has them: `&` with pyzmq's
+# flag enums builds an Enum on each test (~0.7 µs); a watching client asks on every
+# `take` and `lost`.
+EVENTS = int(zmq.EVENTS)
+POLLIN = int(zmq.POLLIN)
 
 
 def shard_for(rid: str, n: int) -> int:
@@ -122,7 +127,7 @@ class _Watch:
     def broke(self) -> bool:
         """Whether the connection broke since the last look (read without waiting)."""
         broke = False
-        while cast(int, self.monitor.get(zmq.EVENTS)) & zmq.POLLIN:  # ZMQ_EVENTS is an int option
+        while cast(int, self.monitor.get(EVENTS)) & POLLIN:  # ZMQ_EVENTS is an int option
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
