@@ -1,15 +1,18 @@
 """`detokbench sglang-bench` (detokbench/sglang_bench.py): what each request of its
 streams is, before SGLang's scheduler code turns them into steps, and how its recorded
-runs are read back."""
+runs are read back and drawn again."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from detokbench.sglang_bench import PROMPT, requests, summary
+from detokbench.sglang_bench import PROMPT, main, requests, summary
+
+REPO = Path(__file__).resolve().parents[1]
 
 IDS = list(range(1000, 1700))  # stands for the corpus' ids: only offsets into it matter here
 
@@ -99,3 +102,10 @@ def test_another_commands_json_is_left_out_of_the_summary_and_named(tmp_path, ca
     run = recorded_run(tmp_path, {(t, m): 1000 for t in ("sglang", "detokd") for m in ("latency", "throughput")}, dict(ids_per_step=1))
     assert len(summary([str(aging), run]).splitlines()[2:]) == 1
     assert f"{aging}: not a sglang-bench run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("record", ["sglang-epyc.json", "sglang-2detok-one-epyc.json"])
+def test_a_recorded_run_is_drawn_again_from_its_json(tmp_path, record):
+    png = tmp_path / "again.png"
+    assert main(["--plot-only", str(REPO / "docs" / "bench" / record), "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
