@@ -108,11 +108,14 @@ class Rig:
 
 class Sampler(threading.Thread):
     """Every `interval` seconds: detokd's RSS and CPU time, and what /metrics says
-    (live requests, tokens, starts, evictions); `say` hears why a sample failed."""
+    (live requests, tokens, starts, evictions); `say` hears why a sample failed. At
+    `most` samples every other one is dropped and the interval doubled, so a run of any
+    length keeps `most` / 2 to `most` of them, evenly spaced."""
 
-    def __init__(self, rig: Rig, interval: float, t0: float, say: Callable[[str], None] = print) -> None:
+    def __init__(self, rig: Rig, interval: float, t0: float, say: Callable[[str], None] = print,
+                 most: int = 200) -> None:
         super().__init__(daemon=True)
-        self.rig, self.interval, self.t0, self.say = rig, interval, t0, say
+        self.rig, self.interval, self.t0, self.say, self.most = rig, interval, t0, say, most
         self.samples: list[dict] = []
         self.halt = threading.Event()
 
@@ -131,6 +134,9 @@ class Sampler(threading.Thread):
             "started": m.get("detokd_requests_started_total", 0),
             "evictions": m.get("detokd_evictions_total", 0),
         })
+        if len(self.samples) >= self.most:
+            del self.samples[1::2]  # the first stays: it is the run's start
+            self.interval *= 2
 
     def run(self) -> None:
         while not self.halt.wait(self.interval):
