@@ -9,7 +9,8 @@ figures: docs/reliability.md, "Worst frames".
     python -m detokbench worst-frames --quick --json /tmp/worst.json  # 128 KiB frames: a smoke run
     python -m detokbench worst-frames --only malformed,mass_start
 
-Exit status 0 when every scenario completed with its probe exact.
+Exit status 0 when every scenario completed with its probe exact, /health answered 200
+throughout, and SIGTERM ended detokd with status 0 within shutdown_grace_s.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from detokd.wire.native import NIL, Abort, Control, EmbeddingRow, Embeddings, Fi
 from . import ROOT
 from .commands import command_line, parser, write_json
 from .metrics import get
-from .rig import Rig, header
+from .rig import Rig, header, verdict
 from .sink import Recorder
 
 encode = native.encode
@@ -504,4 +505,16 @@ def main(argv: list[str]) -> int:
     write_json(args.json, {**header(command_line("worst-frames", argv)), **doc})
     print(table(results))
     print(f"written to {args.json}")
-    return 0 if all(r["completed"] for r in results) else 1
+    return verdict([p for r in results for p in problems(r)])
+
+
+def problems(r: dict) -> list[str]:
+    """What a scenario's figures say went wrong: the guarantees docs/reliability.md gives."""
+    if not r["completed"]:
+        return [f"{r['name']}: {r.get('error') or 'the probe after the frame was not exact'}"]
+    health, term = r["health"], r["sigterm"]
+    out = [f"{r['name']}: /health answered {health['statuses']}"] if health["non_200"] else []
+    if term["returncode"] != 0 or term["grace_ran_out"]:
+        out.append(f"{r['name']}: SIGTERM ended detokd with {term['returncode']} after {term['exit_s']} s "
+                   f"(shutdown_grace_s {term['grace_s']})")
+    return out
