@@ -39,3 +39,12 @@ def test_a_quick_run_measures_every_configuration_with_every_stream_exact_and_it
     for flags, table in (((), "table.md"), (("--summary",), "summary.md")):
         again = bench("--report", str(tmp_path / "results.json"), "--no-plot", *flags)
         assert again.returncode == 0 and again.stdout == (tmp_path / table).read_text() + "\n", table
+
+
+def test_an_implementation_that_fails_to_start_is_recorded_and_the_others_still_measured(tmp_path):
+    dead = f"{sys.executable} -c 'raise SystemExit(2)'"  # a detokd command that exits at once
+    run = bench("--quick", "--impls", "detokd,floor", "--detokd-cmd", dead, "--no-plot", "--out", str(tmp_path))
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [(f["impl"], f["tokenizer"]) for f in res["failures"]] == [("detokd", "deepseek")]
+    assert {r["impl"] for r in res["runs"]} == {"floor"} and len(res["runs"]) == 4

@@ -116,7 +116,7 @@ class Bench:
         if not self.args.quiet:
             log(line)
 
-    def fail(self, impl: Impl | None, error: Exception, where: str, **record) -> None:
+    def fail(self, impl: Impl | None, error: Exception, where: str, /, **record) -> None:
         log(f"{where}: {error}" + (f"\n{impl.log_tail()}" if impl is not None else ""))
         self.results["failures"].append({**record, "error": str(error)})
 
