@@ -526,12 +526,17 @@ class Delivery:
             and bool(w.socket.getsockopt(EVENTS) & POLLOUT)  # type: ignore[operator]  # an int (_read_events)
         )
 
-    def publish(self, now: float) -> None:
-        """Per-worker figures for /metrics. A worker with a backlog is not writable; one
-        without is as its ZMQ queue was when last read, at most ROOM_EVERY s ago."""
+    def read_room(self, now: float) -> None:
+        """On the loop's thread (ZMQ sockets are not thread-safe): each worker's queue
+        room, for /metrics, at most every ROOM_EVERY s."""
         if now - self.room_read >= ROOM_EVERY:
             self.room_read = now
             self.room = {w.index: self.has_room(w) for w in self.workers.values()}
+
+    def publish(self) -> None:
+        """Per-worker figures for /metrics, on its thread: plain reads, each atomic under
+        the GIL. A worker with a backlog is not writable; one without is as its ZMQ queue
+        was when the loop last read it, at most ROOM_EVERY s before."""
         room = self.room
         self.stats.workers = {
             w.index: WorkerFigures(
@@ -539,7 +544,7 @@ class Delivery:
                 writable=not w.backlog and room.get(w.index, False),
                 owed=len(w.owed), backlog=len(w.backlog), backlog_bytes=w.backlog_bytes,
             )
-            for w in self.workers.values()
+            for w in list(self.workers.values())  # a register may add one meanwhile
         }
         if self.feedback is not None:
             self.stats.feedback_backlog_bytes = self.feedback.backlog_bytes

@@ -112,6 +112,8 @@ class _StatsCollector:
 
     def collect(self):
         s = self.stats
+        if s.sample is not None:
+            s.sample()
         yield build_info(s.dialect)
         for name, value in (
             ("frames", s.frames), ("bad_frames", s.bad_frames), ("rows", s.rows), ("tokens", s.tokens),

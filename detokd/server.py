@@ -159,6 +159,7 @@ class Server:
         self.dialect: Dialect = dialect(self.core, self.delivery, self.gc_policy, self.stats, cfg)
         self.stats.dialect = self.dialect.name
         self.conductor = Conductor(self.dialect, self.core, self.delivery, self.stats)
+        self.stats.sample = self._sample_gauges
         self.stop_requested_at: float | None = None  # when the first STOP_SIGNAL came
         self.stop_signal: int = signal.SIGTERM  # which one it was
         self.stopping_notified = False
@@ -424,11 +425,13 @@ class Server:
             self._guard_rss(now)
         self.gc_policy.tick(now)  # the young generations: every gc_policy.STARTS starts, or a second
         self.conductor.between_batches()
-        self._publish_stats(now)
+        self.delivery.read_room(now)
 
-    def _publish_stats(self, now: float) -> None:
-        """What /metrics reads of the core's and delivery's state (counters are bumped as
-        they happen; these are sizes)."""
+    def _sample_gauges(self) -> None:
+        """The core's and delivery's sizes, for /metrics, which calls this on its own
+        thread when scraped (counters are bumped as they happen), so a turn of the loop
+        copies nothing: the copy costs ~2.4 µs, a fifth of a one-row frame. Each read is
+        of an int or a len(), atomic under the GIL."""
         core = self.core
         self.stats.live = len(core.table)
         self.stats.memory = {
@@ -436,7 +439,7 @@ class Server:
             "stop_automata": (len(core.automata.cache), core.automata.cache.nbytes),
             "stop_automata_alive": (core.automata.alive, core.automata.alive_bytes),
         }
-        self.delivery.publish(now)
+        self.delivery.publish()
 
     def close(self) -> None:
         if self.metrics is not None:

@@ -17,10 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from detokd.process import DetokdProcess, ipc_config
-from utils import Engine, Req, Sink, http_get, make_ids, metric, metrics_port, scrape, wait_until
+from detokd.server import Server
+from detokd.wire.native import NativeDialect
+from utils import Engine, Req, Sink, deepseek, http_get, make_ids, metric, metrics_port, scrape, wait_until
 
 
 def test_health_is_200_while_the_loop_turns_and_503_while_it_is_stuck(detokd, tmp_path, zctx):
@@ -220,8 +223,9 @@ def test_metrics_is_prometheus_text_with_every_counter_exact(detokd, zctx):
 
     status, body = http_get(port, "/metrics")
     assert status == 200
-    # Gauges are published between batches: writable is 1 once a turn found both queues
-    # read (one may have been at its mark when the last answer left).
+    # Gauges are read when scraped; writable is each queue as the loop last read it (every
+    # 50 ms): 1 once a read found both queues read (one may have been at its mark when the
+    # last answer left).
     settled = lambda m: metric(m, "detokd_frames_total") == frames and all(  # noqa: E731
         metric(m, "detokd_worker_writable", worker=str(w)) == 1 for w in (0, 1))
     m = wait_until(lambda: (lambda m: settled(m) and m)(scrape(port)), 10, "every frame counted, the queues read")
@@ -245,6 +249,21 @@ def test_metrics_is_prometheus_text_with_every_counter_exact(detokd, zctx):
     assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))
     assert 0 < metric(m, "detokd_step_seconds_sum") < count  # seconds: well under a second a step
     assert d.stop() == 0
+
+
+def test_the_gauges_are_read_when_scraped_not_copied_by_each_turn(tmp_path):
+    """The loop copies no gauge between batches: a scrape reads the core's and delivery's
+    sizes itself, so it sees frames no turn has ended after."""
+    server = Server(ipc_config(tmp_path, metrics_port=0), NativeDialect.make, vocab=deepseek())
+    try:
+        server.process(msgspec.msgpack.encode({"type": "tokens", "rows": [
+            {"rid": f"r{i}", "ids": [100], "start": {}} for i in range(3)]}), False)  # no _between_batches
+        m = scrape(server.metrics.port)
+        assert metric(m, "detokd_live_requests") == 3
+        assert metric(m, "detokd_worker_messages_total", worker="0") == 1
+        assert metric(m, "detokd_memory_entries", memory="tombstones") == 0
+    finally:
+        server.close()
 
 
 def test_every_metric_family_is_documented_in_deploy_md(detokd, zctx):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 # Step latency buckets in seconds: a healthy step is tens of microseconds.
 BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -40,6 +40,9 @@ class Stats:
         self.gc_seconds = 0.0  # the loop's time paused in them
         self.clamped_ids = 0  # out-of-vocabulary ids a dialect mapped to 0 (SGLang's rule)
         self.errors: dict[str, int] = {}
+        # Called by /metrics before it reads the gauges below (live, workers, memory,
+        # feedback_backlog_bytes): the loop's server sets it; None leaves them as they are.
+        self.sample: Callable[[], None] | None = None
         self.live = 0
         self.workers: dict[int, WorkerFigures] = {}
         # Worker -> requests whose ending row was in flight on a connection to it that
