@@ -49,6 +49,19 @@ def write_json(path: str | Path, doc: object) -> None:
     Path(path).write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
 
 
+def pyplot():
+    """matplotlib's pyplot, drawing to files (the Agg backend), or None when matplotlib is
+    not installed: a command then gives its figures without their plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"usage: {PROG} COMMAND [args]   ({PROG} COMMAND --help for its options)", "", "commands:"]

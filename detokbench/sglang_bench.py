@@ -46,7 +46,7 @@ from detokd.tokenizer import load
 from . import ROOT
 from . import sglang_replay as replay
 from .bench.report import log, machine, md_head, pct
-from .commands import command_line, parser, write_json
+from .commands import command_line, parser, pyplot, write_json
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
 
@@ -435,12 +435,11 @@ def summary(paths: list[str]) -> str:
     return "\n".join(rows)
 
 
-def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: list[dict], path: str) -> bool:
+    """The PNG of a run's results; False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     cases = sorted({(r["encoding"], r["batch"]) for r in results})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     panels = [("throughput", "tokens_per_s_median", "tokens/s (pipelined)"),
@@ -465,6 +464,7 @@ def plot(results: list[dict], path: str) -> None:
                  + (", GC frozen" if any(r.get("freeze_gc") for r in results) else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return True
 
 
 def arguments(argv: list[str]):
@@ -507,8 +507,10 @@ def main(argv: list[str]) -> int:
         print(summary(args.summary))
         return 0
     if args.plot_only:
-        plot(json.loads(Path(args.plot_only).read_text())["results"], args.plot)
-        return 0
+        if plot(json.loads(Path(args.plot_only).read_text())["results"], args.plot):
+            return 0
+        log("matplotlib is not installed: run --plot-only in a Python that has it")
+        return 1
     t_start = time.perf_counter()
     vocab = load(TOKENIZER)
     ids = vocab.hf.encode(corpus(), add_special_tokens=False)
@@ -540,9 +542,7 @@ def main(argv: list[str]) -> int:
     if results:
         print(table(results))
     if args.plot and results:
-        try:
-            plot(results, args.plot)
-        except ImportError:
+        if not plot(results, args.plot):
             log(f"matplotlib missing: draw it later with --plot-only {args.json} --plot {args.plot}")
     log(f"total {doc['seconds']:.0f}s")
     return 1 if failure else 0

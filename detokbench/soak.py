@@ -29,7 +29,7 @@ from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
 
 from . import ROOT
-from .commands import command_line, parser, write_json
+from .commands import command_line, parser, pyplot, write_json
 from .frames import mixed_ids
 from .rig import Rig, Sampler, header, verdict
 from .sink import Sink
@@ -231,12 +231,8 @@ def flatness(samples: list[dict], threshold: float) -> dict:
 
 def plot(samples: list[dict], summary: dict, path: Path) -> Path | None:
     """The PNG of RSS and live requests over the run; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         log("matplotlib is not installed: no plot (pip install 'detokd[bench]')")
         return None
 

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from ..commands import pyplot
+
 IMPLS = ("detokd", "sglang", "decodestream", "naive", "floor")
 BASELINES = ("sglang", "decodestream", "naive", "floor")
 TOKENIZERS = ("deepseek", "mistral_v3", "qwen2")
@@ -279,15 +281,12 @@ _COLORS = {"detokd": "#d62728", "sglang": "#1f77b4", "decodestream": "#2ca02c", 
 
 
 def plot(res: dict, out_dir: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter, NullFormatter
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         log("matplotlib is not installed: no plots (pip install 'detokd[bench]')")
         return []
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     runs = res["runs"]
     if not runs:
         return []
