@@ -108,7 +108,7 @@ class Stream:
     def step_batch(cls, streams: Sequence[Stream], idss: Sequence[Sequence[int]],
                    finishing: Sequence[bool]) -> list[str]:
         """One step of many requests; a finishing request's text includes its flush."""
-        return [s.step(ids) + s.finish() if f else s.step(ids) for s, ids, f in zip(streams, idss, finishing)]
+        return [s.step(ids) + s.finish() if f else s.step(ids) for s, ids, f in zip(streams, idss, finishing, strict=True)]
 
 
 class NaiveStream(Stream):
@@ -176,7 +176,7 @@ class SGLangStream(Stream):
     def step_batch(cls, streams, idss, finishing):
         surr_ids: list[list[int]] = []
         read_ids: list[list[int]] = []
-        for s, ids in zip(streams, idss):
+        for s, ids in zip(streams, idss, strict=True):
             s.decode_ids.extend(ids)
             read_ids.append(s.decode_ids[s.surr_offset:])
             surr_ids.append(s.decode_ids[s.surr_offset : s.read_offset])

@@ -7,12 +7,17 @@ Each command is a module with `main(argv) -> int`; only the chosen one is import
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
+import platform
 import shlex
+import subprocess
 import sys
 from pathlib import Path
+
+from . import ROOT
 
 PROG = "python -m detokbench"
 COMMANDS = {  # name: (module, summary)
@@ -36,6 +41,45 @@ COMMANDS = {  # name: (module, summary)
 def command_line(name: str, argv: list[str]) -> str:
     """How a run was started, for the results it writes."""
     return shlex.join([*PROG.split(), name, *argv])
+
+
+def commit() -> str | None:
+    """The checkout's commit, "-dirty" when its tracked files differ from it; None outside git."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return None if head.returncode else head.stdout.strip() + ("-dirty" if git("diff", "--quiet", "HEAD").returncode else "")
+    except OSError:
+        return None
+
+
+def machine() -> dict:
+    """The host: cores, OS, CPU model and memory (detokd's per-row work is bound by memory, so
+    its figures depend on the host's caches)."""
+    info = {"cpus": os.cpu_count(), "platform": platform.platform()}
+    with contextlib.suppress(OSError, StopIteration):
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(line for line in f if line.startswith("model name")).split(":", 1)[1].strip()
+        with open("/proc/meminfo") as f:
+            info["mem_gb"] = round(int(f.readline().split()[1]) / 1024 / 1024, 1)
+    return info
+
+
+def versions() -> dict:
+    """Python's and the libraries' versions the figures depend on."""
+    out = {"python": platform.python_version()}
+    for mod in ("detokd", "tokenizers", "transformers", "zmq", "msgspec", "psutil"):
+        with contextlib.suppress(Exception):
+            out[mod] = __import__(mod).__version__
+    return out
+
+
+def header(name: str, argv: list[str]) -> dict:
+    """The keys every command's results open with: how it was started, from which commit,
+    on what."""
+    return {"command": command_line(name, argv), "commit": commit(), "machine": machine(), "versions": versions()}
 
 
 def parser(name: str, doc: str | None) -> argparse.ArgumentParser:

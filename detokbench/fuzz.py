@@ -28,10 +28,10 @@ from detokd.client import SchedulerClient
 from detokd.tokenizer import load
 from detokd.wire.native import Finish
 
-from .commands import command_line, parser
+from .commands import header, parser
 from .frames import CORPUS, Hostile, OverCaps, mixed_ids
 from .proc import Memory
-from .rig import Rig, header, verdict
+from .rig import Rig, verdict
 from .sink import Recorder
 
 enc = msgspec.msgpack.encode
@@ -347,7 +347,7 @@ class Fuzz:
         return growth
 
 
-def run(args: argparse.Namespace, command: str) -> dict:
+def run(args: argparse.Namespace, head: dict) -> dict:
     fz = Fuzz(args)
     try:
         fz.start()
@@ -366,7 +366,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
     growth = fz.check_rss()
     last = fz.end or fz.warm
     return {
-        **header(command),
+        **head,
         "frames": args.frames,
         "seed": args.seed,
         "workers": args.workers,
@@ -425,6 +425,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--deadline", type=float, default=1800, help="seconds: the run fails if not finished by then")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
-    res = run(args, command_line("fuzz", argv))
+    res = run(args, header("fuzz", argv))
     print(summary(res))
     return verdict(res["problems"], args.json, res)

@@ -23,7 +23,7 @@ import sys
 import time
 
 from .bench.report import md_head, pct
-from .commands import command_line, parser, write_json
+from .commands import header, parser, write_json
 from .corpus import TAIL, corpus
 
 POLICIES = ("detokd", "clock")  # the shipped policy; the one-a-second clock alone
@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
                        "turn ms p50 / p99 / p99.9 / max"), sep="\n")
     for name in POLICIES:
         mine = [p for p in passes if p["policy"] == name]
-        med = lambda f: statistics.median(f(p) for p in mine)  # noqa: E731
+        med = lambda f, mine=mine: statistics.median(f(p) for p in mine)  # noqa: E731
         figures = [
             f"{med(lambda p: p['starts_per_s']):,.0f}",
             f"{med(lambda p: p['collections'] / p['seconds']):.1f}",
@@ -161,5 +161,5 @@ def main(argv: list[str]) -> int:
         ]
         print(f"| {name} | " + " | ".join(figures) + " |")
     if args.json:
-        write_json(args.json, {"command": command_line("gc-pauses", argv), "passes": passes})
+        write_json(args.json, {**header("gc-pauses", argv), "passes": passes})
     return 0

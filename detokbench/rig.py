@@ -3,14 +3,13 @@
 A Rig is a `detokd serve` of this checkout on ipc:// addresses in a temporary folder
 (detokbench.children: stopped at exit), the workers' sinks bound first (detokd
 connects to them), a ZMQ context for the peers, the metrics port once it is ready, and
-its memory; a `Sampler` records its RSS, CPU time and /metrics over a run. `header`
-and `verdict` open and close every run's results the same way.
+its memory; a `Sampler` records its RSS, CPU time and /metrics over a run. `verdict`
+closes every run's results the same way.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import tempfile
 import threading
@@ -147,11 +146,6 @@ class Sampler(threading.Thread):
         self.halt.set()
         self.join(10)
         self.sample()
-
-
-def header(command: str, **machine: str) -> dict:
-    """The keys every run's results open with: how it was started, on what."""
-    return {"command": command, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), **machine}}
 
 
 def verdict(problems: list[str], json_path: str | os.PathLike | None = None, doc: dict | None = None) -> int:

@@ -36,7 +36,7 @@ from detokd.wire.native import Finish, Text
 from .bench.report import md_head
 from .bench.workload import Corpus
 from .children import detokd_process
-from .commands import parser, write_json
+from .commands import header, parser, write_json
 from .corpus import TAIL
 from .engine import push
 from .proc import cpu_s, descendants
@@ -83,7 +83,7 @@ class Streams:
         self.rids = [f"s{b}" for b in range(batch)]
         self.tails = [corp.ids(o, 0, TAIL) for o in offsets]
         self.outs = [corp.ids(o, TAIL, steps * per_row) for o in offsets]
-        self.want = {rid: corp.vocab.reference(t, o) for rid, t, o in zip(self.rids, self.tails, self.outs)}
+        self.want = {rid: corp.vocab.reference(t, o) for rid, t, o in zip(self.rids, self.tails, self.outs, strict=True)}
 
     def frames(self, addresses: list[str], steps: int, per_row: int) -> tuple[list[list[bytes]], list[bytes]]:
         """Each shard's frames of one round, and the marker each shard answers last."""
@@ -91,7 +91,7 @@ class Streams:
         client = SchedulerClient(addresses)
         out: list[list[bytes]] = [[] for _ in range(n)]
         for k in range(steps):
-            for rid, tail, ids in zip(self.rids, self.tails, self.outs):
+            for rid, tail, ids in zip(self.rids, self.tails, self.outs, strict=True):
                 chunk = ids[k * per_row:(k + 1) * per_row]
                 fin = Finish("length") if k == steps - 1 else None
                 if k == 0:
@@ -145,7 +145,7 @@ class Target:
         todo = set(marks)
         c0, t0 = cpu_s(self.pids), time.perf_counter()
         for k in range(max(len(f) for f in frames)):
-            for sock, f in zip(self.pushes, frames):
+            for sock, f in zip(self.pushes, frames, strict=True):
                 if k < len(f):
                     sock.send(f[k], copy=False)
         while todo:
@@ -250,14 +250,14 @@ def summarize(args: argparse.Namespace, counts: list[int], runs: dict[int, list[
     base, top = counts[0], max(counts)
     ratios = {}
     for c in counts[1:]:
-        per_round = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[c], runs[base])]
+        per_round = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[c], runs[base], strict=True)]
         ratios[c] = spread(per_round)
         print(f"\n{c} shards / {base}: {med(per_round):.2f}x (median of {len(per_round)} paired rounds; "
               f"{min(per_round):.2f}–{max(per_round):.2f})")
     if ceilings and top != base:
         print(f"machine ceiling, {top} plain Python processes / one: {med(ceilings):.2f}x "
               f"(median of {len(ceilings)}; {min(ceilings):.2f}–{max(ceilings):.2f})")
-        eff = [a["tokens_per_s"] / b["tokens_per_s"] / c for a, b, c in zip(runs[top], runs[base], ceilings)]
+        eff = [a["tokens_per_s"] / b["tokens_per_s"] / c for a, b, c in zip(runs[top], runs[base], ceilings, strict=True)]
         ratios["of_ceiling"] = spread(eff)
         print(f"{top} shards' gain as a share of the ceiling measured beside it: {med(eff):.0%} (median)")
     return ratios
@@ -269,5 +269,6 @@ def main(argv: list[str]) -> int:
     runs, ceilings = measure(args, counts)
     ratios = summarize(args, counts, runs, ceilings)
     if args.json:
-        write_json(args.json, {"args": vars(args), "cpus": os.cpu_count(), "runs": runs, "ratios": ratios, "ceilings": ceilings})
+        write_json(args.json, {**header("scale", argv), "args": vars(args), "runs": runs, "ratios": ratios,
+                               "ceilings": ceilings})
     return 1 if any(x["wrong_streams"] for rs in runs.values() for x in rs) else 0

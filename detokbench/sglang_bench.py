@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import pickle
-import platform
 import random
 import statistics
-import subprocess
 import time
 from collections import deque
 from functools import partial
@@ -43,10 +40,9 @@ from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer as detokd_target
 from detokd.tokenizer import load
 
-from . import ROOT
 from . import sglang_replay as replay
-from .bench.report import log, machine, md_head, pct
-from .commands import command_line, parser, pyplot, write_json
+from .bench.report import log, md_head, pct
+from .commands import command_line, commit, machine, parser, pyplot, versions, write_json
 from .corpus import corpus
 from .proc import loadavg, memory, tick_cpu_s
 
@@ -350,15 +346,10 @@ def bench_encoding(encoding: replay.Encoding, procs: dict, vocab, ids, args, raw
 
 
 def environment() -> dict:
+    """The run's host and versions, SGLang's among them (--summary reads `commit` and `cpu`)."""
     import sglang
 
-    from detokd import __version__
-
-    git = ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]
-    # The CPU model: detokd's per-row work is bound by memory, so its gain depends on the host's caches.
-    return dict(python=platform.python_version(), machine=platform.machine(), cpus=os.cpu_count(),
-                cpu=machine().get("cpu"), sglang=sglang.__version__, detokd=__version__,
-                commit=subprocess.run(git, capture_output=True, text=True).stdout.strip(), tokenizer=TOKENIZER)
+    return dict(**versions(), **machine(), sglang=sglang.__version__, commit=commit(), tokenizer=TOKENIZER)
 
 
 # --- tables and the plot ----------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 import array
 import collections
 import math
-import platform
 import random
 import time
 from dataclasses import dataclass
@@ -29,9 +28,9 @@ from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
 
 from . import ROOT
-from .commands import command_line, parser, pyplot, write_json
+from .commands import header, parser, pyplot, write_json
 from .frames import mixed_ids
-from .rig import Rig, Sampler, header, verdict
+from .rig import Rig, Sampler, verdict
 from .sink import Sink
 from .waits import wait_until
 
@@ -317,14 +316,14 @@ class Soak:
         self.sampler.finish()
         return self.rig.metrics()
 
-    def summary(self, final: dict, rc, command: str, elapsed: float, send_s: float) -> tuple[dict, list[str]]:
+    def summary(self, final: dict, rc, head: dict, elapsed: float, send_s: float) -> tuple[dict, list[str]]:
         """The run's figures, and the rids whose text was not the oracle's."""
         churn, worker, samples = self.churn, self.worker, self.sampler.samples
         ends = worker.endings(churn.made)
         texts = {rid: "".join(worker.texts.get(rid, ())) for rid in churn.checked}
         wrong = [rid for rid, (tail, ids) in churn.checked.items() if texts[rid] != self.vocab.reference(tail, ids)]
         return {
-            **header(command, platform=platform.platform()),
+            **head,
             "tokens": int(final.get("detokd_tokens_total", 0)),
             "tokens_sent": churn.sent_tokens,
             "requests": churn.made,
@@ -383,7 +382,7 @@ def report(sm: dict, wrong: list[str], threshold: float, written: str) -> list[s
     return problems + ([] if sm["detokd_exit"] == 0 else [f"detokd exit {sm['detokd_exit']}"])
 
 
-def run(args, command: str) -> int:
+def run(args, head: dict) -> int:
     s = Soak(args)
     try:
         send_s = s.send_all()
@@ -392,7 +391,7 @@ def run(args, command: str) -> int:
     finally:
         rc = s.rig.stop(30)
         s.rig.close()
-    sm, wrong = s.summary(final, rc, command, elapsed, send_s)
+    sm, wrong = s.summary(final, rc, head, elapsed, send_s)
     out = Path(args.out)
     stem = "soak-quick" if args.quick else "soak"
     write_json(out / f"{stem}.json", {"summary": sm, "samples": s.sampler.samples})
@@ -426,4 +425,4 @@ def main(argv: list[str]) -> int:
         args.max_states = min(args.max_states, 512)
     # log-uniform in [1, M] has mean (M - 1) / ln M; roughly, before aborts cut some short
     args.tokens = int((args.max_len - 1) / math.log(args.max_len) * args.requests)
-    return run(args, command_line("soak", argv))
+    return run(args, header("soak", argv))

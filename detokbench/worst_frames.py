@@ -19,7 +19,6 @@ import collections
 import contextlib
 import functools
 import random
-import subprocess
 import tempfile
 import threading
 import time
@@ -34,9 +33,9 @@ from detokd.wire import native
 from detokd.wire.native import NIL, Abort, Control, EmbeddingRow, Embeddings, Finish, Register, Row, Start, Tokens
 
 from . import ROOT
-from .commands import command_line, parser, write_json
+from .commands import header, parser, write_json
 from .metrics import get
-from .rig import Rig, header, verdict
+from .rig import Rig, verdict
 from .sink import Recorder
 
 encode = native.encode
@@ -493,16 +492,11 @@ def main(argv: list[str]) -> int:
         for sc, pair in zip(chosen, pairs, strict=True):
             print(f"{sc.name} ...", flush=True)
             results.append(run_scenario(sc, pair, vocabs[sc.settings.get("tokenizer", "deepseek")], scale))
-    try:
-        git = ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]
-        commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
     caps = {k: v for k, v in msgspec.structs.asdict(CAPS).items() if k.startswith("max_")}
     caps.update(shutdown_grace_s=CAPS.shutdown_grace_s, health_timeout=CAPS.health_timeout, linger_ms=CAPS.linger_ms)
     wall_s = round(time.monotonic() - started, 1)
-    doc = {"quick": args.quick, "commit": commit, "caps": caps, "wall_s": wall_s, "scenarios": results}
-    write_json(args.json, {**header(command_line("worst-frames", argv)), **doc})
+    write_json(args.json, {**header("worst-frames", argv), "quick": args.quick, "caps": caps, "wall_s": wall_s,
+                           "scenarios": results})
     print(table(results))
     print(f"written to {args.json}")
     return verdict([p for r in results for p in problems(r)])

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import ROOT
-from ..commands import command_line
+from ..commands import header
 from ..proc import QuietWait
 from .flatness import run_flatness
 from .harness import Harness, Impl, Stall
-from .report import IMPLS, TOKENIZERS, fmt_rate, log, machine, plot, ratios, report, versions
+from .report import IMPLS, TOKENIZERS, fmt_rate, log, plot, ratios, report
 from .runs import run_config, start_impl
 from .workload import Corpus, Workload
 
@@ -79,7 +79,7 @@ class Bench:
     """One run: what it measures (from the options), the harness, the implementations of
     the tokenizer at hand, the results (saved to results.json after every configuration)."""
 
-    def __init__(self, args, command: str) -> None:
+    def __init__(self, args, argv: list[str]) -> None:
         self.args = args
         self.impls = _csv(args.impls)
         for i in self.impls:
@@ -94,9 +94,8 @@ class Bench:
             Path(tempfile.mkdtemp(prefix="detokd-bench-quick-")) if args.quick else ROOT / "docs" / "bench")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.results: dict[str, Any] = {
-            "command": command,
+            **header("bench", argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "machine": machine(), "versions": versions(),
             "options": {k: v for k, v in vars(args).items() if k != "report"},
             "runs": [], "flatness": [], "failures": [],
         }
@@ -245,4 +244,4 @@ def main(argv: list[str]) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    return Bench(args, command_line("bench", argv)).run()
+    return Bench(args, argv).run()

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Optional
@@ -57,29 +54,6 @@ def lat_stats(ns: list[int]) -> Optional[dict]:
 def median(xs):
     xs = sorted(x for x in xs if x is not None)
     return xs[len(xs) // 2] if xs else None
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for mod in ("tokenizers", "transformers", "zmq", "msgspec", "psutil"):
-        with contextlib.suppress(Exception):
-            out[mod] = __import__(mod).__version__
-    return out
-
-
-def machine() -> dict:
-    info = {"cpus": os.cpu_count(), "platform": platform.platform()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as f:
-            info["mem_gb"] = round(int(f.readline().split()[1]) / 1024 / 1024, 1)
-    except OSError:
-        pass
-    return info
 
 
 def _index(runs: list[dict]) -> dict:
@@ -219,7 +193,8 @@ def report(res: dict, full: bool = True) -> str:
 def _header(res: dict, quiet: float, disturbed: int) -> list[str]:
     """How the run was made, and the targets' table."""
     runs, m = res["runs"], res.get("machine", {})
-    L = [f"Command: `{res['command']}`  ",
+    at = f" at {res['commit']}" if res.get("commit") else ""
+    L = [f"Command: `{res['command']}`{at}  ",
          f"Machine: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), {m.get('mem_gb', '?')} GB; "
          f"{res.get('date', '')}; wall time {res.get('wall_seconds', 0):.0f} s  ",
          "Versions: " + ", ".join(f"{k} {v}" for k, v in res.get("versions", {}).items()) + "  ",

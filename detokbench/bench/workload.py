@@ -139,7 +139,7 @@ class Workload:
         b = self._built[shards] = {
             "start": step(lambda i: Row(rids[i], corp.ids(self.offsets[i], 0, n), 0, starts[i], None, _META_HOLE)),
             "finish": step(lambda i: Row(rids[i], [], _SEQ_HOLE, None, length, _META_HOLE)),
-            "cyc": [step(lambda i: Row(rids[i], corp.ids(self.offsets[i], j * n, n), _SEQ_HOLE, None, None, _META_HOLE))
+            "cyc": [step(lambda i, j=j: Row(rids[i], corp.ids(self.offsets[i], j * n, n), _SEQ_HOLE, None, None, _META_HOLE))
                     for j in range(self.period)],
         }
         return b
