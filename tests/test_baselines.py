@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import vocab
+
 from detokbench import baselines
 from detokbench.bench import workload
 from detokbench.corpus import corpus
@@ -84,9 +84,9 @@ def test_sglang_batch_matches_single(tok, text_ids):
     outs = ["" for _ in starts]
     for k in range(0, 160, 2):
         texts = baselines.SGLangStream.step_batch(streams, [ids[s + k:s + k + 2] for s in starts], [False] * len(starts))
-        outs = [o + t for o, t in zip(outs, texts)]
+        outs = [o + t for o, t in zip(outs, texts, strict=True)]
     texts = baselines.SGLangStream.step_batch(streams, [[] for _ in starts], [True] * len(starts))
-    outs = [o + t for o, t in zip(outs, texts)]
+    outs = [o + t for o, t in zip(outs, texts, strict=True)]
     assert outs == [tok.fast.decode(ids[s:s + 160]) for s in starts]
 
 

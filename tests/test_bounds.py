@@ -14,10 +14,9 @@ import random
 import msgspec
 import pytest
 import zmq
-from zmq.utils.monitor import recv_monitor_message
-
 from conftest import oracle, vocab
 from utils import Engine, Req, Sink, logged, make_ids, metric, metrics_port, pull, scrape, wait_until
+from zmq.utils.monitor import recv_monitor_message
 
 dec = msgspec.msgpack.decode
 

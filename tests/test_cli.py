@@ -11,10 +11,10 @@ import tomllib
 
 import msgspec
 import pytest
+from utils import config_ranges, logged
 
 from detokd.config import Config, load
 from detokd.process import DetokdProcess, ipc_config
-from utils import config_ranges, logged
 
 DETOKD = [sys.executable, "-m", "detokd"]
 
@@ -40,7 +40,7 @@ def test_serve_help_lists_every_override():
 
 def one_line_error(r, *needles):
     assert r.returncode == 2, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
     assert "Traceback" not in r.stderr
     for n in needles:

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from utils import out_row
 
 from detokd.client.buffer import Buffer, ends
 from detokd.wire import native
-from utils import out_row
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,10 +11,11 @@ import random
 from pathlib import Path
 
 from conftest import oracle, vocab
+from utils import arun
+
 from detokd.client import SchedulerClient, WorkerClient, shard_for
 from detokd.launch import derive_address
 from detokd.wire import native
-from utils import arun
 
 CORPUS = [
     "Hello, world! This is a test of streaming detokenization.",

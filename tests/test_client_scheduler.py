@@ -20,10 +20,10 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from utils import FakeShards
 
 from detokd.client import SchedulerClient, shard_for
 from detokd.wire import native
-from utils import FakeShards
 
 # --------------------------------------------------------------------------- sharding
 

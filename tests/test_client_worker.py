@@ -16,10 +16,10 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from utils import FakeDetokd, FakeShards, arun, out_row, until
 
 from detokd.client import DetokdError, WorkerClient, WorkerClosed
 from detokd.wire import native
-from utils import FakeDetokd, FakeShards, arun, out_row, until
 
 LOOPS = ["asyncio", "uvloop"]
 

@@ -9,6 +9,8 @@ import threading
 import msgspec
 import pytest
 import zmq
+from utils import config_ranges as ranges
+from utils import deepseek
 
 from detokd.config import Config, ConfigError, check, load
 from detokd.core.detokenizer import Limits
@@ -18,7 +20,6 @@ from detokd.delivery import Delivery, RegisterPolicy
 from detokd.process import ipc_config
 from detokd.server import Server
 from detokd.wire.native import NativeDialect
-from utils import config_ranges as ranges, deepseek
 
 
 def test_every_core_limit_is_a_key_with_the_cores_default():

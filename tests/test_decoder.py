@@ -17,22 +17,22 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import pytest
+from conftest import ALL, fast_codec, oracle, vocab, window_codec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ALL, fast_codec, oracle, vocab, window_codec
 from detokd.core.decoder import (
     MAX_OPEN_RUN,
     REPLACEMENT,
     ByteCodec,
     ByteDecoder,
-    WordByteDecoder,
     PieceCodec,
     PieceDecoder,
     PromptDecoder,
     RunTooLong,
     WindowCodec,
     WindowDecoder,
+    WordByteDecoder,
     byte_level_alphabet,
     make_codec,
 )
@@ -450,7 +450,7 @@ def test_byte_table_agrees_with_every_single_token_decode(name: str) -> None:
     codec = fast_codec(name)
     ids = list(range(codec.vocab.size))
     ref = codec.vocab.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
-    assert [i for i, r in zip(ids, ref) if codec.bytes_keep_special[i].decode("utf-8", "replace") != r] == []
+    assert [i for i, r in zip(ids, ref, strict=True) if codec.bytes_keep_special[i].decode("utf-8", "replace") != r] == []
 
 
 # --- cost: work per step does not grow with the stream ---------------------------------------

@@ -12,15 +12,15 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-
 from conftest import fast_codec, vocab
+from utils import wait_until
+
 from detokd.conductor import Conductor
 from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox
-from detokd.delivery import Delivery, RegisterPolicy
 from detokd.core.stats import Stats
+from detokd.delivery import Delivery, RegisterPolicy
 from detokd.wire import native
-from utils import wait_until
 
 IDS = vocab("deepseek").backend.encode("Grüße, 世界!", add_special_tokens=False).ids
 
@@ -178,7 +178,7 @@ class Refusing(native.NativeDialect):
 def test_a_message_that_cannot_be_encoded_fails_its_own_requests_and_no_other(rig):
     r = rig()
     r.use(Refusing(r.core, None, r.stats))
-    w0, w1 = r.bind(0), r.bind(1)
+    r.bind(0), r.bind(1)
     wait_until(lambda: all(r.delivery.has_room(w) for w in r.delivery.workers.values()), 5, "both workers connected")
     finish = native.Finish("length")
     r.step([

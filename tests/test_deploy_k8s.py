@@ -22,9 +22,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from utils import corpus_ids, expected_text, wait_until
 
 from detokd import zoo
-from utils import expected_text, corpus_ids, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not sys.platform.startswith("linux"), reason="needs root to play two uids")
 

@@ -11,15 +11,15 @@ import itertools
 
 import msgspec
 import pytest
+from conftest import cut, fast_codec, first_stop, oracle, vocab
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import cut, fast_codec, first_stop, oracle, vocab
-from detokd.core.stats import Stats
-from detokd.wire.native import NIL, Finish, OutRow, Row, Start, StoppedRow
 from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
 from detokd.core.request import SENT_TAIL
+from detokd.core.stats import Stats
+from detokd.wire.native import NIL, Finish, OutRow, Row, Start, StoppedRow
 
 
 class CoreRig:
@@ -462,7 +462,7 @@ def test_rows_past_the_frames_id_budget_get_too_large_in_order(sizes, budget) ->
     s = CoreRig(limits=Limits(frame_ids=budget))
     reqs = [Req() for _ in sizes]
     ids = [s.encode("héllo wörld, 🙂 ok")[:n] for n in sizes]
-    w0, _ = s.step(*(q.row(i) for q, i in zip(reqs, ids)))
+    w0, _ = s.step(*(q.row(i) for q, i in zip(reqs, ids, strict=True)))
     within = 0
     for q, i, out in zip(reqs, ids, w0, strict=True):
         within += len(i)
@@ -570,11 +570,11 @@ def test_quick_gives_each_live_row_the_text_tokens_gives_it(per_row, in_vocab) -
     rids, metas = [q.rid for q in reqs], _positions(len(reqs))
     for at in range(0, len(ids[0]), per_row):
         rows = [x[at : at + per_row] for x in ids]
-        want = [row.text for row in ref.step(*(Row(q.rid, r, at, None) for q, r in zip(reqs, rows)))[0]]
+        want = [row.text for row in ref.step(*(Row(q.rid, r, at, None) for q, r in zip(reqs, rows, strict=True)))[0]]
         got = fast.det.quick(rids, rows, [None] * len(reqs), metas, in_vocab=in_vocab)
         assert got == want and fast.step() == ([], [])
-    ends = [fast.step(Row(q.rid, [], len(x), None, Finish("length")))[0][0].text for q, x in zip(reqs, ids)]
-    assert ends == [row.text for q, x in zip(reqs, ids) for row in ref.step(Row(q.rid, [], len(x), None, Finish("length")))[0]]
+    ends = [fast.step(Row(q.rid, [], len(x), None, Finish("length")))[0][0].text for q, x in zip(reqs, ids, strict=True)]
+    assert ends == [row.text for q, x in zip(reqs, ids, strict=True) for row in ref.step(Row(q.rid, [], len(x), None, Finish("length")))[0]]
     assert fast.stats.rows == ref.stats.rows and fast.stats.tokens == ref.stats.tokens
 
 

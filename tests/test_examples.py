@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import alive, oracle, vocab
 
 REPO = Path(__file__).resolve().parents[1]

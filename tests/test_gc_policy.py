@@ -6,8 +6,8 @@ from __future__ import annotations
 import gc
 
 import pytest
-
 from conftest import fast_codec, vocab
+
 from detokd import gc_policy
 from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox

@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 
 import msgspec
+from utils import Engine, Req, Sink, make_ids
 
 from detokd.process import DetokdProcess, ipc_config
-from utils import Engine, Req, Sink, make_ids
 
 
 def started(folder, worker: str) -> DetokdProcess:

@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
+from utils import http_get, wait_until
 
 from detokd.http import MAX_REQUEST, Endpoint
-from utils import http_get, wait_until
 
 
 @pytest.fixture
@@ -110,7 +110,8 @@ def test_a_newcomer_finding_every_connection_open_closes_the_oldest_still_sendin
         s = socket.create_connection(("127.0.0.1", e.port))
         s.sendall(b"GET /health HTTP/1.1\r\n")
         idle.append(s)
-        wait_until(lambda n=len(idle): len(e.conns) == n, 5, "the endpoint to take the connection")
+        n = len(idle)
+        wait_until(lambda n=n: len(e.conns) == n, 5, "the endpoint to take the connection")
     assert http_get(e.port, "/health") == (200, b"ok\n")
     assert closed_by_server(idle[0], 5)
     assert not any(closed_by_server(s, 0.2) for s in idle[1:])

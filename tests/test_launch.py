@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import socket
@@ -21,8 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import alive
+
 from detokd.launch import derive_address, supervise_shards
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
+from utils import Engine, Req, Sink, deepseek, http_get, make_ids, metric, metrics_port, scrape, wait_until
 
 from detokd.process import DetokdProcess, ipc_config
 from detokd.server import Server
 from detokd.wire.native import NativeDialect
-from utils import Engine, Req, Sink, deepseek, http_get, make_ids, metric, metrics_port, scrape, wait_until
 
 
 def test_health_is_200_while_the_loop_turns_and_503_while_it_is_stuck(detokd, tmp_path, zctx):
@@ -246,7 +246,7 @@ def test_metrics_is_prometheus_text_with_every_counter_exact(detokd, zctx):
     assert count == frames - 3
     buckets = sorted((float(k[1][1]), v) for k, v in m.items() if k[0] == "detokd_step_seconds_bucket")
     assert buckets[-1] == (float("inf"), count)
-    assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))
+    assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:], strict=False))
     assert 0 < metric(m, "detokd_step_seconds_sum") < count  # seconds: well under a second a step
     assert d.stop() == 0
 

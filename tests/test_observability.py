@@ -14,9 +14,9 @@ from pathlib import Path
 
 import tokenizers
 from prometheus_client.parser import text_string_to_metric_families
+from utils import http_get, metric, metrics_port, scrape, wait_until
 
 from detokd import __version__
-from utils import Engine, http_get, metric, metrics_port, scrape, wait_until
 
 DEPLOY = (Path(__file__).parent.parent / "docs" / "deploy.md").read_text()
 

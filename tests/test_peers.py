@@ -30,12 +30,12 @@ import msgspec
 import pytest
 import zmq
 import zmq.auth
+from conftest import oracle, vocab
+from utils import Engine, Req, Sink, http_get, logged, make_ids, metric, metrics_port, pull, scrape, wait_until
 from zmq.utils.monitor import recv_monitor_message
 
-from conftest import oracle, vocab
 from detokd.config import Config, to_toml
 from detokd.process import DetokdProcess, ipc_config
-from utils import Engine, Req, Sink, http_get, logged, make_ids, metric, metrics_port, pull, scrape, wait_until
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
@@ -618,7 +618,7 @@ def test_rows_in_flight_on_a_worker_connection_that_breaks_fail_their_requests_n
         while not req.done:
             eng.rows([req.row(512)])
     for req in reqs:
-        new.wait(lambda: new.ended(req.rid), 20, f"{req.rid} to end")
+        new.wait(lambda req=req: new.ended(req.rid), 20, f"{req.rid} to end")
     want = oracle(v, [], ids, True)
     failed = [req.rid for req in reqs if new.errors(req.rid)]
     for req in reqs:

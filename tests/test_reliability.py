@@ -27,12 +27,6 @@ import types
 
 import pytest
 import zmq
-
-from detokbench.frames import Hostile
-from detokd.client import SchedulerClient, shard_for
-from detokd.launch import derive_address
-from detokd.process import DetokdProcess, ipc_config
-from detokd.wire.native import Finish
 from utils import (
     Engine,
     Req,
@@ -50,6 +44,12 @@ from utils import (
     scrape,
     wait_until,
 )
+
+from detokbench.frames import Hostile
+from detokd.client import SchedulerClient, shard_for
+from detokd.launch import derive_address
+from detokd.process import DetokdProcess, ipc_config
+from detokd.wire.native import Finish
 
 
 @pytest.fixture(scope="module")
@@ -624,7 +624,7 @@ def test_a_worker_killed_mid_stream_fails_its_live_requests_and_no_finished_one(
         churn.step()
         steps += 1
         # A step is one message to the worker; it reads them as they come, a few behind.
-        old.wait(lambda: old.messages >= steps - 3, 20, "the worker to keep up")
+        old.wait(lambda steps=steps: old.messages >= steps - 3, 20, "the worker to keep up")
     assert churn.rows < 3000  # every finish it read is within the rows detokd keeps as in flight
     old.kill()
     for _ in range(5):  # rows for a worker that is gone

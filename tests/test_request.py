@@ -9,10 +9,10 @@ began in text already sent. The text is always the oracle's, cut where the rules
 from __future__ import annotations
 
 import pytest
+from conftest import cut, fast_codec, oracle, vocab
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import cut, fast_codec, oracle, vocab
 from detokd.core.records import Finish, Start, StoppedRow
 from detokd.core.request import SENT_TAIL, Request
 from detokd.core.stops import StopAutomata, StopScanner

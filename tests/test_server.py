@@ -8,7 +8,6 @@ import time
 import msgspec
 import pytest
 import zmq
-
 from conftest import oracle, vocab
 from utils import logged
 

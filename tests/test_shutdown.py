@@ -19,10 +19,10 @@ import time
 import msgspec
 import pytest
 import zmq
+from utils import Engine, Req, Sink, make_ids, wait_until
 from zmq.utils.monitor import recv_monitor_message
 
 from detokd.process import DetokdProcess, ipc_config
-from utils import Engine, Req, Sink, make_ids, wait_until
 
 enc = msgspec.msgpack.encode
 PY = sys.executable
@@ -135,7 +135,7 @@ def test_rows_queued_past_the_decoding_share_of_the_grace_get_shutdown_errors_ne
     assert _exit_code(d, 30) == 0
     for i, r in enumerate(reqs):
         w = sinks[r.worker]
-        rows = w.wait(lambda: w.rows(r.rid), 20, f"the answer to {r.rid}")
+        rows = w.wait(lambda w=w, r=r: w.rows(r.rid), 20, f"the answer to {r.rid}")
         assert [(x["error"], x["text"], x["meta"]) for x in rows] == [("shutdown", "", {"n": i})]
         assert not sinks[1 - r.worker].rows(r.rid)
     assert "no time left to decode" in d.log()

@@ -13,10 +13,10 @@ from __future__ import annotations
 import tracemalloc
 
 import pytest
+from conftest import cut
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import cut
 from detokd.core.stops import CACHE_BYTES, STATE_BYTES, StopAutomata, StopAutomaton, StopScanner, trim_engine_stop
 
 AUTOMATA = StopAutomata(budget=1 << 40)  # the unit and property tests' own, never full
@@ -177,7 +177,7 @@ def streams(draw) -> tuple[list[str], list[str], bool]:
     )
     text = "".join(pieces)
     cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=8)))
-    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]  # empty chunks too
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]  # empty chunks too
     return stops, chunks, draw(st.booleans())
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import ALL, vocab
+
 from detokd.tokenizer import _decoder_json
 
 

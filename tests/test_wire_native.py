@@ -10,14 +10,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 import zmq
-
 from conftest import fast_codec, vocab
-from detokd.core.detokenizer import Detokenizer
+
 from detokd.conductor import Conductor
+from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox
+from detokd.core.stats import Stats
 from detokd.delivery import Delivery
 from detokd.gc_policy import GcPolicy
-from detokd.core.stats import Stats
 from detokd.wire import msgpack_scan, native
 
 enc = msgspec.msgpack.encode

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from conftest import vocab
+
 from detokd.config import Config
 
 REPO = Path(__file__).resolve().parents[1]

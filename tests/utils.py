@@ -26,8 +26,8 @@ from typing import Any, Callable
 import msgspec
 import msgspec.inspect
 import zmq
-
 from conftest import vocab
+
 from detokbench.engine import Engine  # noqa: F401  (the tests' engine)
 from detokbench.frames import CORPUS, mixed_ids
 from detokbench.metrics import metrics_port  # noqa: F401  (the tests' too)
@@ -71,7 +71,9 @@ def config_ranges() -> dict[str, msgspec.inspect.IntType | msgspec.inspect.Float
     out = {}
     for f in msgspec.inspect.type_info(Config).fields:
         types = f.type.types if isinstance(f.type, msgspec.inspect.UnionType) else (f.type,)
-        out.update({f.name: t for t in types if isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType))})
+        for t in types:
+            if isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+                out[f.name] = t
     return out
 
 

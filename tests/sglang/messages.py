@@ -21,8 +21,9 @@ with warnings.catch_warnings():
     except ImportError:  # 0.5.20 sends a sampling mask as lists, beside output_token_sampling_logprobs
         SamplingMaskChunk = None
 
-from detokd.sglang import id_rows
 from conftest import vocab
+
+from detokd.sglang import id_rows
 
 
 def encode_str_output(codec, tok, output_strs: list[str]) -> bytes:

@@ -12,8 +12,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from conftest import vocab
+
 from detokd import zoo
 
 ROOT = Path(__file__).resolve().parents[2]

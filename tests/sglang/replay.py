@@ -242,7 +242,7 @@ def streams(proc: SglangDetokenizerUnderTest, received: list[list[Any]]) -> list
         for msg in got:
             rids = getattr(msg, "rids", None) or []
             ipcs = getattr(msg, "http_worker_ipcs", None) or [None] * len(rids)
-            picked = {route(ipc, rid, proc.detokenizers) for ipc, rid in zip(ipcs, rids)}
+            picked = {route(ipc, rid, proc.detokenizers) for ipc, rid in zip(ipcs, rids, strict=True)}
             if len(picked) > 1:
                 raise AssertionError(f"one output holds rows of detokenizers {sorted(picked)}: {list(msg.rids)}")
             cut[picked.pop() if picked else -1].append(msg)

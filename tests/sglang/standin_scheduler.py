@@ -217,8 +217,8 @@ def run_standin_scheduler(server_args, port_args, gpu_id, tp_rank, *rest, **__):
     import signal
 
     import psutil
-    from sglang.srt.plugins import load_plugins
     from sglang.srt import runtime_context as rc
+    from sglang.srt.plugins import load_plugins
 
     load_plugins()
     if hasattr(rc, "SpawnRanks"):  # 0.5.21 and newer publish the scheduler's ranks

@@ -8,19 +8,19 @@ import time
 
 import pytest
 import zmq
-
 from conftest import fast_codec, vocab
+from messages import Calls
+from replay import accumulate
+
+from detokbench.sglang_replay import Scripted, build_stream, ipc_encoding
 from detokd.conductor import Conductor
 from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
+from detokd.core.stats import Stats
 from detokd.delivery import Delivery
 from detokd.gc_policy import GcPolicy
-from detokd.core.stats import Stats
 from detokd.sglang import schema
-from detokbench.sglang_replay import Scripted, build_stream, ipc_encoding
 from detokd.sglang.dialect import SglangDialect
-from messages import Calls
-from replay import accumulate
 
 NAME = "deepseek"
 PROMPT = [1, 2, 3]
@@ -132,7 +132,7 @@ def test_a_tokenizer_manager_that_stops_reading_gets_aborts_not_silence(rig):
     acc = accumulate(r.got)
     assert set(acc) == {q.rid for q in r.reqs}
     aborted = 0
-    for rid, lives in acc.items():
+    for lives in acc.values():
         first = lives[0]
         if first.finished_reason["type"] == "abort":
             assert "worker_stalled" in first.finished_reason["message"]

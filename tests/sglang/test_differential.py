@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from conftest import vocab
-from detokd import zoo
-from detokd.sglang.process import run_sglang_detokenizer
-from detokbench.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, build_stream
 from replay import accumulate, plain
 from runs import CASES, MULTI, ROUTED, RUNS, expected_text, ids_of, matches_oracle
+
+from detokbench.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, build_stream
+from detokd import zoo
+from detokd.sglang.process import run_sglang_detokenizer
 
 ALL = [pytest.param(*c, 1, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]] + [
     pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}w-{c[3]}d") for c in ROUTED
@@ -52,7 +52,7 @@ def test_each_process_sends_each_receiver_the_same_messages_with_the_same_rids_i
     theirs, ours = pair(name, enc, workers, detokenizers)
     assert len(ours.received) == len(theirs.received) == workers
     assert len(ours.streams) == len(theirs.streams)
-    for t, o in zip(theirs.streams, ours.streams):
+    for t, o in zip(theirs.streams, ours.streams, strict=True):
         assert [(type(m).__name__, list(m.rids)) for m in o] == [(type(m).__name__, list(m.rids)) for m in t]
 
 
@@ -81,8 +81,8 @@ def test_every_field_but_the_text_chunks_equals_sglangs(pair, name, enc, workers
         return v
 
     compared = 0
-    for t, o in zip(theirs.streams, ours.streams):
-        for mt, mo in zip(t, o):
+    for t, o in zip(theirs.streams, ours.streams, strict=True):
+        for mt, mo in zip(t, o, strict=True):
             for field in mt.__struct_fields__:
                 if field == "output_strs":
                     continue
@@ -95,14 +95,14 @@ def test_every_field_but_the_text_chunks_equals_sglangs(pair, name, enc, workers
 def test_each_request_accumulates_sglangs_text_which_is_the_oracles(pair, name, enc, workers, detokenizers):
     theirs, ours = pair(name, enc, workers, detokenizers)
     ctx = ours.contexts()
-    for t, o in zip(theirs.streams, ours.streams):
+    for t, o in zip(theirs.streams, ours.streams, strict=True):
         acc_t, acc_o = accumulate(t), accumulate(o)
         assert acc_o.keys() == acc_t.keys()
         for rid, lives in acc_o.items():
             if rid.startswith(("emb-", "straddle-")):  # straddles: the next test
                 continue
             scripted = ours.lifetimes()[rid]
-            assert [a.text for a in lives] == [expected_text(name, s, c) for s, c in zip(scripted, ctx[rid])], rid
+            assert [a.text for a in lives] == [expected_text(name, s, c) for s, c in zip(scripted, ctx[rid], strict=True)], rid
             assert [a.text for a in lives] == [a.text for a in acc_t[rid]], rid
             assert [a.finished_reason for a in lives] == [a.finished_reason for a in acc_t[rid]], rid
 
@@ -124,7 +124,7 @@ def test_one_detokd_process_gives_each_request_what_sglangs_routed_processes_giv
         return [(a.finished_reason, a.output_ids) for a in lives]
 
     compared = 0
-    for t, o in zip(theirs.received, ours.received):
+    for t, o in zip(theirs.received, ours.received, strict=True):
         acc_t, acc_o = accumulate(t), accumulate(o)
         assert acc_o.keys() == acc_t.keys()
         for rid, lives in acc_o.items():
@@ -152,7 +152,7 @@ def test_a_stop_string_whose_start_the_scheduler_let_out_leaks_no_further_than_t
     theirs, ours = pair(name, enc, workers, detokenizers)
     ctx = ours.contexts()
     straddled = 0
-    for t, o in zip(theirs.streams, ours.streams):
+    for t, o in zip(theirs.streams, ours.streams, strict=True):
         acc_t, acc_o = accumulate(t), accumulate(o)
         for rid in (r for r in acc_o if r.startswith("straddle-")):
             (scripted,), (c,) = ours.lifetimes()[rid], ctx[rid]
@@ -175,10 +175,10 @@ def test_detokd_streams_no_later_than_sglang_except_inside_a_byte_fallback_run(p
     Face turns a whole invalid run into U+FFFD, so a later byte can still rewrite them."""
     theirs, ours = pair(name, enc, workers, detokenizers)
     fallback = "ByteFallback" in vocab(name).decoder_types()
-    for t, o in zip(theirs.streams, ours.streams):
+    for t, o in zip(theirs.streams, ours.streams, strict=True):
         sent_t: dict[str, str] = {}
         sent_o: dict[str, str] = {}
-        for mt, mo in zip(t, o):
+        for mt, mo in zip(t, o, strict=True):
             if type(mt).__name__ != "BatchStrOutput":
                 continue
             for i, rid in enumerate(mt.rids):

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import requests
 import sglang
-
 from frontend import HERE, ROOT, Frontend
 from models import model_folder, plugin_path  # noqa: F401  (a fixture)
 from test_frontend import oracle

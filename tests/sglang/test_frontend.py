@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from conftest import vocab
 from frontend import Frontend
 from models import model_folder, plugin_path  # noqa: F401  (a fixture: this worktree's entry point)
 from standin_scheduler import REPLIES
+
 
 def _router_routes_by_rid() -> bool:
     from sglang.srt.managers.multi_tokenizer_mixin import MultiDetokenizerRouter
@@ -183,7 +183,7 @@ def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, 
             done = list(pool.map(lambda job: call(fes[job[0]], job[1]), jobs))
         out = {}
         for key, fe in fes.items():
-            answers = {r["rid"]: answer for (k, r), answer in zip(jobs, done) if k == key}
+            answers = {r["rid"]: answer for (k, r), answer in zip(jobs, done, strict=True) if k == key}
             titles = [" ".join(p.cmdline()) for p in fe.detokenizer_processes()]
             out[key] = Served(mix, answers, fe.records(), titles, log=fe.log_tail(1 << 22))
         for key, fe in fes.items():

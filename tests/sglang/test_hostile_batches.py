@@ -15,13 +15,13 @@ from array import array
 import msgspec
 import pytest
 import torch
-
 from conftest import vocab
-from detokd import zoo
-from detokd.sglang.process import run_sglang_detokenizer
-from detokbench.sglang_replay import Scripted, SglangDetokenizerUnderTest, build_stream, ipc_encoding
 from replay import accumulate
 from runs import ids_of
+
+from detokbench.sglang_replay import Scripted, SglangDetokenizerUnderTest, build_stream, ipc_encoding
+from detokd import zoo
+from detokd.sglang.process import run_sglang_detokenizer
 
 NAME = "deepseek"
 PROMPT_TEXT = "Say something:"

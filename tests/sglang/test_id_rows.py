@@ -8,10 +8,10 @@ from array import array
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-from detokd.sglang import id_rows, schema
 from messages import ROW_RUNS, arrays_of, assert_bounds, sglang_wire, token_batch
 from messages import tok as tok  # a fixture, re-exported: no F811 where a test takes it
+
+from detokd.sglang import id_rows, schema
 
 
 def decoded_ids(tok, rows: list[array]) -> tuple[list[list[int]], bool]:

@@ -9,10 +9,10 @@ from array import array
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-from detokd.sglang import id_rows, pickled, schema
 from messages import ROW_RUNS, Calls, arrays_of, assert_bounds, encode_str_output, sglang_detokenizer, token_batch
 from messages import tok as tok  # a fixture, re-exported: no F811 where a test takes it
+
+from detokd.sglang import id_rows, pickled, schema
 
 received = pickled.loader()  # unpickles what a message holds (arrays, time stats) as detokd does
 
@@ -93,7 +93,7 @@ def test_received_arrays_read_and_pickle_back_as_the_arrays_they_stand_for(rows)
     got = received(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
     assert all(type(a) is pickled.Array for a in got)
     assert pickled.id_rows(got) == [a.tolist() for a in rows]
-    for a, b in zip(rows, got):
+    for a, b in zip(rows, got, strict=True):
         assert pickled.dumps(b) == pickled.dumps(a) and b.array() == a and type(b.array()) is array
 
 

@@ -18,10 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from conftest import alive
-from detokd import zoo
 from models import ROOT, entry_points, model_folder, plugin_path  # noqa: F401  (a fixture)
+
+from detokd import zoo
 
 CHILD = Path(__file__).with_name("sglang_child.py")
 CHILD_TIMEOUT = 480

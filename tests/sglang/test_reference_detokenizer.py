@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 
 import pytest
-
 from replay import accumulate, plain, prompt_context
 from runs import CASES as RUN_CASES
 from runs import MULTI, RUNS, expected_text, matches_oracle
@@ -39,7 +38,7 @@ def test_passthrough_fields_arrive_as_sent(runs, name, enc):
     answered = [m for m in run.sent if type(m).__name__ != "FreezeGCReq"]
     (got,) = run.received
     checked = 0
-    for sent, out in zip(answered, got):
+    for sent, out in zip(answered, got, strict=True):
         for field in out.__struct_fields__:
             if field in TRANSFORMED or field not in sent.__struct_fields__:
                 continue
@@ -51,8 +50,9 @@ def test_passthrough_fields_arrive_as_sent(runs, name, enc):
 @pytest.mark.parametrize("name,enc", CASES)
 def test_routed_experts_and_indexer_topk_arrive_base64_encoded(runs, name, enc):
     run = runs(name, enc)
+    answered = [m for m in run.sent if type(m).__name__ != "FreezeGCReq"]
     (got,) = run.received
-    pairs = [(m, o) for m, o in zip(run.sent, got) if type(o).__name__ == "BatchStrOutput" and m.routed_experts]
+    pairs = [(m, o) for m, o in zip(answered, got, strict=True) if type(o).__name__ == "BatchStrOutput" and m.routed_experts]
     assert pairs
     for sent, out in pairs:
         for field in ("routed_experts", "indexer_topk"):
@@ -69,7 +69,7 @@ def test_each_request_streams_the_oracle_text_and_its_finish_reason(runs, name, 
     ctx = run.contexts()
     for rid, scripted in run.lifetimes().items():
         assert len(acc[rid]) == len(scripted), rid
-        for k, (s, a) in enumerate(zip(scripted, acc[rid])):
+        for k, (s, a) in enumerate(zip(scripted, acc[rid], strict=True)):
             assert matches_oracle(a.text, expected_text(name, s, ctx[rid][k]), s), (rid, k, a.text)
             assert a.finished_reason is not None and a.finished_reason["type"] == {
                 "length": "length", "matched_token": "stop", "matched_str": "stop", "abort": "abort"}[s.finish]
@@ -107,9 +107,9 @@ def test_two_http_workers_each_get_exactly_their_rows_with_the_oracle_text(runs)
             if scripted[0].http_worker != w:
                 assert rid not in acc
                 continue
-            wants = [expected_text(name, s, c) for s, c in zip(scripted, ctx[rid])]
+            wants = [expected_text(name, s, c) for s, c in zip(scripted, ctx[rid], strict=True)]
             assert len(acc[rid]) == len(wants) and all(
-                matches_oracle(a.text, want, s) for a, want, s in zip(acc[rid], wants, scripted)), rid
+                matches_oracle(a.text, want, s) for a, want, s in zip(acc[rid], wants, scripted, strict=True)), rid
     assert len(ipcs) == 2 and None not in ipcs
 
 

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import sglang
+from messages import sglang_detokenizer
+from messages import tok as tok  # a fixture, re-exported
 
 from detokd.sglang import release
 from detokd.sglang.dialect import SglangDialect
 from detokd.sglang.schema import SchemaMismatch
-from messages import sglang_detokenizer
-from messages import tok as tok  # a fixture, re-exported
 
 
 def test_the_installed_release_is_detected_and_in_the_tested_window():

@@ -17,10 +17,10 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from sglang.srt.managers import io_struct
 
-from detokd.sglang import id_rows, schema
 from messages import encode_str_output, sglang_detokenizer, sglang_wire, token_batch
 from messages import tok as tok  # a fixture, re-exported: no F811 where a test takes it
 
+from detokd.sglang import id_rows, schema
 
 BATCHES = [
     (["Hello, wor", "Ünïcödé ✓ 日本", "def f(x):\n  return"], [None, None, None]),

@@ -4,12 +4,12 @@ detokenizer loads, and refuses one whose tables or decode disagree with it."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import ALL, vocab
+from models import model_folder
+
 from detokd import zoo
 from detokd.sglang.vocab import check, fingerprint_of, sglangs_tokenizer
 from detokd.tokenizer import TokenizerError, of
-from models import model_folder
 
 
 @pytest.fixture(scope="module")
