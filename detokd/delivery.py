@@ -68,7 +68,7 @@ EVENTS = int(zmq.EVENTS)
 POLLIN = int(zmq.POLLIN)
 POLLOUT = int(zmq.POLLOUT)
 # Seconds between two reads of the workers' ZMQ queue state for /metrics' writable gauge,
-# at most: a read costs ~1 µs a worker, and a busy loop publishes every few µs.
+# at most: a read costs ~1 µs a worker, and a busy loop turns every few µs.
 ROOM_EVERY = 0.05
 
 

@@ -4,7 +4,7 @@ HEAD of a route is its GET without the body (Content-Length still the body's): s
 load balancers and uptime checkers probe with HEAD.
 
 A route is a function returning (status, body, content type), called on the HTTP
-thread: it must only read what the loop publishes, never call into the loop.
+thread: it may read the loop's state (an int, a len()), never change it or wait on it.
 
 Whoever reaches the port chooses what it costs, so every cost is bounded. One thread
 serves every connection without blocking (a slow client holds no thread), at most

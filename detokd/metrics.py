@@ -1,9 +1,11 @@
 """The /health and /metrics endpoint, over what the loop publishes.
 
 The loop only bumps plain integers on `Stats` (detokd.core.stats); the HTTP thread
-reads them when scraped. It never calls into the loop's state, so a saturated or
-stuck loop cannot stop /health from answering (with 503 once the loop has not turned
-for `health_timeout` seconds).
+reads them when scraped, and reads the gauges (sizes of the loop's tables and queues)
+then too, through `Stats.sample`: ints and len()s, each atomic under the GIL. It never
+changes the loop's state or waits on it, so a saturated or stuck loop cannot stop
+/health from answering (with 503 once the loop has not turned for `health_timeout`
+seconds).
 """
 
 from __future__ import annotations
