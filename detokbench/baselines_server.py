@@ -24,11 +24,11 @@ import zmq
 
 from detokd.wire import native
 from detokd.wire.native import OutRow, Text, Tokens
+from detokrig.engine import push
+from detokrig.sink import pull
 
 from .baselines import ALGOS, FloorStream, Stream, Tok
 from .commands import parser
-from .engine import push
-from .sink import pull
 
 log = logging.getLogger("baselines")
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import ROOT
+from detokrig import ROOT
 
 PROG = "python -m detokbench"
 COMMANDS = {  # name: (module, summary)
@@ -91,6 +91,17 @@ def write_json(path: str | Path, doc: object) -> None:
     """A command's results, readable by a person and by the next command."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+
+
+def verdict(problems: list[str], json_path: str | os.PathLike | None = None, doc: dict | None = None) -> int:
+    """`doc` written to `json_path` (when given), a FAIL line per problem, OK or
+    FAILED; the exit status."""
+    if json_path is not None and doc is not None:
+        write_json(json_path, doc)
+    for p in problems:
+        print("FAIL:", p)
+    print("FAILED" if problems else "OK")
+    return 1 if problems else 0
 
 
 def pyplot():

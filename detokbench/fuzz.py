@@ -27,12 +27,12 @@ from zmq.utils.monitor import recv_monitor_message
 from detokd.client import SchedulerClient
 from detokd.tokenizer import load
 from detokd.wire.native import Finish
+from detokrig.frames import CORPUS, Hostile, OverCaps, mixed_ids
+from detokrig.proc import Memory
+from detokrig.rig import Rig
+from detokrig.sink import Recorder
 
-from .commands import header, parser
-from .frames import CORPUS, Hostile, OverCaps, mixed_ids
-from .proc import Memory
-from .rig import Rig, verdict
-from .sink import Recorder
+from .commands import header, parser, verdict
 
 enc = msgspec.msgpack.encode
 SEND_MS = 30_000  # a send detokd does not take in this long: detokd is stuck, the run fails

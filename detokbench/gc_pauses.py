@@ -22,9 +22,10 @@ import subprocess
 import sys
 import time
 
+from detokrig.corpus import TAIL, corpus
+
 from .bench.report import md_head, pct
 from .commands import header, parser, write_json
-from .corpus import TAIL, corpus
 
 POLICIES = ("detokd", "clock")  # the shipped policy; the one-a-second clock alone
 

@@ -32,15 +32,15 @@ from detokd.config import Config
 from detokd.launch import derive_address
 from detokd.process import NotReady
 from detokd.wire.native import Finish, Text
+from detokrig.children import detokd_process
+from detokrig.corpus import TAIL
+from detokrig.engine import push
+from detokrig.proc import cpu_s, descendants
+from detokrig.sink import pull
 
 from .bench.report import md_head
 from .bench.workload import Corpus
-from .children import detokd_process
 from .commands import header, parser, write_json
-from .corpus import TAIL
-from .engine import push
-from .proc import cpu_s, descendants
-from .sink import pull
 
 MARK = "\x01end-"  # marker rids: no text of the corpus contains \x01
 

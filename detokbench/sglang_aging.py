@@ -16,12 +16,12 @@ import statistics
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer
 from detokd.tokenizer import load
+from detokrig.corpus import corpus
+from detokrig.proc import memory
+from detokrig.sglang_replay import SglangDetokenizerUnderTest
 
 from .commands import command_line, parser, write_json
-from .corpus import corpus
-from .proc import memory
 from .sglang_bench import TOKENIZER, Stream, environment, run_pass
-from .sglang_replay import SglangDetokenizerUnderTest
 
 
 def _ratio(ratio: float | None) -> str:

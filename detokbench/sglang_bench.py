@@ -39,12 +39,12 @@ from typing import Any, Callable
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer as detokd_target
 from detokd.tokenizer import load
+from detokrig import sglang_replay as replay
+from detokrig.corpus import corpus
+from detokrig.proc import loadavg, memory, tick_cpu_s
 
-from . import sglang_replay as replay
 from .bench.report import log, md_head, pct
 from .commands import command_line, commit, machine, parser, pyplot, versions, write_json
-from .corpus import corpus
-from .proc import loadavg, memory, tick_cpu_s
 
 TARGETS = {"sglang": None, "detokd": detokd_target}
 PROMPT = 5  # prompt ids per request: SGLang's incremental-detokenization context

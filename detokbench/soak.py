@@ -26,13 +26,13 @@ import zmq
 from detokd.client import SchedulerClient
 from detokd.tokenizer import load
 from detokd.wire.native import Finish, Text
+from detokrig import ROOT
+from detokrig.frames import mixed_ids
+from detokrig.rig import Rig, Sampler
+from detokrig.sink import Sink
+from detokrig.waits import wait_until
 
-from . import ROOT
-from .commands import header, parser, pyplot, write_json
-from .frames import mixed_ids
-from .rig import Rig, Sampler, verdict
-from .sink import Sink
-from .waits import wait_until
+from .commands import header, parser, pyplot, verdict, write_json
 
 # --------------------------------------------------------------------------- the engine: requests and their fates
 

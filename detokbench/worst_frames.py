@@ -31,12 +31,12 @@ from detokd.config import Config
 from detokd.tokenizer import Vocab, load
 from detokd.wire import native
 from detokd.wire.native import NIL, Abort, Control, EmbeddingRow, Embeddings, Finish, Register, Row, Start, Tokens
+from detokrig import ROOT
+from detokrig.metrics import get
+from detokrig.rig import Rig
+from detokrig.sink import Recorder
 
-from . import ROOT
-from .commands import header, parser, write_json
-from .metrics import get
-from .rig import Rig, verdict
-from .sink import Recorder
+from .commands import header, parser, verdict, write_json
 
 encode = native.encode
 CAPS = Config()  # the defaults every scenario runs at

@@ -21,11 +21,11 @@ pytest.register_assert_rewrite("utils", "messages")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from detokbench.waits import wait_until  # noqa: E402
 from detokd import zoo  # noqa: E402
 from detokd.core.decoder import ByteCodec, PieceCodec, WindowCodec, make_codec  # noqa: E402
 from detokd.process import DetokdProcess, ipc_config  # noqa: E402
 from detokd.tokenizer import Vocab, load  # noqa: E402
+from detokrig.waits import wait_until  # noqa: E402
 
 ALL = zoo.NAMES
 

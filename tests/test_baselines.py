@@ -14,7 +14,7 @@ from conftest import vocab
 
 from detokbench import baselines
 from detokbench.bench import workload
-from detokbench.corpus import corpus
+from detokrig.corpus import corpus
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """`python -m detokbench fuzz` end to end, small: a real detokd under a few thousand honest and
-hostile frames (detokbench.frames) survives, serves every honest stream exactly, counts
+hostile frames (detokrig.frames) survives, serves every honest stream exactly, counts
 every frame it read and every bad one, and keeps its RSS within 10% after warm-up.
 The 100,000-frame run and its figures: docs/reliability.md "Fuzz run"."""
 

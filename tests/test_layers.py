@@ -92,3 +92,28 @@ def test_the_core_loads_with_no_sockets_metrics_or_http_and_nothing_of_detokd_be
     loaded = set(out.stdout.split())
     assert set(core) <= loaded
     assert {_part(m) for m in loaded} <= {None, "core", "tokenizer", "zoo", "logs"}, loaded
+
+
+# The checkout's packages, lowest first: the product, the rig the tests and the tools
+# drive it with, the tools. Each imports only those before it (the tests import any).
+CHECKOUT = ["detokd", "detokrig", "detokbench"]
+
+
+def _absolute_imports(path: Path) -> list[str]:
+    """The modules a file names in `import x` and `from x import y` (relative ones aside)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.append(node.module or "")
+    return found
+
+
+def test_the_product_imports_neither_the_rig_nor_the_tools_and_the_rig_not_the_tools():
+    wrong = []
+    for low, name in enumerate(CHECKOUT):
+        above = set(CHECKOUT[low + 1:])
+        for path in sorted((PACKAGE.parent / name).rglob("*.py")):
+            wrong += [f"{path.relative_to(PACKAGE.parent)} imports {m}" for m in _absolute_imports(path) if m.split(".")[0] in above]
+    assert not wrong, "\n".join(wrong)

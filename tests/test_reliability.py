@@ -45,11 +45,11 @@ from utils import (
     wait_until,
 )
 
-from detokbench.frames import Hostile
 from detokd.client import SchedulerClient, shard_for
 from detokd.launch import derive_address
 from detokd.process import DetokdProcess, ipc_config
 from detokd.wire.native import Finish
+from detokrig.frames import Hostile
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from detokbench import soak
-from detokbench.proc import memory
-from detokbench.rig import Sampler
+from detokrig.proc import memory
+from detokrig.rig import Sampler
 
 REPO = Path(__file__).resolve().parents[1]
 # The command as `python -m detokbench` runs it, in a Python that cannot import matplotlib.

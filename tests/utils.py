@@ -1,10 +1,10 @@
 """Helpers more than one test file uses. Import as `from utils import ...` (tests/ is
 on the path: conftest.py lives there); fixtures live in conftest.py.
 
-The peers of a real `detokd serve` are detokbench's, shared with the tools: `Engine`
+The peers of a real `detokd serve` are detokrig's, shared with the tools: `Engine`
 sends frames built independently of detokd.wire.native (plain dicts through msgspec,
 or raw bytes: some are meant to be malformed), `Sink` is a tokenizer worker recording
-every row it receives (detokbench.sink.Recorder). `FakeShards` and `FakeDetokd` stand
+every row it receives (detokrig.sink.Recorder). `FakeShards` and `FakeDetokd` stand
 where detokd would for the client's unit tests.
 Nothing sleeps and hopes: every wait polls a condition against a deadline.
 """
@@ -28,14 +28,14 @@ import msgspec.inspect
 import zmq
 from conftest import vocab
 
-from detokbench.engine import Engine  # noqa: F401  (the tests' engine)
-from detokbench.frames import CORPUS, mixed_ids
-from detokbench.metrics import metrics_port  # noqa: F401  (the tests' too)
-from detokbench.sink import Recorder, pull  # noqa: F401  (pull: a worker that never reads)
-from detokbench.waits import wait_on, wait_until  # noqa: F401  (wait_until: the tests' wait too)
 from detokd.client import SchedulerClient
 from detokd.config import Config
 from detokd.wire import native
+from detokrig.engine import Engine  # noqa: F401  (the tests' engine)
+from detokrig.frames import CORPUS, mixed_ids
+from detokrig.metrics import metrics_port  # noqa: F401  (the tests' too)
+from detokrig.sink import Recorder, pull  # noqa: F401  (pull: a worker that never reads)
+from detokrig.waits import wait_on, wait_until  # noqa: F401  (wait_until: the tests' wait too)
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import ROOT
+from detokrig import ROOT
+from detokrig.proc import QuietWait
+
 from ..commands import header
-from ..proc import QuietWait
 from .flatness import run_flatness
 from .harness import Harness, Impl, Stall
 from .report import IMPLS, TOKENIZERS, fmt_rate, log, plot, ratios, report

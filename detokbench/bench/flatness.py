@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
-from ..proc import machine_busy_ns
+from detokrig.proc import machine_busy_ns
+
 from .harness import Impl
 from .pipeline import STEP, Clocks, Pipeline, check_record, measured
 from .report import median

@@ -22,11 +22,11 @@ import zmq
 from detokd.config import Config
 from detokd.launch import derive_address
 from detokd.process import DetokdProcess
+from detokrig.children import detokd_process, spawn, stop_proc
+from detokrig.engine import push
+from detokrig.proc import ProcTree
+from detokrig.sink import pull
 
-from ..children import detokd_process, spawn, stop_proc
-from ..engine import push
-from ..proc import ProcTree
-from ..sink import pull
 from .worker import ACK_CONFIG, ACK_DUMP, Configure, Dump, Quit
 
 

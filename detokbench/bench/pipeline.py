@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from ..proc import machine_busy_ns, steal_ns
+from detokrig.proc import machine_busy_ns, steal_ns
+
 from .harness import Impl
 from .worker import ACK_STEP
 from .workload import step_values

@@ -19,9 +19,8 @@ from typing import Callable, Union
 import msgspec
 
 from detokd.wire.native import Text
-
-from ..engine import push
-from ..sink import pull
+from detokrig.engine import push
+from detokrig.sink import pull
 
 
 class Configure(msgspec.Struct, tag_field="type", tag="bench_config"):

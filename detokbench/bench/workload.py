@@ -17,8 +17,7 @@ import msgspec
 from detokd.client import shard_for
 from detokd.tokenizer import load
 from detokd.wire.native import Finish, Row, Start, Tokens, encode
-
-from ..corpus import TAIL, corpus
+from detokrig.corpus import TAIL, corpus
 
 
 class Corpus:

@@ -1,4 +1,4 @@
-"""The SGLang tests' side of the replay harness (detokbench.sglang_replay): requests with
+"""The SGLang tests' side of the replay harness (detokrig.sglang_replay): requests with
 flags, stops, aborts and the payloads a model adds, the scheduler's other messages, SGLang's prompt context, a
 comparable view of a message field, what a TokenizerManager accumulates, and the
 outputs cut into each detokenizer's stream."""
@@ -12,7 +12,7 @@ from typing import Any, Iterable, Literal, Sequence
 
 import msgspec
 
-from detokbench.sglang_replay import Encoding, Scripted, SglangDetokenizerUnderTest, _accumulator, ipc_encoding, route
+from detokrig.sglang_replay import Encoding, Scripted, SglangDetokenizerUnderTest, _accumulator, ipc_encoding, route
 
 
 class Request(Scripted, frozen=True, kw_only=True):

@@ -13,9 +13,9 @@ import os
 from conftest import vocab
 from replay import Request, embedding_batch, health_check_batch, streams
 
-from detokbench.sglang_replay import SglangDetokenizerUnderTest, build_stream
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer as detokd_target
+from detokrig.sglang_replay import SglangDetokenizerUnderTest, build_stream
 
 # The encodings (a transport concern) are crossed with one tokenizer; the other families
 # take one encoding each. (tokenizer, encoding, HTTP workers)

@@ -12,7 +12,6 @@ from conftest import fast_codec, vocab
 from messages import Calls
 from replay import accumulate
 
-from detokbench.sglang_replay import Scripted, build_stream, ipc_encoding
 from detokd.conductor import Conductor
 from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
@@ -21,6 +20,7 @@ from detokd.delivery import Delivery
 from detokd.gc_policy import GcPolicy
 from detokd.sglang import schema
 from detokd.sglang.dialect import SglangDialect
+from detokrig.sglang_replay import Scripted, build_stream, ipc_encoding
 
 NAME = "deepseek"
 PROMPT = [1, 2, 3]

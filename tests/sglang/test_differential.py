@@ -17,9 +17,9 @@ from conftest import vocab
 from replay import accumulate, plain
 from runs import CASES, MULTI, ROUTED, RUNS, expected_text, ids_of, matches_oracle
 
-from detokbench.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, build_stream
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer
+from detokrig.sglang_replay import DetokenizerDied, Scripted, SglangDetokenizerUnderTest, build_stream
 
 ALL = [pytest.param(*c, 1, id=f"{c[0]}-{c[1]}-{c[2]}w") for c in [*CASES, MULTI]] + [
     pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}w-{c[3]}d") for c in ROUTED

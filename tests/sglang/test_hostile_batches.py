@@ -19,9 +19,9 @@ from conftest import vocab
 from replay import accumulate
 from runs import ids_of
 
-from detokbench.sglang_replay import Scripted, SglangDetokenizerUnderTest, build_stream, ipc_encoding
 from detokd import zoo
 from detokd.sglang.process import run_sglang_detokenizer
+from detokrig.sglang_replay import Scripted, SglangDetokenizerUnderTest, build_stream, ipc_encoding
 
 NAME = "deepseek"
 PROMPT_TEXT = "Say something:"

@@ -1,15 +1,13 @@
-"""One real detokd and its peers, and what a run makes of it: soak, fuzz and worst-frames.
+"""One real detokd and its peers, as soak, fuzz and worst-frames run it.
 
 A Rig is a `detokd serve` of this checkout on ipc:// addresses in a temporary folder
-(detokbench.children: stopped at exit), the workers' sinks bound first (detokd
+(children: stopped at exit), the workers' sinks bound first (detokd
 connects to them), a ZMQ context for the peers, the metrics port once it is ready, and
-its memory; a `Sampler` records its RSS, CPU time and /metrics over a run. `verdict`
-closes every run's results the same way.
+its memory; a `Sampler` records its RSS, CPU time and /metrics over a run.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 import threading
@@ -23,7 +21,6 @@ from detokd.client import SchedulerClient
 from detokd.process import ipc_config
 
 from .children import detokd_process
-from .commands import write_json
 from .engine import Engine
 from .metrics import Metrics, metrics_port, scrape
 from .proc import Memory, memory, tick_cpu_s
@@ -147,13 +144,3 @@ class Sampler(threading.Thread):
         self.join(10)
         self.sample()
 
-
-def verdict(problems: list[str], json_path: str | os.PathLike | None = None, doc: dict | None = None) -> int:
-    """`doc` written to `json_path` (when given), a FAIL line per problem, OK or
-    FAILED; the exit status."""
-    if json_path is not None and doc is not None:
-        write_json(json_path, doc)
-    for p in problems:
-        print("FAIL:", p)
-    print("FAILED" if problems else "OK")
-    return 1 if problems else 0

@@ -1,7 +1,7 @@
 """The tools' child processes: this checkout's detokd, the baselines, bench's worker.
 
-Every child gets the checkout first on PYTHONPATH, so it runs this checkout's detokd and
-detokbench wherever the tool was started from, and is stopped when the tool exits.
+Every child gets the checkout first on PYTHONPATH, so it runs this checkout's detokd,
+detokrig and detokbench wherever the tool was started from, and is stopped when the tool exits.
 """
 
 from __future__ import annotations
