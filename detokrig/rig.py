@@ -1,9 +1,9 @@
 """One real detokd and its peers, as soak, fuzz and worst-frames run it.
 
 A Rig is a `detokd serve` of this checkout on ipc:// addresses in a temporary folder
-(children: stopped at exit), the workers' sinks bound first (detokd
-connects to them), a ZMQ context for the peers, the metrics port once it is ready, and
-its memory; a `Sampler` records its RSS, CPU time and /metrics over a run.
+(children: stopped at exit), the workers' sinks bound first (detokd connects to them),
+a ZMQ context for the peers, the metrics port once it is ready, and its memory; a
+`Sampler` records its RSS, CPU time and /metrics over a run.
 """
 
 from __future__ import annotations
