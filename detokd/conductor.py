@@ -5,7 +5,8 @@ produced, encoded (`detokd.output.Output`); delivery sends it and returns what i
 Where the stall policy needs requests failed or error rows encoded (a message a full
 queue lost, rows a broken connection took, rows owed to a worker), the conductor asks
 the dialect (which asks the core) and hands delivery the result: delivery never calls
-back into the dialect or the core.
+back into the dialect or the core. A peer's register goes the same way: delivery
+connects the worker, then the conductor tells the core it may route rows there.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class Conductor:
         """Send `out`; a worker's message lost to a full queue fails its requests, and the
         worker is owed their error rows."""
         delivery = self.delivery
-        if out.register is not None:
-            delivery.register(out.register.worker, out.register.address)
+        if out.register is not None and delivery.register(out.register.worker, out.register.address):
+            self.core.add_worker(out.register.worker)
         for lost in delivery.deliver(out):
             if lost.passthrough:  # no request's rows: counted only
                 self.stats.error(WORKER_STALLED)

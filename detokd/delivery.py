@@ -41,7 +41,6 @@ from zmq.utils.monitor import recv_monitor_message
 from . import logs
 from .config import Config
 from .core.bounded import BoundedMap
-from .core.outbox import Outbox
 from .core.records import OutRow
 from .core.stats import Stats, WorkerFigures
 from .output import Output, WorkerOut
@@ -170,7 +169,6 @@ class Delivery:
     def __init__(
         self,
         ctx: zmq.Context,
-        outbox: Outbox,
         workers: list[str],
         *,
         feedback: str | None,
@@ -185,7 +183,6 @@ class Delivery:
         self.policy = policy
         self.curve = curve
         self.added = 0  # workers added by `register` at run time
-        self.outbox = outbox
         self.hwm = hwm
         self.queue_bytes = queue_bytes  # each worker's backlog at most
         self.linger_ms = linger_ms
@@ -251,7 +248,6 @@ class Delivery:
             return False
         if w is None:
             self.workers[index] = w = Worker(index, address, sock, monitor)
-            self.outbox.open(index)
         else:
             self._unwatch(w)
             self._read_events(w)

@@ -152,7 +152,7 @@ class Server:
             self.close()
             raise
         self.core = Detokenizer(
-            self.codec, self.vocab.size, self.outbox,
+            self.codec, self.vocab.size, Outbox(range(len(cfg.workers))),
             max_states=cfg.max_states, max_prompt_tail=cfg.max_prompt_tail, stats=self.stats, limits=cfg.limits(),
         )
         self.gc_policy = GcPolicy(self.stats)
@@ -226,10 +226,9 @@ class Server:
 
     def _open_delivery(self, curve: sockets.Curve | None) -> None:
         cfg = self.cfg
-        self.outbox = Outbox()
         try:
             self.delivery = Delivery(
-                self.ctx, self.outbox, list(cfg.workers),
+                self.ctx, list(cfg.workers),
                 feedback=cfg.feedback, hwm=cfg.send_hwm, queue_bytes=cfg.send_queue_bytes,
                 linger_ms=cfg.linger_ms, stats=self.stats,
                 policy=RegisterPolicy.of(cfg, curve is not None), curve=curve,

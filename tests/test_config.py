@@ -14,7 +14,6 @@ from utils import deepseek
 
 from detokd.config import Config, ConfigError, check, load
 from detokd.core.detokenizer import Limits
-from detokd.core.outbox import Outbox
 from detokd.core.stats import Stats
 from detokd.delivery import Delivery, RegisterPolicy
 from detokd.process import ipc_config
@@ -125,7 +124,7 @@ def test_a_socket_option_zmq_cannot_take_leaves_no_socket_open(tmp_path):
     ctx = zmq.Context()
     with pytest.raises(OverflowError) as failure:
         Delivery(
-            ctx, Outbox(), [f"ipc://{tmp_path}/w.sock"], feedback=None, hwm=2**31,
+            ctx, [f"ipc://{tmp_path}/w.sock"], feedback=None, hwm=2**31,
             queue_bytes=0, linger_ms=0, stats=Stats(),
         )
     done = threading.Event()

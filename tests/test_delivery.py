@@ -20,6 +20,7 @@ from detokd.core.detokenizer import Detokenizer
 from detokd.core.outbox import Outbox
 from detokd.core.stats import Stats
 from detokd.delivery import Delivery, RegisterPolicy
+from detokd.output import Output, Registration
 from detokd.wire import native
 
 IDS = vocab("deepseek").backend.encode("Grüße, 世界!", add_special_tokens=False).ids
@@ -30,13 +31,13 @@ class Rig:
         self.ctx = zmq.Context()
         self.addresses = [f"ipc://{folder}/w{i}.sock" for i in range(2)]
         self.stats = Stats()
-        self.outbox = Outbox()
+        self.outbox = Outbox(range(2))
         self.core = Detokenizer(fast_codec("deepseek"), vocab("deepseek").size, self.outbox,
                                 max_states=1000, max_prompt_tail=8, stats=self.stats)
         # Register on and open (tests/test_peers.py holds the policy itself).
         open_register = RegisterPolicy(enabled=True, allow=("*",), replace=True)
         self.delivery = Delivery(
-            self.ctx, self.outbox, self.addresses, feedback=None, hwm=hwm, queue_bytes=queue_bytes, linger_ms=0,
+            self.ctx, self.addresses, feedback=None, hwm=hwm, queue_bytes=queue_bytes, linger_ms=0,
             stats=self.stats, policy=open_register,
         )
         self.use(native.NativeDialect(self.core, None, self.stats))
@@ -50,6 +51,10 @@ class Rig:
         s = self.pulls[worker] = self.ctx.socket(zmq.PULL)
         s.bind(self.addresses[worker])
         return s
+
+    def register(self, worker: int, address: str) -> None:
+        """A peer's register, as the loop delivers the native dialect's Output of one."""
+        self.conductor.deliver(Output(register=Registration(worker, address)))
 
     def step(self, rows: list[native.Row]) -> None:
         self.delivery.flush()  # as the loop does at each turn
@@ -149,14 +154,17 @@ def test_register_refuses_an_address_zmq_refuses_and_keeps_the_worker_as_it_was(
     assert r.delivery.register(1, address) is False
     assert r.delivery.workers[1].address == r.addresses[1]
     assert r.delivery.register(7, address) is False
-    assert not r.delivery.known(7) and not r.outbox.known(7)
-    assert r.stats.errors["bad_register"] == 2
+    r.register(7, address)  # the loop's way: the core learns of no worker either
+    assert not r.delivery.known(7) and not r.core.known(7)
+    assert r.stats.errors["bad_register"] == 3
 
 
 def test_register_adds_a_worker_and_moves_one_that_rebound(rig, tmp_path) -> None:
     r = rig()
     moved = f"ipc://{tmp_path}/moved.sock"
-    assert r.delivery.register(2, r.addresses[0]) and r.outbox.known(2)
+    assert not r.core.known(2)
+    r.register(2, r.addresses[0])  # the loop's way: delivery connects it, then the core routes to it
+    assert r.delivery.known(2) and r.core.known(2)
     assert r.delivery.register(1, moved)
     r.addresses[1] = moved
     r.bind(1)

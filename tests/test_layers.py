@@ -4,7 +4,8 @@ A part is a top-level module or a folder of detokd. Data flows one way, wire dia
 core -> delivery, and each part imports only parts on a lower floor of LAYERS: so no
 import runs back up and there is no cycle between folders. The core imports nothing
 outside itself but the tokenizer and logs (every module's logger, on the lowest
-floor): no sockets, no metrics library, no HTTP server.
+floor): no sockets, no metrics library, no HTTP server. At run time, one frame's way goes
+the same one way: no call goes back into a part the frame has left (utils.crossings).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
+from utils import crossings, deepseek
+
 import detokd
+from detokd.process import ipc_config
+from detokd.server import Server
+from detokd.wire.native import NativeDialect
 
 PACKAGE = Path(detokd.__file__).parent
 
@@ -117,3 +124,29 @@ def test_the_product_imports_neither_the_rig_nor_the_tools_and_the_rig_not_the_t
         for path in sorted((PACKAGE.parent / name).rglob("*.py")):
             wrong += [f"{path.relative_to(PACKAGE.parent)} imports {m}" for m in _absolute_imports(path) if m.split(".")[0] in above]
     assert not wrong, "\n".join(wrong)
+
+
+def test_each_native_frame_goes_one_way_dialect_then_core_then_delivery(tmp_path):
+    """Every kind of frame a scheduler or a peer sends, through the loop's `process`: the
+    dialect asks the core, the core returns what the frame produced, the dialect returns
+    it encoded, and delivery sends it; a register is delivery's, then the core's."""
+    server = Server(ipc_config(tmp_path, metrics_port=0, register_enabled=True, register_allow=[f"ipc://{tmp_path}/*"]),
+                    NativeDialect.make, vocab=deepseek())
+    enc = msgspec.msgpack.encode
+    frames = {
+        "start": enc({"type": "tokens", "rows": [{"rid": f"r{i}", "ids": [100, 200 + i], "start": {"stop": ["x"]}} for i in range(3)]}),
+        "tokens": enc({"type": "tokens", "rows": [{"rid": f"r{i}", "ids": [300 + i], "seq": 2} for i in range(3)]}),
+        "register": enc({"type": "register", "worker": 1, "address": f"ipc://{tmp_path}/w1.sock"}),
+        "start on the new worker": enc({"type": "tokens", "rows": [{"rid": "w", "ids": [100], "start": {"worker": 1}}]}),
+        "finish": enc({"type": "tokens", "rows": [{"rid": "r0", "ids": [400], "seq": 3, "finish": {"reason": "stop"}}]}),
+        "abort": enc({"type": "abort", "rids": ["r1"]}),
+    }
+    try:
+        for what, frame in frames.items():
+            calls, wrong = crossings(server.process, frame, False)
+            assert wrong == [], what
+            assert any(c.endswith("NativeDialect.handle") for c in calls), what
+        assert server.core.known(1) and server.delivery.known(1)  # the register took
+        assert server.stats.errors == {} and server.stats.bad_frames == 0  # every frame was read as meant
+    finally:
+        server.close()

@@ -103,10 +103,10 @@ def dialect():
     pull = ctx.socket(zmq.PULL)
     pull.bind("inproc://native-w0")
     stats = Stats()
-    outbox = Outbox()
+    outbox = Outbox([0])
     v = vocab("deepseek")
     core = Detokenizer(fast_codec("deepseek"), v.size, outbox, max_states=16, max_prompt_tail=8, stats=stats)
-    delivery = Delivery(ctx, outbox, ["inproc://native-w0"], feedback=None, hwm=100, queue_bytes=1 << 20, linger_ms=0, stats=stats)
+    delivery = Delivery(ctx, ["inproc://native-w0"], feedback=None, hwm=100, queue_bytes=1 << 20, linger_ms=0, stats=stats)
     d = native.NativeDialect(core, GcPolicy(stats), stats)
     d.conductor = Conductor(d, core, delivery, stats)  # the loop's way from handle to delivery
     yield d, pull

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
+import sys
 import threading
 import time
 import urllib.error
@@ -157,6 +158,58 @@ def scrape(port: int) -> dict[tuple, float]:
 
 def metric(m: dict, name: str, **labels: str) -> float:
     return m.get((name, *sorted(labels.items())), 0.0)
+
+
+# --------------------------------------------------------------------------- one frame's way
+
+# The parts a frame passes through, by module. The records they hand each other (rows,
+# counters, the output of a frame) and the bounded map both core and delivery keep belong
+# to none of them.
+PARTS = {"detokd.wire": "dialect", "detokd.sglang": "dialect", "detokd.core": "core",
+         "detokd.delivery": "delivery", "detokd.conductor": "loop", "detokd.server": "loop"}
+SHARED = ("detokd.core.records", "detokd.core.stats", "detokd.core.bounded", "detokd.output")
+# The one call from one part into another below the loop: the dialect asks the core. The
+# core returns what the frame produced, the dialect returns it encoded, and the loop hands
+# that to delivery, which only sends it.
+ONE_WAY = {("dialect", "core")}
+
+
+def part_of(module: str) -> str | None:
+    if module.startswith(SHARED):
+        return None
+    return next((p for prefix, p in PARTS.items() if module == prefix or module.startswith(prefix + ".")), None)
+
+
+def crossings(fn: Callable[..., Any], *args: Any) -> tuple[list[str], list[str]]:
+    """`fn(*args)` traced: every detokd function it enters ("module.qualname"), in order;
+    and every call from one part into another that is not the loop's and not ONE_WAY
+    (a call back into code the frame's way had left: delivery into the core or the
+    dialect, the core into the dialect, any part into the loop)."""
+    calls: list[str] = []
+    wrong: list[str] = []
+    stack: list[str | None] = []  # the part of each detokd function still running
+
+    def profile(frame, event: str, _arg: Any) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("detokd."):
+            return
+        if event == "call":
+            name = f"{module}.{frame.f_code.co_qualname}"
+            calls.append(name)
+            callee = part_of(module)
+            caller = next((p for p in reversed(stack) if p is not None), None)
+            if callee and caller and caller not in (callee, "loop") and (caller, callee) not in ONE_WAY:
+                wrong.append(f"{caller} -> {callee}: {name}")
+            stack.append(callee)
+        elif event == "return" and stack:
+            stack.pop()
+
+    sys.setprofile(profile)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return calls, wrong
 
 
 # --------------------------------------------------------------------------- asyncio

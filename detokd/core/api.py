@@ -1,7 +1,8 @@
 """The core as a dialect sees it: every call a wire dialect may make, in one place.
 
 detokd.core.detokenizer.Detokenizer implements it. A dialect hands rows over (`tokens`,
-`quick`), asks about requests (`seq_of`, `ended`, `live`, `known`, `takes_whole`), ends
+`quick`), asks about requests (`seq_of`, `ended`, `live`, `known`, `takes_whole`), adds a
+worker delivery has connected (`add_worker`), ends
 them (`fail`, `bad_rows`, `abort`, `flush`, `stalled`, `too_large_embedding`), and takes
 back what all that produced (`take`; `tokens` returns it too).
 """
@@ -46,6 +47,9 @@ class Core(Protocol):
 
     def known(self, worker: int) -> bool:
         """Whether rows may be routed to `worker`."""
+
+    def add_worker(self, worker: int) -> None:
+        """Rows may be routed to `worker` from now on: delivery has connected it."""
 
     def takes_whole(self, rows: int, ids: int) -> bool:
         """Whether a frame of this many rows and ids is within the frame caps and decoded."""

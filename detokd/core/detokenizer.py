@@ -277,6 +277,10 @@ class Detokenizer:
         """Whether rows may be routed to `worker` (delivery has its address)."""
         return self.outbox.known(worker)
 
+    def add_worker(self, worker: int) -> None:
+        """Rows may be routed to `worker` from now on: delivery has connected it."""
+        self.outbox.open(worker)
+
     def takes_whole(self, rows: int, ids: int) -> bool:
         """Whether a frame of this many rows and ids is within the frame caps, and the
         core decodes (not stopping): then `quick` may answer its rows."""

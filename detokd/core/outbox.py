@@ -2,11 +2,14 @@
 
 The core appends output rows to the list of the row's worker (a live request holds
 its worker's list, so the hot path is one `append`); `take` hands back what the batch
-produced (`Produced`) and leaves the lists empty, in place. Only workers delivery
-knows have a list: a row for any other worker is the caller's error to catch first.
+produced (`Produced`) and leaves the lists empty, in place. Only workers delivery has
+connected have a list (the config's from the start, the others by `Detokenizer.add_worker`):
+a row for any other worker is the caller's error to catch first.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from msgspec import Struct
 
@@ -24,8 +27,8 @@ class Produced(Struct, gc=False):
 class Outbox:
     __slots__ = ("rows", "stopped")
 
-    def __init__(self) -> None:
-        self.rows: dict[int, list[OutRow]] = {}  # worker -> this batch's rows, in order
+    def __init__(self, workers: Iterable[int] = ()) -> None:
+        self.rows: dict[int, list[OutRow]] = {w: [] for w in workers}  # worker -> this batch's rows, in order
         self.stopped: list[StoppedRow] = []  # this batch's feedback for the scheduler
 
     def open(self, worker: int) -> None:

@@ -388,6 +388,7 @@ class SglangDialect:
         w = len(self.delivery.workers)
         if not self.delivery.connect_worker(w, ipc):
             return None
+        self.core.add_worker(w)
         self.worker_of[ipc] = w
         return w
 

@@ -11,6 +11,7 @@ import zmq
 from conftest import fast_codec, vocab
 from messages import Calls
 from replay import accumulate
+from utils import crossings
 
 from detokd.conductor import Conductor
 from detokd.core.detokenizer import Detokenizer, Limits
@@ -49,8 +50,8 @@ class Rig:
         if rcvhwm is not None:
             self.reader.setsockopt(zmq.RCVHWM, rcvhwm)
         self.reader.bind(address)
-        self.stats, outbox = Stats(), Outbox()
-        self.delivery = Delivery(self.ctx, outbox, [address], feedback=None, linger_ms=0, stats=self.stats, **delivery)
+        self.stats, outbox = Stats(), Outbox([0])
+        self.delivery = Delivery(self.ctx, [address], feedback=None, linger_ms=0, stats=self.stats, **delivery)
         self.core = Detokenizer(
             fast_codec(NAME), self.v.size, outbox, max_states=64, max_prompt_tail=8, stats=self.stats, limits=limits
         )
@@ -203,6 +204,27 @@ def test_a_pickle_that_would_call_a_function_is_a_bad_frame_and_every_request_go
     r.read(500)
     assert not marker.exists() and r.stats.bad_frames == 1
     assert len(r.got) == len(r.frames)  # every batch answered, the hostile frame not
+    acc = accumulate(r.got)
+    assert set(acc) == {q.rid for q in r.reqs}
+    for rid, lives in acc.items():
+        assert [(life.text, life.finished_reason["type"]) for life in lives] == [(r.want(), "length")], rid
+
+
+@pytest.mark.parametrize("encoding", ["msgpack", "pickle"])
+def test_each_batch_goes_one_way_dialect_then_core_then_delivery_and_is_answered_exactly(rig, encoding):
+    """Every frame of a stream, traced: the dialect decodes it and asks the core, which
+    returns what the batch produced; the dialect returns it encoded, and delivery sends it.
+    No call goes back into a part the frame's way has left (utils.crossings)."""
+    r = rig("One way through: dialect, core, delivery. 一方通行 🙂 and back? No.", encoding=encoding,
+            hwm=1000, queue_bytes=1 << 20)
+    for frame in r.frames:
+        calls, wrong = crossings(r.step, frame)
+        assert wrong == []
+        way = [c for c in calls if c.endswith(("SglangDialect.handle", "Delivery.deliver")) or ".core.detokenizer.Detokenizer." in c]
+        assert way[0].endswith("SglangDialect.handle") and way[-1].endswith("Delivery.deliver"), way
+        assert any(".core." in c for c in way[1:-1]), way  # the core decided, in between
+        r.read(2)
+    r.read(500)
     acc = accumulate(r.got)
     assert set(acc) == {q.rid for q in r.reqs}
     for rid, lives in acc.items():
