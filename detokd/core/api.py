@@ -1,10 +1,11 @@
 """The core as a dialect sees it: every call a wire dialect may make, in one place.
 
 detokd.core.detokenizer.Detokenizer implements it. A dialect hands rows over (`tokens`,
-`quick`), asks about requests (`seq_of`, `ended`, `live`, `known`, `takes_whole`), adds a
-worker delivery has connected (`add_worker`), ends
+`quick`), asks about requests (`seq_of`, `ended`, `live`, `known`, `takes_whole`), ends
 them (`fail`, `bad_rows`, `abort`, `flush`, `stalled`, `too_large_embedding`), and takes
-back what all that produced (`take`; `tokens` returns it too).
+back what all that produced (`take`; `tokens` returns it too). A worker delivery has
+connected is the core's to route rows to once the loop or the dialect says so
+(`add_worker`).
 """
 
 from __future__ import annotations
