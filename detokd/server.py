@@ -152,7 +152,7 @@ class Server:
             self.close()
             raise
         self.core = Detokenizer(
-            self.codec, self.vocab.size, Outbox(range(len(cfg.workers))),
+            self.codec, self.vocab.size, Outbox(self.delivery.workers),  # the workers delivery connected
             max_states=cfg.max_states, max_prompt_tail=cfg.max_prompt_tail, stats=self.stats, limits=cfg.limits(),
         )
         self.gc_policy = GcPolicy(self.stats)
