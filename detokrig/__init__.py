@@ -9,6 +9,8 @@ detokbench. Not part of the wheel: it runs from a checkout and drives that check
     proc       CPU time and memory from /proc;  corpus: the text the benchmarks decode
     frames     frames peers send detokd: honest ids, hostile frames, frames over caps
     sglang_replay  a scripted scheduler stream through SGLang's detokenizer or detokd's
+    sglang_standin  SGLang's scheduler minus the model: scripted replies through SGLang's Req
+    sglang_frontend  SGLang's own HTTP server around the stand-in (serve_standin.py), model folders
 """
 
 from pathlib import Path

@@ -413,3 +413,17 @@ class SglangDetokenizerUnderTest:
         for proc in self.processes:
             if not proc.is_alive():
                 raise DetokenizerDied(f"{proc.name} exited with code {proc.exitcode}")
+
+
+def append_output_logprobs(lp: Any, tokens: Sequence[int], start: int) -> None:
+    """Deterministic output logprobs of the shapes SGLang's streamer sends, for `tokens`
+    at output positions start, start + 1, ...: the TokenizerManager reads them from the
+    fields a detokenizer forwards."""
+    for k, tok in enumerate(tokens):
+        pos = start + k
+        lp.output_token_logprobs_val.append(-(pos + 1) / 8)
+        lp.output_token_logprobs_idx.append(tok)
+        lp.output_top_logprobs_val.append([-(pos + 1) / 8, -4.0])
+        lp.output_top_logprobs_idx.append([tok, 0])
+        lp.output_token_ids_logprobs_val.append(None)
+        lp.output_token_ids_logprobs_idx.append(None)

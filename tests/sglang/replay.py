@@ -12,7 +12,15 @@ from typing import Any, Iterable, Literal, Sequence
 
 import msgspec
 
-from detokrig.sglang_replay import Encoding, Scripted, SglangDetokenizerUnderTest, _accumulator, ipc_encoding, route
+from detokrig.sglang_replay import (
+    Encoding,
+    Scripted,
+    SglangDetokenizerUnderTest,
+    _accumulator,
+    append_output_logprobs,
+    ipc_encoding,
+    route,
+)
 
 
 class Request(Scripted, frozen=True, kw_only=True):
@@ -90,20 +98,6 @@ class Request(Scripted, frozen=True, kw_only=True):
             req.routed_experts = torch.arange(total * 2 * 2, dtype=torch.int32).reshape(total, 2, 2)
         if self.indexer_topk:
             req.indexer_topk = torch.arange(total * 3, dtype=torch.int32).reshape(total, 3) * 7
-
-
-def append_output_logprobs(lp: Any, tokens: Sequence[int], start: int) -> None:
-    """Deterministic output logprobs of the shapes SGLang's streamer sends, for `tokens`
-    at output positions start, start + 1, ...: the TokenizerManager reads them from the
-    fields a detokenizer forwards."""
-    for k, tok in enumerate(tokens):
-        pos = start + k
-        lp.output_token_logprobs_val.append(-(pos + 1) / 8)
-        lp.output_token_logprobs_idx.append(tok)
-        lp.output_top_logprobs_val.append([-(pos + 1) / 8, -4.0])
-        lp.output_top_logprobs_idx.append([tok, 0])
-        lp.output_token_ids_logprobs_val.append(None)
-        lp.output_token_ids_logprobs_idx.append(None)
 
 
 class Accumulated(msgspec.Struct, kw_only=True):

@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 import requests
 import sglang
-from frontend import HERE, ROOT, Frontend
 from models import model_folder, plugin_path  # noqa: F401  (a fixture)
 from test_frontend import oracle
 
-BREAKAGE = HERE / "breakage"
+from detokrig import ROOT
+from detokrig.sglang_frontend import Frontend
+
+BREAKAGE = Path(__file__).resolve().parent / "breakage"
 pytestmark = pytest.mark.timeout(900)
 KEEPING = "keeping SGLang's own detokenizer"
 
@@ -41,7 +43,7 @@ CASES = {
 
 def serve(root: Path, plugin_path: Path, tag: str, break_spec: str | None, config: str | None,
           detokd_sglang: str = "1") -> Frontend:
-    env = {"PYTHONPATH": ":".join(map(str, [BREAKAGE, plugin_path, ROOT, HERE])), "DETOKD_SGLANG": detokd_sglang}
+    env = {"PYTHONPATH": ":".join(map(str, [BREAKAGE, plugin_path, ROOT])), "DETOKD_SGLANG": detokd_sglang}
     if break_spec:
         env["DETOKD_TEST_BREAK"] = break_spec
     if config is not None:

@@ -1,7 +1,7 @@
 """detokd behind SGLang's own HTTP server and TokenizerManager, with real clients.
 
 SGLang's launch_server path on CPU with a plain `--model-path` (SGLang resolves the
-tokenizer itself), the stand-in scheduler (standin_scheduler.py: SGLang's Req and output
+tokenizer itself), the stand-in scheduler (detokrig/sglang_standin.py: SGLang's Req and output
 streamer, no model) and the detokenizer the plugin starts: detokd, also for
 --detokenizer-worker-num 2 (one process, or two behind SGLang's router with
 DETOKD_SGLANG_ROUTER), or SGLang's own for comparison. ~30 concurrent mixed
@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import vocab
-from frontend import Frontend
 from models import model_folder, plugin_path  # noqa: F401  (a fixture: this worktree's entry point)
-from standin_scheduler import REPLIES
+
+from detokrig.sglang_frontend import Frontend
+from detokrig.sglang_standin import REPLIES
 
 
 def _router_routes_by_rid() -> bool:

@@ -9,21 +9,27 @@ an architecture SGLang accepts; no weights exist or are read.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import psutil
 import requests
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-SERVE = HERE / "serve_standin.py"
+from detokd import zoo
+from detokd.tokenizer import Vocab, load
+
+from . import ROOT
+
+SERVE = Path(__file__).resolve().parent / "serve_standin.py"
 # SGLang's crash path waits ~5 s for py-spy and up to 60 s for CUDA core dumps; neither exists here.
 QUIET_CRASH = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
@@ -31,6 +37,7 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
 
 class Frontend:
     """One SGLang server: `detokenizer` is "detokd" (the plugin) or "sglang" (its own);
@@ -51,7 +58,7 @@ class Frontend:
                    SGLANG_USE_PICKLE_IPC="1" if encoding == "pickle" else "0",
                    DETOKD_SGLANG="1" if detokenizer == "detokd" else "0",
                    DETOKD_SGLANG_ROUTER="1" if router else "0",
-                   PYTHONPATH=os.pathsep.join([str(plugin_path), str(ROOT), str(HERE)]))
+                   PYTHONPATH=os.pathsep.join([str(plugin_path), str(ROOT)]))
         env.update(env_extra or {})
         args = ["--model-path", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                 "--device", "cpu", "--detokenizer-worker-num", str(workers), *extra]
@@ -102,3 +109,70 @@ class Frontend:
                 pass
         self.proc.wait(30)
         self._out.close()
+
+
+# --- what a server serves -----------------------------------------------------------------
+
+# A chat template for /v1/chat/completions: the messages' contents in order, then the
+# assistant's turn (the stand-in scheduler reads its tags from the prompt).
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@functools.cache
+def vocab(name: str) -> Vocab:
+    return load(name)
+
+
+def eos_of(name: str) -> int:
+    """The tokenizer's eos, or its first special token when it names none."""
+    v = vocab(name)
+    return v.hf.eos_token_id if v.hf.eos_token_id is not None else sorted(v.special)[0]
+
+
+def model_folder(root: Path, name: str | None) -> Path:
+    """A weightless model folder (a tiny LlamaForCausalLM config) holding the packaged
+    tokenizer `name` with a chat template, or no tokenizer at all (None: SGLang must be
+    told one with --tokenizer-path)."""
+    folder = root / f"model-{name or 'bare'}"
+    if folder.exists():
+        return folder
+    # Servers started side by side may ask for the same folder at once.
+    return zoo.built_aside(folder, lambda building: _fill_model_folder(building, name))
+
+
+def _fill_model_folder(building: Path, name: str | None) -> None:
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "torch_dtype": "float32",
+    }
+    if name is not None:
+        for f in zoo.build(name).iterdir():
+            if f.is_file():
+                shutil.copy(f, building / f.name)
+        v, eos = vocab(name), eos_of(name)
+        tc_path = building / "tokenizer_config.json"
+        tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+        tc.update(eos_token=v.hf.convert_ids_to_tokens(eos), chat_template=CHAT_TEMPLATE)
+        tc_path.write_text(json.dumps(tc))
+        config.update(vocab_size=v.size, eos_token_id=eos)
+    (building / "config.json").write_text(json.dumps(config))
+
+
+def entry_points() -> dict[str, str]:
+    """detokd's `sglang.srt.plugins` entry points, as pyproject.toml declares them."""
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["sglang.srt.plugins"]
+
+
+def plugin_dist(folder: Path) -> Path:
+    """`folder`, holding a dist-info that declares this checkout's entry point: put first
+    on a child's path, SGLang discovers the plugin through importlib.metadata as a pip
+    install would make it (entry_points() keeps the first distribution of a name,
+    shadowing an older install)."""
+    info = folder / "detokd-0.1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: detokd\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points().items())
+    )
+    return folder

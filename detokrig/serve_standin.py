@@ -14,7 +14,8 @@ from sglang.srt.entrypoints.http_server import launch_server
 from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import prepare_server_args
 from sglang.srt.utils import kill_process_tree
-from standin_scheduler import run_standin_scheduler
+
+from detokrig.sglang_standin import run_standin_scheduler
 
 if __name__ == "__main__":
     load_plugins()

@@ -22,7 +22,7 @@ import re
 import time
 from typing import Any
 
-from replay import append_output_logprobs
+from detokrig.sglang_replay import append_output_logprobs
 
 # One step every STEP_S while requests run: slow enough that a stream has many rows,
 # fast enough that ~30 requests of ~60 ids end in seconds.
