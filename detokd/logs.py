@@ -349,4 +349,18 @@ def _shutdown() -> None:
         writer.stop(DRAIN_TIMEOUT)
 
 
+def _after_fork_in_child() -> None:
+    """A fork takes no thread along, and a lock another thread held at that moment stays
+    held for ever: the child gets new locks, a new queue and a writer thread of its own."""
+    global _lock
+    _lock = threading.Lock()
+    for f in list(_filters):
+        f.lock = threading.Lock()
+    for k, (handler, writer, fmt) in enumerate(_installed):
+        assert isinstance(handler, _QueueHandler)
+        handler.queue = queue.Queue(writer.queue.maxsize)
+        _installed[k] = (handler, _Writer(handler.queue, writer.stream), fmt)
+
+
 atexit.register(_shutdown)
+os.register_at_fork(after_in_child=_after_fork_in_child)

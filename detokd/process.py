@@ -79,7 +79,6 @@ class DetokdProcess:
         self.env = dict(env or {})
         self.command = list(command) if command is not None else [sys.executable, "-m", "detokd"]
         self.popen = dict(popen or {})
-        self.shards = _shards(self.args)
         n = next(_ids)
         self.log_path = self.folder / f"detokd-{n}.log"
         self.config_path = self.folder / f"detokd-{n}.toml"
@@ -111,8 +110,9 @@ class DetokdProcess:
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Until detokd (every shard of it) said READY=1; NotReady, with detokd
-        killed, if it exits first or takes longer than `timeout` seconds."""
+        """Until detokd said READY=1 (under a supervisor, once every shard has said it to
+        the supervisor); NotReady, with detokd killed, if it exits first or takes longer
+        than `timeout` seconds."""
         try:
             self._wait_ready(timeout)
         except BaseException:
@@ -124,8 +124,8 @@ class DetokdProcess:
         if proc is None or notify is None:
             raise RuntimeError("wait_ready before spawn")
         deadline = time.monotonic() + timeout
-        ready = 0
-        while ready < self.shards:
+        ready = False
+        while not ready:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NotReady(f"detokd not ready within {timeout:.0f} s:\n{self.log()}")
@@ -136,7 +136,7 @@ class DetokdProcess:
                 message = notify.recv(4096)
             except TimeoutError:
                 continue
-            ready += b"READY=1" in message.split(b"\n")
+            ready = b"READY=1" in message.split(b"\n")
 
     def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:
         """Signal detokd and wait for it to exit; its exit code. Killed after `timeout`."""
@@ -209,12 +209,3 @@ class DetokdProcess:
     @property
     def feedback(self) -> str | None:
         return self.config.feedback
-
-
-def _shards(args: Sequence[str]) -> int:
-    for i, a in enumerate(args):
-        if a == "--shards" and i + 1 < len(args):
-            return int(args[i + 1])
-        if a.startswith("--shards="):
-            return int(a.split("=", 1)[1])
-    return 1
