@@ -43,6 +43,19 @@ TICK = 0.5  # s the thread may sleep with nothing to do: how late close() is see
 SWITCH_INTERVAL = 0.001  # s: how long the loop may keep the GIL from this thread
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port and listening (port 0: any free one)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(BACKLOG)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
 class _Conn:
     __slots__ = ("sock", "peer", "deadline", "turn", "request", "answer")
 
@@ -57,19 +70,14 @@ class Endpoint:
 
     def __init__(
         self, host: str, port: int, routes: dict[str, Callable[[], Reply]], name: str,
-        *, max_connections: int = MAX_CONNECTIONS, deadline: float = DEADLINE,
+        *, max_connections: int = MAX_CONNECTIONS, deadline: float = DEADLINE, listener: socket.socket | None = None,
     ) -> None:
+        """`listener`: a socket `listen` already bound (host and port are then its own),
+        as a supervisor holds it across its children's lives."""
         self.routes, self.max_connections, self.deadline = routes, max_connections, deadline
         # Connections closed unanswered: "full" (no room), "deadline" (request not in time).
         self.dropped = {"full": 0, "deadline": 0}
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.listener.bind((host, port))
-            self.listener.listen(BACKLOG)
-        except OSError:
-            self.listener.close()
-            raise
+        self.listener = listener if listener is not None else listen(host, port)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
         self.conns: dict[socket.socket, _Conn] = {}  # oldest first, so also by deadline

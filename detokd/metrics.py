@@ -10,6 +10,7 @@ seconds).
 
 from __future__ import annotations
 
+import socket
 import time
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -197,7 +198,8 @@ class MetricsServer:
     (503 starting or stuck), as it always was.
     """
 
-    def __init__(self, stats: Stats, host: str, port: int, health_timeout: float) -> None:
+    def __init__(self, stats: Stats, host: str, port: int, health_timeout: float,
+                 listener: socket.socket | None = None) -> None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_StatsCollector(stats))
         ProcessCollector(registry=registry)
@@ -225,7 +227,7 @@ class MetricsServer:
             return 200, generate_latest(registry), "text/plain; version=0.0.4"
 
         routes = {"/health": health, "/livez": livez, "/readyz": readyz, "/metrics": metrics}
-        self.endpoint = Endpoint(host, port, routes, "detokd-metrics")
+        self.endpoint = Endpoint(host, port, routes, "detokd-metrics", listener=listener)
         self.port = self.endpoint.port
         registry.register(_DroppedCollector(self.endpoint))
 

@@ -18,20 +18,22 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import NoReturn
 
 import zmq
 
-from . import logs, readiness, sockets
+from . import http, logs, readiness, sockets
 from .conductor import Conductor
 from .config import Config, ConfigError, check
-from .core.decoder import make_codec
+from .core.decoder import Codec, make_codec
 from .core.detokenizer import Detokenizer
 from .core.outbox import Outbox
 from .core.records import SHUTDOWN
 from .core.stats import Stats
 from .delivery import Delivery, RegisterPolicy
 from .gc_policy import GcPolicy
+from .launch import stop_signals
 from .metrics import MetricsServer
 from .tokenizer import Vocab, load
 from .wire.dialect import Dialect, DialectFactory
@@ -46,7 +48,8 @@ EXIT_GRACE = 3  # the exit status when the shutdown grace ran out, or a second s
 DRAIN_SHARE = 0.5  # of shutdown_grace_s for decoding queued frames; then error rows and the linger
 LAST_WORDS_S = 0.5  # at most, of the grace, for the log lines before an os._exit
 # Each asks for the same drained stop. SIGHUP too: detokd has no reload, and SIGHUP's
-# default action (a terminal or session gone) would end it with nothing answered or logged.
+# default action (a terminal or session gone) would end it with nothing answered or
+# logged; but not where it was ignored when the process started (launch.stop_signals).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -126,15 +129,79 @@ class GraceWatch:
         self.reader.close()
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What start-up decides before anything binds an address: the config checked, the ipc
+    folders and CURVE keys read, the tokenizer and its codec built and verified, the
+    metrics port bound. A process that must know start-up will succeed before it says so
+    (a supervisor about to fork its decoding process; detokd before its verdict to
+    SGLang) prepares; its children only bind and serve. The metrics listener is held by
+    the preparing process, so the port answers across a child's death."""
+
+    cfg: Config
+    vocab: Vocab
+    codec: Codec
+    curve: sockets.Curve | None
+    metrics: socket.socket | None
+
+
+def prepare(cfg: Config, vocab: Vocab | None = None, *, ipc_folders_fatal: bool = True) -> Prepared:
+    """Everything of start-up that can fail, short of binding the input and connecting the
+    workers (ConfigError, TokenizerError). `ipc_folders_fatal=False` says of an ipc path
+    a stranger could take what it is, and serves: as SGLang's detokenizer, detokd serves
+    where SGLang's own would."""
+    check(cfg)
+    curve = secure(cfg, ipc_folders_fatal)
+    vocab = vocab or load(cfg.tokenizer)
+    codec = build_codec(cfg, vocab)
+    metrics = None
+    if cfg.metrics_port is not None:
+        try:
+            metrics = http.listen(cfg.metrics_host, cfg.metrics_port)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
+    return Prepared(cfg, vocab, codec, curve, metrics)
+
+
+def secure(cfg: Config, ipc_folders_fatal: bool = True) -> sockets.Curve | None:
+    """The private ipc folders, checked; CURVE's keys, if configured, read."""
+    sockets.prepare_private([cfg.input, *cfg.workers, cfg.feedback])
+    sockets.check_ipc_folders(
+        [("input", cfg.input), *((f"worker {w}", a) for w, a in enumerate(cfg.workers)), ("feedback", cfg.feedback)],
+        fatal=ipc_folders_fatal,
+    )
+    curve = sockets.Curve.from_config(cfg)
+    if curve is not None:
+        for name in cfg.curve_plaintext:  # config.check refused any other tcp socket without a key
+            what = "every tcp worker added by register" if name == "register" else name.replace(".", " ")
+            log.warning("CURVE is on but %s is connected in plaintext (curve_plaintext)", what)
+    return curve
+
+
+def build_codec(cfg: Config, vocab: Vocab) -> Codec:
+    t0 = time.perf_counter()
+    codec = make_codec(vocab, cfg.codec, cfg.release)
+    log.info(
+        "tokenizer %s: %d ids, %s codec (built and verified in %.2fs)",
+        cfg.tokenizer, vocab.size, codec.name, time.perf_counter() - t0,
+    )
+    return codec
+
+
 class Server:
     """detokd's loop over one input, its workers and one dialect.
 
-    Start-up binds in an order a supervisor can read: health first (it says "starting"
-    during the seconds a tokenizer takes), then the input (an address in use is a config
-    error worth knowing before them), the tokenizer, delivery, and the core with its
-    dialect. Whatever start-up opened is closed again if a later step fails."""
+    Start-up takes the stop signals first, so a stop that comes while it runs is a
+    drained stop like any other, and then binds in an order a supervisor can read:
+    health first (it says "starting" during the seconds a tokenizer takes), then the
+    input (an address in use is a config error worth knowing before them), the
+    tokenizer, delivery, and the core with its dialect. With `prepared` (server.prepare,
+    run by a parent) only the binding is left. Whatever start-up opened is closed again
+    if a later step fails."""
 
-    def __init__(self, cfg: Config, dialect: DialectFactory, vocab: Vocab | None = None) -> None:
+    def __init__(
+        self, cfg: Config, dialect: DialectFactory, vocab: Vocab | None = None, prepared: Prepared | None = None
+    ) -> None:
         check(cfg)
         self.cfg = cfg
         self.stats = Stats()
@@ -142,14 +209,24 @@ class Server:
         self.ctx = zmq.Context()
         self.auth = None
         self.refusals = threading.Lock()
+        self.stop_requested_at: float | None = None  # when the first STOP_SIGNAL came
+        self.stop_signal: int = signal.SIGTERM  # which one it was
+        self.watch: GraceWatch | None = None
+        self.old_handlers: dict = {}
         try:
-            self._serve_health()
-            curve = self._secure()
+            self._take_signals()
+            self._serve_health(prepared.metrics if prepared is not None else None)
+            curve = prepared.curve if prepared is not None else secure(cfg)
             self._bind_input(curve)
-            self._load_tokenizer(vocab)
+            if prepared is not None:
+                self.vocab, self.codec = prepared.vocab, prepared.codec
+            else:
+                self.vocab = vocab or load(cfg.tokenizer)
+                self.codec = build_codec(cfg, self.vocab)
             self._open_delivery(curve)
         except BaseException:
             self.close()
+            self._give_signals_back()
             raise
         self.core = Detokenizer(
             self.codec, self.vocab.size, Outbox(self.delivery.workers),  # the workers delivery connected
@@ -160,37 +237,42 @@ class Server:
         self.stats.dialect = self.dialect.name
         self.conductor = Conductor(self.dialect, self.core, self.delivery, self.stats)
         self.stats.sample = self._sample_gauges
-        self.stop_requested_at: float | None = None  # when the first STOP_SIGNAL came
-        self.stop_signal: int = signal.SIGTERM  # which one it was
         self.stopping_notified = False
         self.max_rss = cfg.max_rss_mb * 1024 * 1024 if cfg.max_rss_mb is not None else None
         self.rss_checked = 0.0
 
     # --- start-up, in order -----------------------------------------------------------
 
-    def _serve_health(self) -> None:
+    def _take_signals(self) -> None:
+        """The grace watch and the stop handlers, before anything is bound: a SIGTERM that
+        comes while the tokenizer loads, with frames already queued on the input, stops
+        the server once it is up, answering them (the default action would drop them all)."""
+        self.watch = GraceWatch(self.cfg.shutdown_grace_s)  # first: every handled signal reaches it
+        self.old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in stop_signals()}
+
+    def _give_signals_back(self) -> None:
+        # The watch first: a second signal it already heard ends the process with
+        # EXIT_GRACE while close() waits for it. With the old handlers back first,
+        # the next signal of a storm took the default action (killed, status -15).
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        for sig, handler in self.old_handlers.items():
+            if handler is not None:  # None: a handler not installed from Python
+                signal.signal(sig, handler)
+        self.old_handlers = {}
+
+    def _serve_health(self, listener: socket.socket | None) -> None:
         cfg = self.cfg
         if cfg.metrics_port is None:
             return
         try:
-            self.metrics = MetricsServer(self.stats, cfg.metrics_host, cfg.metrics_port, cfg.health_timeout)
+            self.metrics = MetricsServer(
+                self.stats, cfg.metrics_host, cfg.metrics_port, cfg.health_timeout, listener=listener
+            )
         except OSError as exc:
             raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
         self.metrics.start()
-
-    def _secure(self) -> sockets.Curve | None:
-        """The private ipc folders, checked; CURVE's keys, if configured."""
-        cfg = self.cfg
-        sockets.prepare_private([cfg.input, *cfg.workers, cfg.feedback])
-        sockets.check_ipc_folders(
-            [("input", cfg.input), *((f"worker {w}", a) for w, a in enumerate(cfg.workers)), ("feedback", cfg.feedback)]
-        )
-        curve = sockets.Curve.from_config(cfg)
-        if curve is not None:
-            for name in cfg.curve_plaintext:  # config.check refused any other tcp socket without a key
-                what = "every tcp worker added by register" if name == "register" else name.replace(".", " ")
-                log.warning("CURVE is on but %s is connected in plaintext (curve_plaintext)", what)
-        return curve
 
     def _bind_input(self, curve: sockets.Curve | None) -> None:
         cfg = self.cfg
@@ -213,16 +295,6 @@ class Server:
             raise ConfigError(f"cannot bind input {cfg.input}: {exc.strerror}") from exc
         self.endpoint = self.input.getsockopt_string(zmq.LAST_ENDPOINT)
         self.bound = self.endpoint + (" (CURVE)" if curve else "")
-
-    def _load_tokenizer(self, vocab: Vocab | None) -> None:
-        cfg = self.cfg
-        self.vocab = vocab or load(cfg.tokenizer)
-        t0 = time.perf_counter()
-        self.codec = make_codec(self.vocab, cfg.codec, cfg.release)
-        log.info(
-            "tokenizer %s: %d ids, %s codec (built and verified in %.2fs)",
-            cfg.tokenizer, self.vocab.size, self.codec.name, time.perf_counter() - t0,
-        )
 
     def _open_delivery(self, curve: sockets.Curve | None) -> None:
         cfg = self.cfg
@@ -248,14 +320,12 @@ class Server:
 
     def run(self) -> int:
         """Serve until a STOP_SIGNAL, then answer what is queued and close."""
-        watch = GraceWatch(self.cfg.shutdown_grace_s)  # first: every handled signal reaches it
-        old = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         drained = 0
         try:
             poller = self._start_serving()
             drained = self._loop(poller)
         finally:
-            self._shut_down(drained, watch, old)
+            self._shut_down(drained)
         return 0
 
     def _start_serving(self) -> zmq.Poller:
@@ -268,7 +338,8 @@ class Server:
         log.info(
             "serving: input %s, %d worker(s), %s dialect", self.bound, len(self.delivery.workers), self.dialect.name
         )
-        readiness.notify("READY=1")
+        if self.stop_requested_at is None:  # stopped while starting: systemd hears STOPPING=1 only
+            readiness.notify("READY=1")
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
         self.delivery.poller = poller  # a worker's backlog registers its socket's POLLOUT here
@@ -326,7 +397,7 @@ class Server:
             stats.last_turn = monotonic()
         return drained, False
 
-    def _shut_down(self, drained: int, watch: GraceWatch, old: dict) -> None:
+    def _shut_down(self, drained: int) -> None:
         self.gc_policy.stop()
         self._notify_stopping()
         log.info(
@@ -335,13 +406,7 @@ class Server:
         )
         self.close()
         logs.report_suppressed(force=True)
-        # The watch first: a second signal it already heard ends the process with
-        # EXIT_GRACE while close() waits for it. With the old handlers back first,
-        # the next signal of a storm took the default action (killed, status -15).
-        watch.close()
-        for sig, handler in old.items():
-            if handler is not None:  # None: a handler not installed from Python
-                signal.signal(sig, handler)
+        self._give_signals_back()
 
     def _stop_accepting(self, requested_at: float) -> float:
         """The first signal (it came at `requested_at`): unbind the input, so that new

@@ -163,15 +163,16 @@ def ipc_folder_problem(address: str) -> tuple[str, bool] | None:
 IPC_ADVICE = "use a folder only trusted users can write (docs/security.md)"
 
 
-def check_ipc_folders(named: list[tuple[str, str | None]]) -> None:
+def check_ipc_folders(named: list[tuple[str, str | None]], fatal: bool = True) -> None:
     """At start, for each (what, address): refuse (exit 2) a path a stranger could take,
-    warn of one a stranger could bind first."""
+    warn of one a stranger could bind first. With `fatal` false both are warnings: for
+    addresses detokd did not choose (SGLang's), where refusing would serve no one better."""
     for what, address in named:
         problem = ipc_folder_problem(address) if address else None
         if problem is None:
             continue
-        why, fatal = problem
-        if fatal:
+        why, takeable = problem
+        if takeable and fatal:
             raise ConfigError(f"{what} {address}: {why}; {IPC_ADVICE}")
         log.warning("%s %s: %s; %s", what, address, why, IPC_ADVICE)
 

@@ -8,8 +8,11 @@ STALLABLE, or a patched log filter), real ZMQ sockets (docs/reliability.md).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -17,9 +20,10 @@ import threading
 import time
 
 import msgspec
+import psutil
 import pytest
 import zmq
-from utils import Engine, Req, Sink, make_ids, wait_until
+from utils import Engine, Req, Sink, http_get, make_ids, wait_until
 from zmq.utils.monitor import recv_monitor_message
 
 from detokd.process import DetokdProcess, ipc_config
@@ -53,14 +57,7 @@ def _queue_behind_a_stall(d, zctx, stall: float, frames: list[dict]) -> None:
     once all of them have left the sender (they are then detokd's: its I/O thread reads
     them into the socket's queue while the loop sleeps)."""
     d.stall(stall)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, -1)
-    push.connect(d.input)
-    for msg in frames:
-        push.send(enc(msg))
-    push.close()
-    ctx.term()  # returns once every frame was written to detokd's connection
+    _send_all(d, frames)
 
 
 def _exit_code(d, within: float) -> int:
@@ -270,3 +267,84 @@ def test_signals_after_a_second_one_while_the_last_words_are_written_do_not_kill
         assert "second signal 15 while stopping: exiting now" in d.log()
     finally:
         d.kill()
+
+
+# --------------------------------------------------------------------------- 3. a stop before ready, a hang-up ignored
+
+# `detokd serve` whose start-up holds after the input is bound, before the tokenizer
+# loads, until the file $DETOKD_TEST_GATE exists (a tokenizer that takes that long).
+HELD = r"""
+import os, sys, time
+from detokd import cli, server
+gate = os.environ["DETOKD_TEST_GATE"]
+load = server.load
+def held(spec):
+    os.write(2, b"test: start-up held\n")
+    while not os.path.exists(gate):
+        time.sleep(0.01)
+    return load(spec)
+server.load = held
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_stop_while_starting_answers_the_rows_already_queued_and_says_so_last(tmp_path, zctx):
+    """SIGTERM while start-up loads the tokenizer (/livez says "starting"), with the
+    input already bound and 50 requests queued on it: once up, detokd answers every one
+    of them as any stop does, exits 0 and says why last; it never says READY=1."""
+    gate = tmp_path / "gate"
+    cfg = ipc_config(tmp_path, metrics_port=0)
+    d = DetokdProcess(cfg, folder=tmp_path, command=[PY, "-c", HELD], env={"DETOKD_TEST_GATE": str(gate)})
+    d.spawn()
+    try:
+        w = Sink(zctx, d.workers[0])
+        port = int(wait_until(lambda: re.search(r"health and metrics on port (\d+)", d.log()), 30, "the port").group(1))
+        wait_until(lambda: "test: start-up held" in d.log(), 30, "start-up to hold")
+        assert http_get(port, "/livez") == (200, b"starting\n")
+        rng = random.Random(4)
+        reqs = [Req(f"q{i}", make_ids(rng, rng.randrange(1, 24))) for i in range(50)]
+        _send_all(d, [{"type": "tokens", "rows": [r.row(len(r.ids))]} for r in reqs])
+        d.proc.send_signal(signal.SIGTERM)
+        gate.touch()
+        assert _exit_code(d, 30) == 0
+        w.wait(lambda: all(w.ended(r.rid) for r in reqs), 20, "an answer for every queued request")
+        assert {r.rid: w.text(r.rid) for r in reqs} == {r.rid: r.expected() for r in reqs}
+        assert "stopped: got SIGTERM; exit 0" in d.log().strip().splitlines()[-1]
+        said = []
+        d._notify.settimeout(0)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                said.append(d._notify.recv(4096))
+        assert b"STOPPING=1" in said and b"READY=1" not in said, said
+    finally:
+        d.kill()
+
+
+@pytest.mark.parametrize("args", [[], ["--restart"]])
+def test_a_hangup_ignored_when_detokd_started_stays_ignored(tmp_path, zctx, args):
+    """`nohup detokd serve &`: SIGHUP was ignored when detokd started, and stays so (a
+    terminal that closes must not stop it): after one, it still answers."""
+    cfg = ipc_config(tmp_path)
+    ignore = functools.partial(signal.signal, signal.SIGHUP, signal.SIG_IGN)
+    with DetokdProcess(cfg, folder=tmp_path, args=args, popen={"preexec_fn": ignore}) as d:
+        w = Sink(zctx, d.workers[0])
+        for p in [d.pid, *(c.pid for c in psutil.Process(d.pid).children())]:
+            os.kill(p, signal.SIGHUP)
+        req = Req("after-hangup", make_ids(random.Random(5), 30))
+        _send_all(d, [{"type": "tokens", "rows": [req.row(30)]}])
+        w.wait(lambda: w.ended(req.rid), 20, "the answer")
+        assert w.text(req.rid) == req.expected()
+        assert d.proc.poll() is None and "SIGHUP" not in d.log()
+        assert d.stop() == 0
+
+
+def _send_all(d, frames: list[dict]) -> None:
+    """Send `frames` to d's input and return once every one has left the sender."""
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, -1)
+    push.connect(d.input)
+    for msg in frames:
+        push.send(enc(msg))
+    push.close()
+    ctx.term()  # returns once every frame was written to detokd's connection
