@@ -7,6 +7,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from . import __version__, logs
 from .config import Config, ConfigError, env_name, flags, load, to_toml
@@ -21,6 +22,9 @@ CONFIG_HELP = "TOML config file (default: $DETOKD_CONFIG); DETOKD_<KEY> variable
 def _serve_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
     for key, f in flags().items():  # one flag per key that has one, as Config declares it
+        if f.switch:
+            sp.add_argument(f.name, dest=key, action="store_const", const=True, help=f"{f.help} (${env_name(key)})")
+            continue
         sp.add_argument(
             f.name, dest=key, metavar=f.metavar, choices=f.choices, type=f.type,
             action="append" if f.repeat else "store", help=f"{f.help} (${env_name(key)})",
@@ -56,17 +60,36 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ConfigError("--supervisor-port needs --shards 2 or more")
     if ns.shards > 1:
         return _serve_shards(ns, cfg)
+    if cfg.restart:
+        return _serve_restarting(cfg)
+    return _serve(cfg)
+
+
+def _serve(cfg: Config, prepared=None) -> int:
     from .server import Server
     from .wire.native import NativeDialect
 
-    server = Server(cfg, NativeDialect.make)
+    server = Server(cfg, NativeDialect.make, prepared=prepared)
     rc = server.run()
     log.info("stopped: got %s; exit %d", signal.Signals(server.stop_signal).name, rc, extra=logs.UNLIMITED)
     return rc
 
 
+def _serve_restarting(cfg: Config) -> int:
+    """restart = true: this process decides everything that can fail (server.prepare:
+    the config, the tokenizer, the metrics port) and supervises one decoding process,
+    a fork of it that binds and serves, forked again when it dies (launch.RESTARTS)."""
+    from .launch import RESTARTS, Forks, Supervisor
+    from .server import prepare
+
+    prepared = prepare(cfg)
+    log.info("serving from a decoding process that is restarted when it dies (restart = true)")
+    serve = Forks(lambda index, restarts: guarded(lambda: _serve(cfg, prepared)))
+    return Supervisor(serve, 1, backoff=RESTARTS).run()  # its last line says why it stopped
+
+
 def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
-    from .launch import StatusPortError, Supervisor, derive_address
+    from .launch import Commands, StatusPortError, Supervisor, derive_address
     from .metrics import BuildInfo
 
     if cfg.metrics_port is not None and cfg.metrics_port + ns.shards - 1 > 65535:
@@ -91,7 +114,8 @@ def _serve_shards(ns: argparse.Namespace, cfg: Config) -> int:
     log.info("%d shards: %s", ns.shards, ", ".join(inputs))
     try:
         return Supervisor(
-            argv, ns.shards, status_port=sup_port, status_host=cfg.metrics_host, collectors=[BuildInfo("native")]
+            Commands(argv), ns.shards, status_port=sup_port, status_host=cfg.metrics_host,
+            collectors=[BuildInfo("native")],
         ).run()
     except StatusPortError as exc:
         raise ConfigError(str(exc)) from exc
@@ -101,10 +125,14 @@ def _shard_flags(cfg: Config, address: str, i: int) -> list[str]:
     """Shard i's flags: the supervisor's settings, its own input and metrics port."""
     own: dict[str, object] = {
         "input": address, "metrics_port": None if cfg.metrics_port is None else cfg.metrics_port + i,
+        "restart": None,  # the shards' supervisor restarts them: no supervisor of its own in each
     }
     args: list[str] = []
     for key, f in flags().items():
         value = own[key] if key in own else getattr(cfg, key)
+        if f.switch:
+            args += [f.name] if value else []
+            continue
         for v in value if f.repeat and isinstance(value, list) else [value]:
             if v is not None:
                 args += [f.name, str(v)]
@@ -174,8 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    return guarded(lambda: ns.func(ns))
+
+
+def guarded(run: Callable[[], int]) -> int:
+    """`run()`'s exit status, or the one of its failure, said as the last line."""
     try:
-        return ns.func(ns)
+        return run()
     except (ConfigError, TokenizerError) as exc:
         _last_words(f"detokd: error: {exc}")
         return EXIT_CONFIG

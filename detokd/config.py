@@ -62,6 +62,7 @@ class Flag:
     choices: tuple[str, ...] | None = None  # a choice key's values, from its Literal
     type: Callable[[str], object] = str  # int for an integer key; else the text itself
     repeat: bool = False  # a list key: the flag once per item
+    switch: bool = False  # a bool key: the flag alone sets it true
 
 
 def flag(help: str, metavar: str | None = None, name: str | None = None) -> Meta:
@@ -134,6 +135,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # After the first SIGTERM/SIGINT/SIGHUP the process ends within this many seconds, whatever
     # the loop is doing (below a container runtime's 10 s before SIGKILL).
     shutdown_grace_s: Seconds = 8.0
+    # Serve from a forked decoding process, started again within a second when it dies
+    # (an OOM kill, a bug): the process that loaded the tokenizer supervises it
+    # (docs/deploy.md, "Restarts"). Shards are always restarted by their supervisor.
+    restart: Annotated[bool, flag("serve from a decoding process that is restarted when it dies")] = False
 
     # --- `register` (docs/protocol.md): off unless enabled; then only addresses matching
     # one of register_allow (fnmatch globs), at most register_max workers added at run
@@ -348,6 +353,7 @@ def flags() -> dict[str, Flag]:
             choices=_literal_values(f.name) if isinstance(t, mi.LiteralType) else None,
             type=int if isinstance(t, mi.IntType) else str,
             repeat=isinstance(t, mi.ListType),
+            switch=isinstance(t, mi.BoolType),
         )
     return out
 
