@@ -58,6 +58,9 @@ class Core(Protocol):
     def fail(self, rid: str, worker: int, error: str, meta: Raw) -> None:
         """A row the dialect could not read: its request fails with `error`."""
 
+    def end(self, rid: str, worker: int, error: str) -> None:
+        """A rid that cannot be decoded here: its rows, from the next on, get `error`."""
+
     def bad_rows(self, rids: list[str]) -> None:
         """Rows that failed the schema: their requests fail with bad_row."""
 

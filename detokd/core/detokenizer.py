@@ -531,6 +531,13 @@ class Detokenizer:
         self.tombstones.add(rid, worker, error)
         self._error(rid, worker, error, meta, _n_ids(request))
 
+    def end(self, rid: str, worker: int, error: str) -> None:
+        """A rid that is not live and whose rows cannot be decoded here (its request began
+        in a process before this one, with the context its first row brought): its rows,
+        from the next one handed to `tokens` on, are answered `error`, as an ended
+        request's are."""
+        self.tombstones.add(rid, worker, error)
+
     def bad_rows(self, rids: list[str]) -> None:
         """Rows that failed the schema: their request, if live, is failed too. A rid
         beyond max_rid_len gets no row, as in `_too_large`."""

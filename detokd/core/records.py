@@ -81,3 +81,4 @@ TOO_LARGE = "too_large"  # the row or its start is beyond a configured cap (max_
 RID_COLLISION = "rid_collision"  # a start for a live rid named another worker: both are told
 OVERLOADED = "overloaded"  # detokd's memory is above max_rss_mb, or a new stop list's above max_stop_bytes: refused
 SHUTDOWN = "shutdown"  # read while stopping, after the time shutdown gives decoding ran out
+RESTARTED = "restarted"  # a later row of a request that began before this process (SGLang mode, after a restart)

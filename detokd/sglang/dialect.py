@@ -9,14 +9,18 @@ with every field the detokenizer only copies forwarded as raw bytes).
 
 SGLang's rows carry no start or seq. A rid the table does not hold starts a request: its
 first row's decode_ids are the prompt context (decode_ids[:read_offset], at most five
-prompt ids) followed by output ids, as SGLang's scheduler builds them. A rid detokd ended
-itself (a tombstone: evicted, say) instead gets an abort finish reason, which SGLang's
-TokenizerManager turns into an error for the client (SGLang's own detokenizer raised and
-died there, #2812). SGLang's scheduler matches stop strings itself and withholds a row
-while the text could begin one (missing a prefix beside a split character: the core's
-engine-stop trim finds those in the text already sent); trims on finish are SGLang's
-rules (the matched stop token is dropped unless no_stop_trim or a tool-call closing token). Where detokd
-differs from SGLang on purpose, docs/sglang.md says so.
+prompt ids) followed by every output id so far (completion_tokens of them), as SGLang's
+scheduler builds them. A rid detokd ended itself (a tombstone: evicted, say) instead gets
+an abort finish reason, which SGLang's TokenizerManager turns into an error for the
+client (SGLang's own detokenizer raised and died there, #2812); so does a later row of a
+request this process never saw (fewer output ids than completion_tokens: it began before
+a restart), which is never decoded without its context.
+
+SGLang's scheduler matches stop strings itself and withholds a row while the text could
+begin one (missing a prefix beside a split character: the core's engine-stop trim finds
+those in the text already sent); trims on finish are SGLang's rules (the matched stop
+token is dropped unless no_stop_trim or a tool-call closing token). Where detokd differs
+from SGLang on purpose, docs/sglang.md says so.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import msgspec
 
 from .. import logs
 from ..core.outbox import Produced
-from ..core.records import BAD_ROW, WORKER_STALLED, Finish, OutRow, Row, Start
+from ..core.records import BAD_ROW, RESTARTED, UNKNOWN_RID, WORKER_STALLED, Finish, OutRow, Row, Start
 from ..output import Output, WorkerOut
 from . import schema
 from .id_rows import in_vocabulary
@@ -133,6 +137,7 @@ class SglangDialect:
         keep_stop_ids: frozenset[int] = frozenset(),
         falsy_no_match: bool = False,
         split: Any = None,
+        restarted: bool = False,
     ) -> None:
         self.core = core
         self.delivery = delivery  # only to connect the HTTP workers the batches name
@@ -148,6 +153,9 @@ class SglangDialect:
         # The release's split of a batch for one HTTP worker (release.Split); the
         # installed release's if not given.
         self.split = split
+        # What a later row of a request this process never saw is answered: its process
+        # died and this one took its place (restarted), or no one knows why.
+        self.unseen = RESTARTED if restarted else UNKNOWN_RID
         self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
         self.positions: list[msgspec.Raw] = []  # each position's meta, up to the largest batch within max_rows
         self.beam_warned = False
@@ -257,6 +265,7 @@ class SglangDialect:
         ipcs = batch.http_worker_ipcs
         rows = []
         grown(self.positions, len(rids))
+        counts = _Counts(self.ipc, batch)
         worker: int | None  # None: a row of no HTTP worker, skipped
         # Strict: decode_ids of another length than rids is a batch that does not read as
         # the schema says (`tokens` aborts it), not one whose surplus rows go unanswered.
@@ -266,13 +275,15 @@ class SglangDialect:
                 worker = self._worker(ipcs[i] if ipcs else None)
                 if worker is None:
                     continue
-            rows.append(self._row(batch, i, rid, ids, worker))
+            rows.append(self._row(batch, i, rid, ids, worker, counts))
         return rows
 
-    def _row(self, batch: TokenBatch, i: int, rid: str, ids: list[int], worker: int) -> Row:
-        """Row i of the batch as the core's row: a live request's next ids, or the start
-        of a new one (its ids begin with the prompt context)."""
+    def _row(self, batch: TokenBatch, i: int, rid: str, ids: list[int], worker: int, counts: _Counts) -> Row:
+        """Row i of the batch as the core's row: a live request's next ids, the start of a
+        new one (its ids begin with the prompt context), or a row the core answers with an
+        error (its request ended here, or began before this process)."""
         vocab_size = self.vocab_size
+        sent = len(ids)  # as the scheduler sent them: a stop token's trim comes next
         if ids and (max(ids) >= vocab_size or min(ids) < 0):
             ids = self._clamp(ids)
         finish = None
@@ -288,6 +299,9 @@ class SglangDialect:
         if self.core.ended(rid):
             return Row(rid, ids, 0, None, finish, meta)  # answered with its error
         context = batch.read_offsets[i]
+        if sent - context < counts[i]:  # not every output id so far: not the request's first row
+            self.core.end(rid, worker, self.unseen)
+            return Row(rid, ids, 0, None, finish, meta)  # answered with that error
         start = Start(
             worker=worker,
             prompt_tail=ids[:context],
@@ -324,6 +338,7 @@ class SglangDialect:
         n = len(rids)
         positions = grown(self.positions, n)
         in_vocab = in_vocabulary(id_rows, self.vocab_size)
+        counts = _Counts(self.ipc, batch)
         texts: list[str] = []
         produced: Produced | None = None
         pending: list[Row] = []
@@ -342,7 +357,7 @@ class SglangDialect:
                 i += len(got)
                 if i == n:
                     break
-            row = self._row(batch, i, rids[i], id_rows[i], 0)
+            row = self._row(batch, i, rids[i], id_rows[i], 0, counts)
             pending.append(row)
             texts.append("")
             start = start or row.start is not None
@@ -537,6 +552,22 @@ class SglangDialect:
         for w, indices in by_worker.items():
             for sub, _ in self._subsets(full, indices, [None] * len(indices)):
                 yield w, sub
+
+
+class _Counts:
+    """A batch's completion_tokens, read on the first look: only a row of a rid new to
+    this process needs them (a start, most of the time), and in msgpack they are raw."""
+
+    __slots__ = ("ipc", "batch", "values")
+
+    def __init__(self, ipc: schema.MsgpackCodec | schema.PickleCodec, batch: TokenBatch) -> None:
+        self.ipc, self.batch = ipc, batch
+        self.values: list[int] | None = None
+
+    def __getitem__(self, i: int) -> int:
+        if self.values is None:
+            self.values = self.ipc.completion_tokens(self.batch)
+        return self.values[i]
 
 
 def _joined(first: Produced | None, then: Produced) -> Produced:

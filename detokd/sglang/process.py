@@ -2,11 +2,10 @@
 
 `run_sglang_detokenizer(server_args, port_args)` has the signature of SGLang's own
 (sglang.srt.managers.detokenizer_manager.run_detokenizer_process), so SGLang's Engine
-starts, watches and kills it as it would its own: it binds the address SGLang's
-schedulers push to (port_args.detokenizer_ipc_name), pushes to the
-TokenizerManager (port_args.tokenizer_ipc_name) or, with several HTTP workers, to the
-worker each row names, dies with its parent, and on a failure tells the parent with
-SIGQUIT as SGLang's detokenizer does (SGLang's watchdog reads a clean exit as fine).
+starts, watches and kills it as it would its own. It dies with its parent, and SGLang's
+watchdog sees its exit; but it does not decode. It decides, then supervises the
+process that does, which SGLang never sees: a death there (an exception that escapes,
+SIGKILL, the OOM killer) is not SGLang's, and SGLang's server outlives it.
 
 Settings come from SGLang, read where SGLang's own detokenizer reads them (its runtime
 context, resolved: the tokenizer, the HTTP worker count, the tool-call parser), and from
@@ -17,11 +16,20 @@ sets just the metrics port.
 Started by the plugin with a `verdict` pipe, the process first decides (`prepare`):
 it imports every SGLang module and symbol it uses, builds the schema from the installed
 release's classes and detects how that release behaves (detokd.sglang.schema, .release),
-reads and validates DETOKD_CONFIG, loads SGLang's tokenizer and checks detokd's tables
-against it (detokd.sglang.vocab), tries the metrics port. Only then does it tell the plugin whether it serves,
-and only once it serves does it bind. Any failure before that is a refusal naming its
-cause: SGLang's addresses stay free for SGLang's own detokenizer, which the plugin then
-starts; nothing detokd does there can take SGLang down.
+reads and validates DETOKD_CONFIG and the CURVE keys it names, loads SGLang's tokenizer
+and checks detokd's tables against it (detokd.sglang.vocab), builds the codec, binds the
+metrics port. Only then does it tell the plugin whether it serves. Any failure before
+that is a refusal naming its cause: SGLang's addresses stay free for SGLang's own
+detokenizer, which the plugin then starts.
+
+Once it serves, it forks the decoding process (detokd.launch.Forks), which binds
+SGLang's addresses and runs detokd's loop, and forks it again within a second when it
+dies. Rows the dead process had not answered are lost with it; the requests they
+belonged to are ended by their next row, which the new process answers with an abort
+(`detokd: restarted`: SglangDialect). Three deaths in a row, each within a minute of its
+start, end the restarts: SGLang's own DetokenizerManager then serves the same addresses
+from this process (`run_detokenizer_process`, as SGLang starts it), and SGLang's log
+says so once. Nothing detokd does after the verdict can take SGLang down.
 """
 
 from __future__ import annotations
@@ -29,14 +37,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import stat
 from dataclasses import dataclass
 from typing import Callable
 
-from .. import __version__, logs, sockets
-from ..config import Config, ConfigError, load
-from ..server import Server
+from .. import __version__, logs, server, sockets
+from ..config import Config, load
+from ..launch import EXIT_STARTUP, GAVE_UP, Backoff, Forks, Supervisor
 from ..tokenizer import Vocab, of
 from . import release, schema
 from . import vocab as sglang_vocab
@@ -44,6 +51,13 @@ from .dialect import SglangDialect
 from .plugin import cause
 
 log = logs.get(__name__)
+
+# As `ps` shows them: the process SGLang started, and the one it forks to decode.
+TITLE = "sglang::detokenizer (detokd)"
+DECODING_TITLE = "sglang::detokenizer (detokd decoding)"
+# Forked again at once, then after 0.2 s; a third death in a row, each within a minute of
+# its start, ends the restarts (run_sglang_detokenizer falls back to SGLang's own).
+RESTARTS = Backoff(restart_delay=0.1, max_delay=1.0, max_restarts=2, restart_window=60.0, give_up=True)
 
 
 @dataclass(frozen=True)
@@ -62,7 +76,8 @@ class Prepared:
     vocab: Vocab
     fingerprint: sglang_vocab.Fingerprint
     cfg: Config
-    make_dialect: Callable
+    make_dialect: Callable  # (restarted: bool) -> a Server's DialectFactory
+    server: server.Prepared
 
 
 def config(port_args, tokenizer_path: str) -> Config:
@@ -77,20 +92,6 @@ def config(port_args, tokenizer_path: str) -> Config:
         "metrics_port": int(os.environ["DETOKD_METRICS_PORT"]) if os.environ.get("DETOKD_METRICS_PORT") else None,
     }
     return load(os.environ.get("DETOKD_CONFIG") or None, overrides)
-
-
-def metrics_port_free(cfg: Config) -> None:
-    """The metrics port binds once the verdict is sent, when a failure would take SGLang's
-    server down: so it is tried first, and let go for the server to bind a moment later
-    (another process taking it in between is the one failure left)."""
-    if not cfg.metrics_port:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
-        try:
-            probe.bind((cfg.metrics_host, cfg.metrics_port))
-        except OSError as exc:
-            raise ConfigError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror}") from exc
 
 
 def take_reserved_path(address: str) -> None:
@@ -137,14 +138,18 @@ def dialect_factory(vocab, built: schema.Schema, rel: release.Release, ipc) -> C
              f" (answered {rel.split_name})" if workers > 1 else "",
              "`not matched`" if rel.falsy_no_match else "`matched is None`", ipc.name)
 
-    def make(core, delivery, gc_policy, stats, cfg) -> SglangDialect:
-        if ipc.name == "pickle":
-            ipc.tensor_bytes = cfg.max_frame_bytes  # what a frame's tensors may expand to
-        return SglangDialect(
-            core, delivery, gc_policy, stats,
-            ipc=ipc, vocab_size=vocab.size, http_workers=workers > 1,
-            keep_stop_ids=frozenset(keep), falsy_no_match=rel.falsy_no_match, split=rel.split,
-        )
+    def make(restarted: bool) -> Callable:
+        def dialect(core, delivery, gc_policy, stats, cfg) -> SglangDialect:
+            if ipc.name == "pickle":
+                ipc.tensor_bytes = cfg.max_frame_bytes  # what a frame's tensors may expand to
+            return SglangDialect(
+                core, delivery, gc_policy, stats,
+                ipc=ipc, vocab_size=vocab.size, http_workers=workers > 1,
+                keep_stop_ids=frozenset(keep), falsy_no_match=rel.falsy_no_match, split=rel.split,
+                restarted=restarted,
+            )
+
+        return dialect
 
     return make
 
@@ -153,7 +158,10 @@ def prepare(server_args, port_args, use_pickle: bool | None = None) -> Prepared:
     """Everything detokd's process needs, decided before it tells the plugin it serves:
     the schema from the installed classes, the release's behaviour (every SGLang symbol
     either uses, imported), the IPC codec, SGLang's tokenizer checked, DETOKD_CONFIG
-    read and validated, the metrics port free. Raises what it cannot do."""
+    read and validated, then all a server decides before it binds (server.prepare: the
+    CURVE keys read, the codec built, the metrics port bound). SGLang's ipc addresses in
+    a folder a stranger could write are said, never refused: SGLang's own detokenizer
+    would serve them. Raises what it cannot do."""
     from . import pickled
 
     built = schema.build()
@@ -161,8 +169,8 @@ def prepare(server_args, port_args, use_pickle: bool | None = None) -> Prepared:
     ipc = schema.codec(use_pickle, pickled.allowances(os.environ.get("DETOKD_SGLANG_PICKLE_ALLOW", "")), built=built)
     vocab, fingerprint = sglangs_vocab(server_args)
     cfg = config(port_args, vocab.name)
-    metrics_port_free(cfg)
-    return Prepared(vocab, fingerprint, cfg, dialect_factory(vocab, built, rel, ipc))
+    ready = server.prepare(cfg, vocab, ipc_folders_fatal=False)
+    return Prepared(vocab, fingerprint, cfg, dialect_factory(vocab, built, rel, ipc), ready)
 
 
 def own_lines() -> None:
@@ -198,18 +206,17 @@ def run_sglang_detokenizer(server_args, port_args, verdict=None) -> None:
     from sglang.srt.utils import configure_logger, kill_itself_when_parent_died
 
     kill_itself_when_parent_died()
-    setproctitle.setproctitle("sglang::detokenizer (detokd)")
+    setproctitle.setproctitle(TITLE)
     configure_logger(server_args)
     own_lines()
     sockets.IPC_ADVICE = sglangs_ipc_advice()
     publish(server_args, role="detokenizer")
-    parent = psutil.Process().parent()
     try:
         ready = prepare(server_args, port_args)
     except Exception as exc:
         if verdict is None:  # no plugin to fall back to: a failure of SGLang's detokenizer
             log.exception("detokd cannot serve SGLang %s's detokenizer", sglang.__version__)
-            parent.send_signal(signal.SIGQUIT)
+            psutil.Process().parent().send_signal(signal.SIGQUIT)
             raise
         # Nothing is bound: the plugin starts SGLang's own detokenizer instead.
         verdict.send(Verdict(False, cause(exc), sglang.__version__))
@@ -219,14 +226,42 @@ def run_sglang_detokenizer(server_args, port_args, verdict=None) -> None:
              ready.vocab.name, ready.vocab.size, len(ready.vocab.special), ready.fingerprint)
     if verdict is not None:
         verdict.send(Verdict(True, f"{ready.vocab.name} ({ready.fingerprint})", sglang.__version__))
+        verdict.close()
+    take_reserved_path(ready.cfg.input)
+    # SIGKILL, as SGLang's own processes die with theirs: this one only goes when SGLang does.
+    decoding = Forks(lambda index, restarts: serve(ready, restarts), death_signal=signal.SIGKILL)
+    ended = Supervisor(decoding, 1, backoff=RESTARTS).run()
+    if ended in (GAVE_UP, EXIT_STARTUP):
+        serve_sglangs_own(server_args, port_args, ready)
+
+
+def serve(ready: Prepared, restarts: int) -> int:
+    """The decoding process: detokd's loop on SGLang's addresses until it is stopped.
+    Its failure is its own: logged, and its exit status is the supervisor's to read."""
+    import setproctitle
+    import sglang
+
+    setproctitle.setproctitle(DECODING_TITLE)
     try:
-        take_reserved_path(ready.cfg.input)
-        server = Server(ready.cfg, ready.make_dialect, ready.vocab)
-        dialect = server.dialect
+        srv = server.Server(ready.cfg, ready.make_dialect(restarts > 0), prepared=ready.server)
+        dialect = srv.dialect
         assert isinstance(dialect, SglangDialect)  # what make_dialect builds
-        log.info("detokd %s serves SGLang %s's detokenizer (%s IPC)", __version__, sglang.__version__, dialect.ipc.name)
-        server.run()
+        log.info("detokd %s serves SGLang %s's detokenizer (%s IPC)%s", __version__, sglang.__version__,
+                 dialect.ipc.name, f", restarted ({restarts} since start)" if restarts else "")
+        return srv.run()
     except Exception:
-        log.exception("detokd's SGLang detokenizer failed")
-        parent.send_signal(signal.SIGQUIT)
-        raise
+        log.exception("detokd's decoding process failed")
+        return 1
+
+
+def serve_sglangs_own(server_args, port_args, ready: Prepared) -> None:
+    """The restarts are over: SGLang's own DetokenizerManager serves SGLang's addresses
+    from this process, as SGLang's launch would have started it, until SGLang ends."""
+    import sglang
+    from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+
+    if ready.server.metrics is not None:
+        ready.server.metrics.close()  # nothing of detokd's answers there any more
+    log.error("detokd's decoding process keeps dying: SGLang %s's own detokenizer serves from now on, in the "
+              "process SGLang started as its detokenizer (the causes are above)", sglang.__version__)
+    run_detokenizer_process(server_args, port_args)

@@ -90,6 +90,7 @@ class UnreadBatch(msgspec.Struct):
 _rids = msgspec.msgpack.Decoder(Union[list[str], None])
 _ipcs = msgspec.msgpack.Decoder(Union[list[Union[str, None]], None])
 _tag = msgspec.msgpack.Decoder(str)
+_ints = msgspec.msgpack.Decoder(list[int])
 
 
 class SchemaMismatch(RuntimeError):
@@ -116,6 +117,9 @@ READS: dict[str, dict[str, tuple[str, Any]]] = {
         "skip_special_tokens": ("List[bool]", list[bool]),
         "spaces_between_special_tokens": ("List[bool]", list[bool]),
         "no_stop_trim": ("List[bool]", list[bool]),
+        # Output ids so far: read (raw, on demand) when a rid is new to this process, to
+        # tell a request's first row from a later one of a request begun before it.
+        "completion_tokens": ("List[int]", Raw),
         # Tensors (ext 2); BatchStrOutput carries them base64'd.
         "routed_experts": ("Optional[List[Optional[torch.Tensor]]]", Optional[list[Optional[Ext]]]),
         "indexer_topk": ("Optional[List[Optional[torch.Tensor]]]", Optional[list[Optional[Ext]]]),
@@ -383,6 +387,10 @@ class MsgpackCodec:
         rows = tok.decode_ids
         return rows if type(rows) is IdRows else ids_of(rows)
 
+    @staticmethod
+    def completion_tokens(tok: TokenBatch) -> list[int]:
+        return _ints.decode(tok.completion_tokens)
+
     def str_output(self, tok: TokenBatch, output_strs: list[str]) -> StrBatch:
         s = self.schema
         fields = {name: getattr(tok, name) for name in s.copied}
@@ -428,6 +436,10 @@ class PickleCodec:
 
     def ids(self, tok: TokenBatch) -> list[list[int]]:
         return self._id_rows(tok.decode_ids)
+
+    @staticmethod
+    def completion_tokens(tok: TokenBatch) -> list[int]:
+        return tok.completion_tokens
 
     def str_output(self, tok: TokenBatch, output_strs: list[str]) -> StrBatch:
         s = self.schema

@@ -31,6 +31,7 @@ class TokenBatch(RoutedBatch, Protocol):
     skip_special_tokens: list[bool]
     spaces_between_special_tokens: list[bool]
     no_stop_trim: list[bool]
+    completion_tokens: Any  # a list of ints (pickle), its raw bytes (msgpack): read by a codec's completion_tokens()
 
 
 class EmbeddingBatch(RoutedBatch, Protocol):

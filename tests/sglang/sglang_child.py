@@ -3,9 +3,10 @@
 usage: sglang_child.py loader [mismatch]       -> load_plugins(); is the launch method replaced?
        sglang_child.py launch ORACLE ARGS...   -> SGLang's server args from its own command-line
            parser (ARGS as after `python -m sglang.launch_server`), then launch the detokenizer
-           through SGLang's launch function, talk to it, kill it, watch SGLang see it. ORACLE
-           is the tokenizer folder whose decode the answer must equal.
-       sglang_child.py orphan ORACLE ARGS...   -> the same, then die without a word.
+           through SGLang's launch function, talk to it, kill detokd's decoding process (if
+           detokd's) and talk again, kill the process SGLang started, watch SGLang see it.
+           ORACLE is the tokenizer folder whose decode the answers must equal.
+       sglang_child.py orphan ORACLE ARGS...   -> talk to it, then die without a word.
 Prints one JSON line; the warnings SGLang's plugin logger got are in it.
 """
 
@@ -81,7 +82,7 @@ def launch(oracle_dir: str, argv: list[str], orphan: bool = False) -> dict:
     if orphan:
         # SGLang dies abruptly once its detokenizer answered: no teardown of its children.
         out = talk_and_kill(procs, names, port_args, oracle_dir, logs, kill=False)
-        out["pid"] = procs[0].pid
+        out["pids"] = [procs[0].pid, *decoding_pids(procs[0])]
         print("RESULT " + json.dumps(out), flush=True)
         os._exit(0)
     try:
@@ -91,7 +92,15 @@ def launch(oracle_dir: str, argv: list[str], orphan: bool = False) -> dict:
             p.kill()
 
 
+def decoding_pids(proc) -> list[int]:
+    """detokd's decoding process, forked by the process SGLang started (none for SGLang's own)."""
+    import psutil
+
+    return [c.pid for c in psutil.Process(proc.pid).children() if "(detokd decoding)" in " ".join(c.cmdline())]
+
+
 def talk_and_kill(procs, names, port_args, oracle_dir: str, logs: Captured, kill: bool = True) -> dict:
+    import time
     from array import array
 
     import psutil
@@ -137,9 +146,18 @@ def talk_and_kill(procs, names, port_args, oracle_dir: str, logs: Captured, kill
         output_token_sampling_logprobs=None,
     )
     has = set(io_struct.BatchTokenIDOutput.__struct_fields__)  # 0.5.20 has output_token_sampling_logprobs
-    io_struct.sock_send(to_detokenizer, io_struct.BatchTokenIDOutput(**{k: v for k, v in fields.items() if k in has}))
-    answered = to_tokenizer.poll(60_000)
-    reply = io_struct.sock_recv(to_tokenizer) if answered else None
+
+    def ask(rid: str):
+        """One request's one row; the detokenizer's answer, or None."""
+        batch = io_struct.BatchTokenIDOutput(**{k: v for k, v in {**fields, "rids": [rid]}.items() if k in has})
+        io_struct.sock_send(to_detokenizer, batch)
+        return io_struct.sock_recv(to_tokenizer) if to_tokenizer.poll(60_000) else None
+
+    # SGLang's watchdog, as _launch_subprocesses sets it up; it SIGQUITs this process,
+    # and so does a detokenizer that fails.
+    seen = threading.Event()
+    signal.signal(signal.SIGQUIT, lambda *_: seen.set())
+    reply = ask("r0")
     out["reply_type"] = type(reply).__name__
     out["output_strs"] = reply.output_strs if reply is not None else None
     out["expected"] = [tok.decode(ids, skip_special_tokens=True)] * n
@@ -151,11 +169,25 @@ def talk_and_kill(procs, names, port_args, oracle_dir: str, logs: Captured, kill
     if not kill:
         return out
 
-    # SGLang's watchdog, as _launch_subprocesses sets it up; it SIGQUITs this process.
-    seen = threading.Event()
-    signal.signal(signal.SIGQUIT, lambda *_: seen.set())
     watchdog = SubprocessWatchdog(processes=procs, process_names=names, interval=0.1)
     watchdog.start()
+    decoding = [pid for p in procs for pid in decoding_pids(p)]
+    out["decoding"] = len(decoding)
+    if decoding:  # detokd's: its decoding process dies, SGLang does not see it, the next row is answered
+        # Sent once the sender's socket has seen the connection go (a row sent while the
+        # kill is under way can be lost with it: docs/sglang.md): this socket's, or, behind
+        # SGLang's router, the router's, which it has seen before the next process is forked.
+        gone = to_detokenizer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        os.kill(decoding[0], signal.SIGKILL)
+        killed = time.monotonic()
+        if behind_router:
+            while set(decoding_pids(procs[0])) <= {decoding[0]}:
+                time.sleep(0.01)
+        else:
+            gone.poll(10_000)
+        again = ask("r1")
+        out["after_restart"] = {"rids": again.rids if again else None, "output_strs": again.output_strs if again else None,
+                                "seconds": time.monotonic() - killed, "death_seen": seen.is_set()}
     procs[0].kill()
     out["death_seen"] = seen.wait(30)
     procs[0].join(10)

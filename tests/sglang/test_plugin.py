@@ -90,7 +90,18 @@ def children(plugin_path, tmp_path_factory) -> dict[str, Future]:
     # A port another process listens on, for the whole module: detokd's metrics port.
     taken = socket.create_server(("127.0.0.1", 0))
     cases["metrics port taken"] = (["launch", qwen2, "--model-path", qwen2], "1")
-    envs = {"metrics port taken": {"DETOKD_METRICS_PORT": str(taken.getsockname()[1])}}
+    # A DETOKD_CONFIG naming a CURVE key file that is not there.
+    missing_key = tmp_path_factory.mktemp("curve") / "detokd.toml"
+    missing_key.write_text(f'curve_secret_key = "{missing_key.parent}/gone.key_secret"\n')
+    cases["missing CURVE key"] = (["launch", qwen2, "--model-path", qwen2], "1")
+    # SGLang's addresses in a TMPDIR every user may write, without the sticky bit (a
+    # Kubernetes emptyDir mounted on /tmp): SGLang's own detokenizer serves there.
+    shared = tmp_path_factory.mktemp("shared-tmp")
+    shared.chmod(0o777)
+    cases["shared TMPDIR"] = (["launch", qwen2, "--model-path", qwen2], "1")
+    envs = {"metrics port taken": {"DETOKD_METRICS_PORT": str(taken.getsockname()[1])},
+            "missing CURVE key": {"DETOKD_CONFIG": str(missing_key)},
+            "shared TMPDIR": {"TMPDIR": str(shared)}}
     pool = ThreadPoolExecutor(2)
     futures = {}
     for case, (args, detokd_sglang) in cases.items():
@@ -146,6 +157,18 @@ def assert_answers_and_dies_seen(result: dict) -> None:
     assert result["reply_type"] == "BatchStrOutput" and result["rids"] == ["r0"]
     assert result["output_strs"] == result["expected"]
     assert result["death_seen"] is True and result["exitcode"] == -9
+    if not result["sglangs_own"]:
+        assert_outlives_its_decoding_process(result)
+
+
+def assert_outlives_its_decoding_process(result: dict) -> None:
+    """detokd's decoding process SIGKILLed: SGLang's watchdog sees nothing (the process
+    it started lives on), and the next request is answered exactly by the next one."""
+    assert result["decoding"] >= 1
+    again = result["after_restart"]
+    assert again["death_seen"] is False
+    assert again["rids"] == ["r1"] and again["output_strs"] == result["expected"], again
+    assert again["seconds"] < 2, again
 
 
 def assert_detokds(result: dict) -> None:
@@ -213,6 +236,7 @@ def test_several_detokenizer_processes_asked_for_are_one_detokd_on_sglangs_addre
     assert "DETOKD_SGLANG_ROUTER=1" in infos[0]
     assert result["rids"] == ["r0"] and result["output_strs"] == result["expected"]
     assert result["death_seen"] is True and result["exitcode"] == -9
+    assert_outlives_its_decoding_process(result)
 
 
 def test_with_detokd_sglang_router_they_are_detokds_behind_sglangs_own_router(children):
@@ -226,6 +250,8 @@ def test_with_detokd_sglang_router_they_are_detokds_behind_sglangs_own_router(ch
     assert len(infos) == 1 and "2 processes behind SGLang's router" in infos[0]
     assert result["rids"] == ["r0"] and result["output_strs"] == result["expected"]
     assert result["death_seen"] is True and result["exitcode"] == -9
+    assert result["decoding"] == 2
+    assert_outlives_its_decoding_process(result)
 
 
 def test_detokds_process_dies_with_sglang(children):
@@ -234,11 +260,34 @@ def test_detokds_process_dies_with_sglang(children):
     holding SGLang's addresses."""
     result = children["orphan"].result()
     assert result["sglangs_own"] is False and result["output_strs"] == result["expected"]
-    pid = result["pid"]
+    pids = result["pids"]
+    assert len(pids) == 2  # the process SGLang started, and the decoding process it forked
     deadline = time.monotonic() + 30
-    while alive(pid) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not alive(pid), f"detokd's detokenizer (pid {pid}) outlived SGLang"
+    assert not any(map(alive, pids)), f"detokd's processes {pids} outlived SGLang"
+
+
+def test_a_curve_key_that_cannot_be_read_keeps_sglangs_own_before_the_verdict(children):
+    """Every check runs before detokd tells SGLang it serves: a CURVE key file that is
+    not there is a fallback with one warning, never a detokenizer that SIGQUITs SGLang
+    once it tries to bind."""
+    result = children["missing CURVE key"].result()
+    assert result["sglangs_own"] is True
+    (warning,) = [w for w in warnings_of(result) if "detokd" in w]
+    assert "keeping SGLang's own detokenizer" in warning and "cannot read CURVE key" in warning
+    assert_answers_and_dies_seen(result)
+
+
+def test_sglangs_addresses_in_a_folder_every_user_may_write_are_served_with_the_tmpdir_advice(children):
+    """A 0777 TMPDIR without the sticky bit: SGLang's own detokenizer serves there, so
+    detokd does too (it never refuses what SGLang's own would serve), and says to set
+    TMPDIR to a private folder."""
+    result = children["shared TMPDIR"].result()
+    assert_detokds(result)
+    assert_answers_and_dies_seen(result)
+    warnings = [line for line in result["stderr"].splitlines() if "not sticky" in line]
+    assert warnings and all("detokd" in w and "TMPDIR" in w for w in warnings), warnings
 
 
 def test_sglang_mode_counts_ids_and_special_tokens_as_the_tokenizer_command_does(children):
