@@ -133,8 +133,9 @@ class Forks:
     """Children that are forks of this process running `serve(index, restarts)`, whose
     return value is the child's exit status. What the parent built before the fork
     (a tokenizer, its tables) the child shares page by page until it writes them: the
-    collector is frozen first, so the child's collections leave those pages alone.
-    `death_signal` is what a child gets when the supervisor dies."""
+    collector is frozen first, and stays so in the child, so no collection of the
+    child's writes to those pages. `death_signal` is what a child gets when the
+    supervisor dies."""
 
     serve: Callable[[int, int], int]
     what: str = "decoding process"
@@ -151,10 +152,28 @@ class Forks:
         if os.getppid() != parent:  # it died before the line above: nobody to serve for
             return 1
         os.setpgid(0, 0)  # as a command shard: a terminal's Ctrl-C reaches it through the supervisor
+        _first_for_the_oom_killer()
         in_child()
         os.environ.update(env)
-        gc.unfreeze()  # the child's own collector policy decides (detokd.gc_policy freezes again)
+        # The collector stays frozen: a collection over what the parent built would write
+        # to every page of it, copying the parent's heap page by page into the child.
         return self.serve(index, restarts)
+
+
+# What a forked child adds to its oom_score_adj. The OOM killer weighs resident pages,
+# which a fork shares with its parent: without it, the supervisor (or an engine's process
+# beside it) could be the one picked, where the child is the one that is started again.
+OOM_PREFERENCE = 500
+
+
+def _first_for_the_oom_killer() -> None:
+    try:
+        with open("/proc/self/oom_score_adj", "r+") as f:
+            adj = min(1000, int(f.read()) + OOM_PREFERENCE)  # raising it needs no privilege
+            f.seek(0)
+            f.write(str(adj))
+    except (OSError, ValueError):
+        pass  # not Linux, or /proc read-only: the kernel's own choice stands
 
 
 class Forked:

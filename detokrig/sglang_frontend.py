@@ -90,14 +90,22 @@ class Frontend:
         return {r["rid"]: r for r in map(json.loads, self.standin_log.read_text().splitlines())}
 
     def detokenizer_processes(self) -> list[psutil.Process]:
-        """The server's detokenizer processes (not the router), by their process titles."""
+        """The server's detokenizer processes as SGLang started them (not its router, not
+        the decoding processes detokd's fork), by their process titles."""
+        return self._titled(lambda title: "router" not in title and "decoding" not in title)
+
+    def decoding_processes(self) -> list[psutil.Process]:
+        """detokd's decoding processes, each forked by a detokenizer process SGLang started."""
+        return self._titled(lambda title: "(detokd decoding)" in title)
+
+    def _titled(self, pick) -> list[psutil.Process]:
         out = []
         for p in psutil.Process(self.proc.pid).children(recursive=True):
             try:
                 title = " ".join(p.cmdline())
             except psutil.Error:
                 continue
-            if "sglang::detokenizer" in title and "router" not in title:
+            if "sglang::detokenizer" in title and pick(title):
                 out.append(p)
         return out
 

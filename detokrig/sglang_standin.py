@@ -184,7 +184,8 @@ class Standin:
         ctx = list(req.origin_input_ids_unpadded[req.surr_offset : req.read_offset]) if req.read_offset is not None else []
         sp = req.sampling_params
         self.log.write(json.dumps({
-            "rid": req.rid, "context": ctx, "output_ids": list(req.output_ids_through_stop),
+            "rid": req.rid, "time": time.time(),  # when its last row went to the detokenizer
+            "context": ctx, "output_ids": list(req.output_ids_through_stop),
             "finish": req.finished_reason.to_json(), "prompt_tokens": len(req.origin_input_ids),
             "skip_special_tokens": sp.skip_special_tokens,
             "spaces_between_special_tokens": sp.spaces_between_special_tokens,

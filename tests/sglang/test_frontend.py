@@ -17,16 +17,20 @@ import json
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import requests
+import restarts
+import sglang
 from conftest import vocab
 from models import model_folder, plugin_path  # noqa: F401  (a fixture: this worktree's entry point)
 
+from detokd.sglang.release import WINDOW
 from detokrig.sglang_frontend import Frontend
 from detokrig.sglang_standin import REPLIES
+from detokrig.waits import wait_until
 
 
 def _router_routes_by_rid() -> bool:
@@ -52,9 +56,14 @@ RUNS = {
     ("mistral_v3", "msgpack"): [("sglang", 2, True) if ROUTER_EXTRA else ("sglang", 1, False),
                                 ("detokd", 1, False), ("detokd", 2, True)],
 }
+# Where detokd's decoding process is killed under load (restarts.py): one case per
+# release, so both encodings and both tokenizer families are covered across the window.
+NEWEST = sglang.__version__ == WINDOW[-1]
+RESTART_CASE = ("qwen2", "pickle") if NEWEST else ("mistral_v3", "msgpack")
+RESTART_HOST = (*RESTART_CASE, "detokd", 1, False)
 # The first test runs every case's servers (11 processes that import SGLang and torch,
 # ~10 s of CPU each, per case): minutes on two cores, past pytest's per-test timeout.
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = pytest.mark.timeout(2400)
 
 
 def requests_for(name: str) -> list[dict]:
@@ -161,8 +170,14 @@ class Served:
     titles: list[str]  # its detokenizer processes' titles (the router's not among them)
     health: int | None = None  # /health after the mix (its hang-up included)
     health_generate: int | None = None
-    exit_after_kill: int | None = None  # the server's exit status once a detokd process was killed
+    exit_after_kill: int | None = None  # the server's exit status once a detokenizer process was killed
+    answer_after_kill: tuple[str, str] | None = None  # (what a client got, the oracle's) once it was
     log: str = ""  # the server's log, as it was after the mix
+    kills: list[restarts.Kill] = field(default_factory=list)  # the restart host's kills under load
+    supervisor_uss: int | None = None  # bytes, after the first kill's load
+    fallback_kills: int | None = None  # kills in a row that ended the restarts
+    fallback_answer: tuple[str, str] | None = None  # through SGLang's own detokenizer, then
+    stopped: tuple[int | None, list[int]] | None = None  # SIGTERM to SGLang: its exit, detokd processes left
 
 
 def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, Served]:
@@ -191,20 +206,56 @@ def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, 
             if key[2] == "detokd":
                 out[key].health = requests.get(fe.url + "/health", timeout=30).status_code
                 out[key].health_generate = requests.get(fe.url + "/health_generate", timeout=60).status_code
-        # Then one detokenizer process of every server is SIGKILLed, SGLang's own included
-        # (its answers are in): each server gets the same 120 s to end.
-        for fe in fes.values():
-            fe.detokenizer_processes()[0].kill()
-        deadline = time.monotonic() + 120
+        if RESTART_HOST in fes:
+            restart_run(fes[RESTART_HOST], out[RESTART_HOST])
+        kill_one_each({k: fe for k, fe in fes.items() if k != RESTART_HOST}, out, name)
         for key, fe in fes.items():
-            try:
-                out[key].exit_after_kill = fe.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass  # still serving without that detokenizer: the tests compare
+            if key[2] == "detokd":
+                out[key].stopped = restarts.stop_cleanly(fe)
         return out
     finally:
         for fe in fes.values():
             fe.close()
+
+
+def kill_one_each(fes: dict[tuple, Frontend], out: dict[tuple, Served], name: str) -> None:
+    """One detokenizer process of every server SIGKILLed: SGLang's own (its answers are
+    in), detokd's decoding process. Each server gets the same 120 s to end, then answers
+    one more request if it is still up."""
+    for key, fe in fes.items():
+        (fe.detokenizer_processes() if key[2] == "sglang" else fe.decoding_processes())[0].kill()
+    deadline = time.monotonic() + 120
+    for key, fe in fes.items():
+        if key[2] == "sglang":
+            try:
+                out[key].exit_after_kill = fe.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass  # still serving without that detokenizer: the tests compare
+        if fe.proc.poll() is None:
+            out[key].answer_after_kill = ask(fe, name, f"after-kill-{key[2]}")
+
+
+def restart_run(fe: Frontend, served: Served) -> None:
+    """detokd's decoding process SIGKILLed under load at two moments, its restarts used up,
+    and what the server did each time (restarts.py)."""
+    served.kills.append(restarts.kill_under_load(fe, "k1", "mid-stream"))
+    served.supervisor_uss = restarts.supervisor_uss(fe)
+    served.kills.append(restarts.kill_under_load(fe, "k2", "at start"))
+    served.fallback_kills = restarts.kill_until_sglangs_own(fe)
+    served.fallback_answer = ask(fe, RESTART_CASE[0], "after-fallback")
+    rids = [s.rid for kill in served.kills for s in kill.streams + kill.after]
+    # The stand-in records a request once it has finished it, aborted in detokd or not.
+    served.records = wait_until(lambda: (got := fe.records()) and all(r in got for r in rids) and got, 300,
+                                "the stand-in's record of every request")
+    served.log = fe.log_tail(1 << 22)
+
+
+def ask(fe: Frontend, name: str, rid: str) -> tuple[str, str]:
+    """One /generate request: the text its client got, and the oracle's."""
+    body = {"text": "Please answer. [reply 3] [step 2]", "rid": rid, "sampling_params": {"max_new_tokens": 200}}
+    text = requests.post(fe.url + "/generate", json=body, timeout=300).json()["text"]
+    record = wait_until(lambda: fe.records().get(rid), 30, f"the stand-in's record of {rid}")
+    return text, oracle(name, record)
 
 
 @pytest.fixture(scope="module")
@@ -278,12 +329,85 @@ def test_detokds_lines_in_sglangs_log_say_they_are_detokds_and_what_to_do_about_
     assert any("replaced SGLang's detokenizer" in line for line in ours)
 
 
-@pytest.mark.parametrize("key", keys("detokd"), ids=key_id)
-def test_killing_detokd_ends_sglangs_server_as_killing_its_own_does(served, key):
-    """A SIGKILLed detokenizer has no say in what SGLang does next: its server ends (its
-    watchdog), except where SGLang's own, killed in the same layout, outlives it too
-    (0.5.22 and older behind the router, whose layout needs two HTTP workers)."""
+@pytest.mark.parametrize("key", [k for k in keys("detokd") if k != RESTART_HOST], ids=key_id)
+def test_sglangs_server_outlives_a_killed_decoding_process_where_killing_its_own_detokenizer_ends_it(served, key):
+    """SIGKILL of detokd's decoding process: SGLang's server answers the next request
+    exactly. SIGKILL of SGLang's own detokenizer ends its server (its watchdog), except
+    behind the router of 0.5.22 and older, whose layout needs two HTTP workers."""
     own = sglangs(key)
-    same_layout = own[3:] == key[3:]
-    ends = served[own].exit_after_kill is not None if same_layout else True
-    assert (served[key].exit_after_kill is not None) == ends, (served[key].exit_after_kill, served[own].exit_after_kill)
+    assert served[key].exit_after_kill is None
+    text, oracle_text = served[key].answer_after_kill
+    assert text == oracle_text
+    if own[3:] == (1, False):
+        assert served[own].exit_after_kill is not None
+
+
+@pytest.mark.parametrize("key", keys("detokd"), ids=key_id)
+def test_a_clean_sglang_shutdown_ends_every_detokd_process(served, key):
+    code, left = served[key].stopped
+    assert code is not None and not left, (code, left)
+
+
+# --- A decoding process that dies (restarts.py), on RESTART_HOST -------------------------
+
+
+@pytest.fixture(scope="module")
+def host(served) -> Served:
+    return served[RESTART_HOST]
+
+
+def outcome(run: Served, s: restarts.Stream, kill: restarts.Kill) -> str:
+    """How a client's stream ended: "exact" (a normal finish, the oracle's text),
+    "restarted" (an abort naming the restart, after a prefix of the oracle's text), or
+    "lost" (no end: its last row went out while the kill was under way)."""
+    record = run.records.get(s.rid)
+    assert record is not None, f"{s.rid}: the stand-in has no record of it"
+    expected = oracle(RESTART_CASE[0], record)
+    if s.ended and s.finish.get("type") != "abort":
+        assert s.text == expected, s.rid
+        return "exact"
+    if s.ended:
+        assert s.finish.get("message") == "detokd: restarted", (s.rid, s.finish)
+        assert expected.startswith(s.text), s.rid
+        return "restarted"
+    assert record["time"] < kill.at + 1.0, f"{s.rid}: its last row went out {record['time'] - kill.at:.2f} s after the kill"
+    return "lost"
+
+
+@pytest.mark.parametrize("k", [0, 1], ids=["mid-stream", "at-start"])
+def test_a_killed_decoding_process_ends_every_stream_in_flight_exactly_or_with_an_abort_naming_it(host, k):
+    kill = host.kills[k]
+    assert kill.server_up and kill.replaced_by and kill.killed not in kill.replaced_by
+    outcomes = [outcome(host, s, kill) for s in kill.streams]
+    print(f"{kill.moment}: " + ", ".join(f"{o} {outcomes.count(o)}" for o in ("exact", "restarted", "lost")))
+    assert "restarted" in outcomes  # the kill found streams in flight
+    assert outcomes.count("lost") <= 2, outcomes  # the rows of a step or two die with the process
+
+
+@pytest.mark.parametrize("k", [0, 1], ids=["mid-stream", "at-start"])
+def test_requests_started_after_a_kill_are_exact_and_streaming_within_two_seconds(host, k):
+    kill = host.kills[k]
+    for s in kill.after:
+        assert outcome(host, s, kill) == "exact"
+        assert s.first_at - kill.at < 2.0, (s.rid, s.first_at - kill.at)
+
+
+@pytest.mark.parametrize("k", [0, 1], ids=["mid-stream", "at-start"])
+def test_health_answers_200_within_ten_seconds_of_a_kill(host, k):
+    kill = host.kills[k]
+    assert kill.health_s is not None and kill.health_s < 10, kill.health_s
+    assert kill.health_generate_s is not None and kill.health_generate_s < 10, kill.health_generate_s
+
+
+def test_the_supervising_process_adds_at_most_50_mb_of_its_own(host):
+    """USS: the pages only it maps. It imported SGLang and loaded the tokenizer for the
+    verdict, and shares those pages with the decoding process it forked."""
+    print(f"supervisor USS {host.supervisor_uss / 2**20:.1f} MB")
+    assert host.supervisor_uss < 50 * 2**20
+
+
+def test_deaths_in_a_row_end_the_restarts_and_sglangs_own_serves_said_once(host):
+    assert host.fallback_kills <= 3
+    assert host.log.count(restarts.FALLBACK_LINE) == 1
+    text, oracle_text = host.fallback_answer
+    assert text == oracle_text
