@@ -13,10 +13,10 @@ Three memories, each a BoundedMap so that rows nobody reads cannot grow memory:
   loss"). They are dropped (`stale_rows`) until a row that ends a request (the failed
   one's own finish, queued too, or another error row about it: what follows that is a
   new request's) or until a stream opens for the rid, which is a new request: an engine
-  reuses a rid only after the worker has seen the old one end, and detokd sends the
-  old request's rows before any of the new one's.
+  reuses a rid only once the old request has ended for it, and detokd sends the old
+  request's rows before any of the new one's.
 
-An error row for a rid that is neither open, buffered nor abandoned is not buffered:
+An error row for a rid that is neither open, buffered, abandoned nor failed is not buffered:
 detokd sends errors for rids it cannot place to every worker (`ignored_errors`).
 """
 
