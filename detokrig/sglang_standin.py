@@ -11,7 +11,8 @@ is SGLang's own: `Req` (max_new_tokens, stop strings and their hold-back, stop t
 eos, `to_finish` for aborts) and `SchedulerOutputStreamer` (what goes out at each step).
 
 Each finished request is recorded as one JSON line in $STANDIN_LOG (rid, the ids the
-detokenizer decodes them in, the finish): the oracle's input.
+detokenizer decodes them in, how many of them came before the finishing row, the
+finish): the oracle's input.
 """
 
 from __future__ import annotations
@@ -171,21 +172,22 @@ class Standin:
             if req.return_logprob:
                 append_output_logprobs(req.logprob, new, start)
             req.update_finish_state(len(new))
+        sent = {req.rid: req.send_token_offset for req in reqs}  # output ids in the rows before this step's
         self.streamer.stream_output(reqs, any(r.return_logprob for r in reqs))
         for req in reqs:
             if req.finished():
                 del self.running[req.rid]
                 del self.replies[req.rid]
-                self._record(req)
+                self._record(req, sent[req.rid])
 
-    def _record(self, req: Any) -> None:
+    def _record(self, req: Any, earlier: int) -> None:
         if self.log is None:
             return
         ctx = list(req.origin_input_ids_unpadded[req.surr_offset : req.read_offset]) if req.read_offset is not None else []
         sp = req.sampling_params
         self.log.write(json.dumps({
             "rid": req.rid, "time": time.time(),  # when its last row went to the detokenizer
-            "context": ctx, "output_ids": list(req.output_ids_through_stop),
+            "context": ctx, "output_ids": list(req.output_ids_through_stop), "earlier": earlier,
             "finish": req.finished_reason.to_json(), "prompt_tokens": len(req.origin_input_ids),
             "skip_special_tokens": sp.skip_special_tokens,
             "spaces_between_special_tokens": sp.spaces_between_special_tokens,

@@ -89,6 +89,42 @@ def test_claiming_an_abandoned_rid_forgets_that_it_was_abandoned() -> None:
     assert b.dropped_rows == 0 and len(b) == 1
 
 
+def test_after_an_error_row_the_requests_rows_are_dropped_until_one_that_ends_a_request() -> None:
+    """detokd had them queued before the request failed (docs/client.md, "Queues and loss")."""
+    b = Buffer(4)
+    b.released("r", [out_row("r", "late", 2)], finished=True, failed=True)
+    b.offer(out_row("r", "later", 3))
+    assert b.stale_rows == 2 and len(b) == 0
+    b.offer(out_row("r", "", 3, finish="length"))  # its own finish, queued too: its last row
+    assert b.stale_rows == 3
+    b.offer(out_row("r", "new", 1))  # after it, a new request's
+    assert [r.text for r in b.claim("r")] == ["new"] and b.stale_rows == 3
+
+
+def test_rows_left_after_an_error_row_and_the_failed_requests_end_belong_to_the_next_request() -> None:
+    b = Buffer(4)
+    rest = [out_row("r", "late", 2), out_row("r", error=native.WORKER_STALLED), out_row("r", "new", 1)]
+    b.released("r", rest, finished=True, failed=True)
+    assert b.stale_rows == 2 and [r.text for r in b.claim("r")] == ["new"]
+
+
+def test_a_stream_opened_for_a_failed_rid_is_a_new_requests() -> None:
+    b = Buffer(4)
+    b.released("r", [], finished=True, failed=True)
+    assert b.claim("r") == []
+    b.released("r", [out_row("r", "next", 1)], finished=True)  # its stream ends: the rest waits
+    assert b.stale_rows == 0 and len(b) == 1
+
+
+def test_the_failed_memory_is_bounded_too() -> None:
+    b = Buffer(3)
+    for i in range(100):
+        b.released(f"f{i}", [], finished=True, failed=True)
+    assert len(b.failed) == 3
+    b.offer(out_row("f0", "x", 1))  # forgotten long ago: buffered like a new rid
+    assert b.stale_rows == 0 and len(b) == 1
+
+
 def test_the_abandoned_memory_is_bounded_too() -> None:
     b = Buffer(3)
     for i in range(100):

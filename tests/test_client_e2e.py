@@ -10,10 +10,11 @@ import asyncio
 import random
 from pathlib import Path
 
+import pytest
 from conftest import oracle, vocab
 from utils import arun
 
-from detokd.client import SchedulerClient, WorkerClient, shard_for
+from detokd.client import DetokdError, SchedulerClient, WorkerClient, shard_for
 from detokd.launch import derive_address
 from detokd.wire import native
 
@@ -188,6 +189,51 @@ def test_the_scheduler_example_in_client_md_streams_the_text_its_comments_say(de
     assert [r["text"] for r in sink.rows("req-1")] == said
     assert sink.rows("req-1")[-1]["finish"]["reason"] == "stop"
     assert d.stop() == 0
+
+
+def test_rows_that_follow_a_requests_error_row_are_dropped_and_its_rid_serves_a_new_request(detokd, zctx) -> None:
+    """docs/client.md, "Queues and loss": the worker's connection breaks with rows of a
+    live request in flight, so detokd fails it (worker_stalled) and sends the error row
+    ahead of the rows of it still queued, which follow. A real WorkerClient on the
+    address again: its stream raises, those rows are dropped (not kept for a later
+    stream), and the rid then serves a new request with exactly the new text."""
+    from utils import Engine, Req, metric, metrics_port, pull, scrape, wait_until
+
+    v = vocab("deepseek")
+    d = detokd(args=["--metrics-port", "0"])
+    old = pull(zctx, d.workers[0], hwm=1, rcvbuf=4096)
+    d.wait_ready()
+    port = metrics_port(d)
+    eng = Engine(zctx, d.input)
+    failing = Req("r", encode(" one two three four five six seven eight nine ten" * 8000))
+    # The worker reads nothing: ZMQ's queue and the socket buffers fill, then detokd's
+    # backlog holds rows of the request too.
+    while not metric(scrape(port), "detokd_worker_backlog_messages", worker="0"):
+        assert failing.pos < len(failing.ids) // 2, "no backlog"
+        eng.rows([failing.row(512)])
+    old.close()  # it dies with all of it unread
+    wait_until(lambda: metric(scrape(port), "detokd_worker_disconnects_total", worker="0") == 1, 20, "the break seen")
+    fresh = encode("A new request that reuses the rid: 世界 🙂.")
+
+    async def main() -> tuple[str, int, int, WorkerClient]:
+        async with WorkerClient(d.workers[0]) as w:
+            with pytest.raises(DetokdError) as failed:
+                await w.stream("r").text()
+            assert failed.value.error == native.WORKER_STALLED
+            # A request begun after the failure: its rows come after every row detokd had
+            # queued before it, so once it has ended all of those are in.
+            fence = w.stream("fence")
+            eng.rows([Req("fence", encode("fence")).row(10)])
+            assert await fence.text() == "fence"
+            buffered = w.buffered_rids
+            again = w.stream("r")
+            eng.rows([Req("r", fresh).row(len(fresh))])
+            return await again.text(), again.n_ids, buffered, w
+
+    text, n_ids, buffered, w = arun(main(), timeout=60)
+    assert (text, n_ids) == (oracle(v, [], fresh, True), len(fresh))
+    assert buffered == 0 and w.stale_rows > 0
+    assert d.stop() == 0, d.log()[-3000:]
 
 
 def json_str(quoted: str) -> str:

@@ -88,6 +88,36 @@ def test_error_row_raises(waddr: str) -> None:
     arun(main())
 
 
+@pytest.mark.parametrize("together", [True, False], ids=["same-frame", "later-frame"])
+def test_rows_that_follow_an_error_row_are_dropped_not_kept_for_the_rids_next_stream(waddr: str, together: bool) -> None:
+    """detokd sends a worker_stalled row ahead of rows of the request it still had queued
+    (docs/client.md, "Queues and loss"): read in the error row's frame or after the
+    stream ended, they are the failed request's, and a new stream of the rid gets none."""
+
+    async def main(d: FakeDetokd) -> None:
+        async with WorkerClient(waddr) as w:
+            s = w.stream("r")
+            late = [out_row("r", "b", 2), out_row("r", "c", 3)]
+            d.text(out_row("r", "a", 1), out_row("r", "", 1, error=native.WORKER_STALLED), *(late if together else []))
+            with pytest.raises(DetokdError):
+                await s.text()
+            if not together:
+                d.text(*late)
+            d.text(out_row("fence", "", 0, finish="stop"))  # read once every row before it is
+            await w.stream("fence").text()
+            buffered = w.buffered_rids
+            again = w.stream("r")
+            d.text(out_row("r", "new", 1, finish="length"))
+            assert await again.text() == "new" and again.n_ids == 1
+            assert buffered == 0 and w.stale_rows == 2
+
+    d = FakeDetokd(waddr)
+    try:
+        arun(main(d))
+    finally:
+        d.close()
+
+
 def test_error_rows_of_other_workers_rids_are_ignored(waddr: str) -> None:
     async def main() -> None:
         async with WorkerClient(waddr) as w:

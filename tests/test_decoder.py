@@ -226,6 +226,25 @@ def test_the_settled_text_lookup_gives_what_step_would(name: str, kind: str) -> 
     check_each(name, kind, prop)
 
 
+@pytest.mark.parametrize("name,kind", [(n, k) for n in ALL for k in CODECS] + [(n, "word") for n in BYTE_LEVEL + SENTENCEPIECE])
+def test_peek_is_the_oracles_text_of_the_ids_so_far_past_what_was_committed(name: str, kind: str) -> None:
+    """What the engine's stop-string trim reads before a finishing row (Request._unsent):
+    after any row, the text committed so far and then `peek()` are the oracle's text of
+    the ids so far, and peeking changes nothing that follows."""
+
+    def prop(v, codec, case: Case) -> None:
+        peeked, plain = codec.new(case.tail, case.skip), codec.new(case.tail, case.skip)
+        committed, ids = "", []
+        for row in case.rows:
+            text = peeked.step(list(row))
+            assert text == plain.step(list(row))
+            committed, ids = committed + text, ids + list(row)
+            assert committed + peeked.peek() == oracle(v, case.tail, ids, case.skip)
+        assert peeked.finish() == plain.finish()
+
+    check_each(name, kind, prop)
+
+
 # --- explicit cases -----------------------------------------------------------------------
 
 

@@ -166,12 +166,15 @@ def test_a_stop_token_that_is_not_the_last_id_is_left_alone(rig) -> None:
     assert done.text == "<｜end▁of▁sentence｜>x"
 
 
-def test_engine_stop_string_is_cut_at_its_last_occurrence_in_unsent_text(rig) -> None:
-    """The engine stopped right after the last occurrence; an earlier one stays."""
-    a = Req()
-    rig.step(a.row(rig.encode("Think: END? ")))
+@pytest.mark.parametrize("stream", [True, False])
+def test_engine_stop_string_is_cut_at_the_first_occurrence_the_finishing_row_completes(rig, stream) -> None:
+    """The engine checks after each step, so it stopped on the first occurrence in the
+    finishing row; one in an earlier row's text (which it did not check) stays, sent or
+    held for stream=false."""
+    a = Req(stream=stream)
+    (think,), _ = rig.step(a.row(rig.encode("Think: END? ")))
     (done,), _ = rig.step(a.row(rig.encode("Yes. END. Then END tail"), Finish("stop", "END")))
-    assert done.text == "Yes. END. Then "
+    assert think.text + done.text == "Think: END? Yes. "
     assert done.finish == Finish("stop", "END")
 
 

@@ -9,7 +9,7 @@ began in text already sent. The text is always the oracle's, cut where the rules
 from __future__ import annotations
 
 import pytest
-from conftest import cut, fast_codec, oracle, vocab
+from conftest import ALL, cut, engine_cut, fast_codec, made_by, oracle, vocab, window_codec
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -107,14 +107,37 @@ def test_stream_false_sends_nothing_until_the_finishing_row_which_carries_all():
     assert rows[-1][0] == oracle(vocab(NAME), [], ids, True)
 
 
+def test_a_token_with_the_engines_stop_string_twice_is_cut_at_the_first():
+    """Issue #43: qwen2, stop=["l"], the finishing token ' fallback'. SGLang's scheduler
+    stopped on that token, at its first 'l'; SGLang's own detokenizer sends 'Byte fa'."""
+    v = vocab("qwen2")
+    byte, fallback = v.backend.encode("Byte fallback", add_special_tokens=False).ids
+    assert v.hf.decode([fallback]) == " fallback"
+    req = Request(0, [], Start(), fast_codec("qwen2", "word").new([], True), None)
+    assert req.feed("r", [byte], None)[0] == "Byte"
+    assert req.feed("r", [fallback], Finish("stop", "l")) == (" fa", Finish("stop", "l"), None)
+
+
+@pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("keep", [False, True])
-def test_an_engine_stop_string_is_cut_at_its_last_occurrence(keep):
+def test_an_engine_stop_string_in_earlier_rows_text_stays_and_the_finishing_rows_is_cut(keep, stream):
+    """The engine checks after each step: "done" in an earlier row did not stop it (it did
+    not check that text, or missed it), the one in the finishing row did."""
+    stop, head = "done", "done once, then"
+    ids = ids_of(head + " done, and done again")
+    k = next(k for k in range(len(ids)) if oracle(vocab(NAME), [], ids[:k], True) == head)
+    req = request(keep=keep, stream=stream)
+    sent = req.feed("r", ids[:k], None)[0]
+    got = req.feed("r", ids[k:], Finish("stop", stop))[0]
+    assert sent + got == head + (" done" if keep else " ")
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_an_engine_stop_string_all_in_the_finishing_row_is_cut_at_its_first_occurrence(keep):
     stop = "done"
     ids = ids_of("done once, then done")
     rows = play(request(keep=keep), ids, len(ids), Finish("stop", stop))
-    whole = oracle(vocab(NAME), [], ids, True)
-    at = whole.rfind(stop)
-    assert text(rows) == whole[: at + len(stop) if keep else at]
+    assert text(rows) == ("done" if keep else "")
 
 
 def test_an_engine_stop_string_that_began_in_sent_text_sends_nothing_more():
@@ -172,3 +195,71 @@ def test_for_any_split_the_client_gets_the_oracle_up_to_the_engines_stop_and_nev
         assert before + last == whole[:at]
     else:  # its start went out with an earlier row: nothing more
         assert last == "" and len(before) < at + len(stop)
+
+
+# --- the engine's stop string, against the oracle -------------------------------------------
+
+# Pieces of text in which a stop string recurs and overlaps: twice in one token (qwen2's
+# ' fallback' holds two 'l'), in characters split across ids (rare Han, a ZWJ sequence),
+# in CJK that word release sends at once.
+PIECES = ["l", "ll", " fallback", "a", " ", "世界", "界", "é", "👩\u200d👧", "\u200d", "𠀀", "Ж", ", "]
+CODECS = [pytest.param(n, "fast", id=n) for n in ALL] + [
+    pytest.param(n, "window", id=f"{n}-window") for n in ("deepseek", "mistral_v3")
+]
+
+
+def _decoder(name: str, kind: str, release: str, tail: list[int]):
+    if kind == "window":
+        return window_codec(name).new(tail, True)
+    return fast_codec(name, release).new(tail, True)
+
+
+def _rows(data, out: list[int]) -> tuple[list[list[int]], list[int]]:
+    """Any split of `out` into earlier rows (empty ones too) and the finishing row."""
+    sizes = data.draw(st.lists(st.integers(0, 4), max_size=len(out) + 2), label="rows")
+    rows, k = [], 0
+    for n in sizes:
+        rows.append(out[k : k + n])
+        k += len(rows[-1])
+    return rows, out[k:]
+
+
+def _stop(data, whole: str) -> str:
+    """A stop string: a piece of the text (so it occurs, often more than once), or one
+    that may not occur at all."""
+    if whole and data.draw(st.booleans(), label="from the text"):
+        at = data.draw(st.integers(0, len(whole) - 1), label="at")
+        return whole[at : at + data.draw(st.integers(1, 4), label="length")]
+    return data.draw(st.sampled_from(["l", "ll", "界", "👩\u200d", "§"]), label="stop")
+
+
+@pytest.mark.parametrize("name,kind", CODECS)
+@given(data=st.data())
+def test_the_engines_stop_string_is_cut_at_the_first_occurrence_past_the_earlier_rows_text(name, kind, data):
+    """Any split of the ids into rows, the last one finishing on the engine's stop string:
+    the client's text is the oracle's up to the first occurrence that ends past the
+    earlier rows' text (the oracle's text of their ids, as far as the whole text keeps
+    it), through it with no_stop_trim; or what was sent, when that occurrence began in
+    it. Both release modes, stream true and false, and a stop string of detokd's own
+    that holds text back but never completes."""
+    v = vocab(name)
+    ids = v.backend.encode("".join(data.draw(st.lists(st.sampled_from(PIECES), max_size=14), label="text")),
+                           add_special_tokens=False).ids
+    k = data.draw(st.integers(0, min(len(ids), 6)), label="prompt ids")
+    tail, out = ids[:k], ids[k:]
+    whole = oracle(v, tail, out, True)
+    stop = _stop(data, whole)
+    rows, last = _rows(data, out)
+    release = data.draw(st.sampled_from(["char", "word"]), label="release") if kind == "fast" else "char"
+    stream, keep, watch = (data.draw(st.booleans(), label=x) for x in ("stream", "no_stop_trim", "watch"))
+    start = Start(stop=[stop + "\x07"] if watch else [], no_stop_trim=keep, stream=stream)
+    scanner = StopScanner(AUTOMATA.get(start.stop), keep) if watch else None
+    req = Request(0, [], start, _decoder(name, kind, release, tail), scanner)
+
+    sent = "".join(req.feed("r", row, None)[0] for row in rows)
+    got, finish, stopped = req.feed("r", last, Finish("stop", stop))
+
+    earlier = made_by(oracle(v, tail, out[: len(out) - len(last)], True), whole)
+    assert (finish, stopped) == (Finish("stop", stop), None)
+    assert whole.startswith(sent) and (stream or sent == "")
+    assert sent + got == whole[: max(len(sent), engine_cut(whole, earlier, stop, keep))]

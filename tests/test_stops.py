@@ -13,7 +13,7 @@ from __future__ import annotations
 import tracemalloc
 
 import pytest
-from conftest import cut
+from conftest import cut, engine_cut
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -333,49 +333,61 @@ def test_an_automatons_size_estimate_is_not_below_what_it_holds(kind: str) -> No
 # --- the engine's own stop string -------------------------------------------------------------
 
 
-def test_engine_stop_is_cut_at_its_last_occurrence() -> None:
-    """The engine stopped right after the occurrence that ended the request; an earlier
-    one (say, in a reasoning section it did not check) stays."""
-    assert trim_engine_stop("", "a STOP b STOP c", "STOP", False) == "a STOP b "
+def test_engine_stop_is_cut_at_the_first_occurrence_the_finishing_row_completes() -> None:
+    """All of this is the finishing row's text: the engine checks after every step, so it
+    stopped on the first occurrence it saw, as a token ' fallback' stops on its first 'l'."""
+    assert trim_engine_stop("", "a STOP b STOP c", 0, "STOP", False) == "a "
+    assert trim_engine_stop("Byte", " fallback", 0, "l", False) == " fa"
+
+
+def test_an_engine_stop_wholly_in_earlier_rows_text_stays() -> None:
+    """The first 6 characters are earlier rows' text not sent yet (stream=false, or held
+    back): an occurrence there did not stop the engine (a reasoning section it did not
+    check, say), so the cut is at the next one."""
+    assert trim_engine_stop("", "a STOP b STOP c", 6, "STOP", False) == "a STOP b "
+
+
+def test_an_engine_stop_that_began_in_earlier_rows_text_is_the_one_it_completed() -> None:
+    assert trim_engine_stop("", "a STOP b STOP c", 4, "STOP", False) == "a "
 
 
 def test_engine_stop_with_no_stop_trim_keeps_it() -> None:
-    assert trim_engine_stop("", "a STOP b STOP c", "STOP", True) == "a STOP b STOP"
+    assert trim_engine_stop("", "a STOP b STOP c", 0, "STOP", True) == "a STOP"
+    assert trim_engine_stop("", "a STOP b STOP c", 6, "STOP", True) == "a STOP b STOP"
 
 
 def test_engine_stop_that_began_in_sent_text_sends_nothing_more() -> None:
     """The engine let 'ST' out (it checks in token space) before it matched 'STOP'."""
-    assert trim_engine_stop("text ST", "OP and on", "STOP", False) == ""
+    assert trim_engine_stop("text ST", "OP and on", 0, "STOP", False) == ""
 
 
 def test_engine_stop_that_began_in_sent_text_with_no_stop_trim_sends_its_rest() -> None:
-    assert trim_engine_stop("text ST", "OP and on", "STOP", True) == "OP"
+    assert trim_engine_stop("text ST", "OP and on", 0, "STOP", True) == "OP"
 
 
 def test_engine_stop_wholly_in_sent_text_is_past_recall() -> None:
     """An occurrence that ended in sent text is not the one the engine matched now."""
-    assert trim_engine_stop("a STOP", " more", "STOP", False) == " more"
+    assert trim_engine_stop("a STOP", " more", 0, "STOP", False) == " more"
 
 
 @given(
-    before=st.text(alphabet="ab👩\u200d", max_size=12),
-    stop=st.text(alphabet="ab👩\u200d", min_size=1, max_size=5),
-    after=st.text(alphabet="ab👩\u200d", max_size=3),
+    text=st.text(alphabet="ab👩\u200d", max_size=16),
+    stop=st.text(alphabet="ab👩\u200d", min_size=1, max_size=4),
     data=st.data(),
     keep=st.booleans(),
 )
-def test_engine_stop_trim_is_the_cut_of_the_whole_text_for_any_split(before, stop, after, data, keep) -> None:
-    """However much of the text went out before the finishing row (any split that leaves
-    the end of the engine's occurrence unsent), sent + trimmed is the whole text cut at
-    the last occurrence, or the sent text alone when that cut lies in it."""
-    text = before + stop + after
-    end = text.rfind(stop) + len(stop)
-    k = data.draw(st.integers(0, end - 1), label="sent")
-    cut = end if keep else end - len(stop)
-    assert text[:k] + trim_engine_stop(text[:k], text[k:], stop, keep) == text[: max(k, cut)]
+def test_engine_stop_trim_is_the_rule_on_the_whole_text_for_any_split(text, stop, data, keep) -> None:
+    """However the text falls into sent text, earlier rows' text not sent yet, and the
+    finishing row's text: sent + trimmed is the whole text cut before the first
+    occurrence ending past the earlier rows' text (through it, with keep), or the sent
+    text alone when that cut lies in it."""
+    sent = data.draw(st.integers(0, len(text)), label="sent")
+    earlier = data.draw(st.integers(sent, len(text)), label="earlier")
+    got = text[:sent] + trim_engine_stop(text[:sent], text[sent:], earlier - sent, stop, keep)
+    assert got == text[: max(sent, engine_cut(text, earlier, stop, keep))]
 
 
 @pytest.mark.parametrize("matched", [None, "", 0, 2, "absent"])
 def test_engine_stop_that_is_no_string_in_the_text_leaves_it_alone(matched) -> None:
     """Stop token ids (0 included) are trimmed as ids by the core, not as text here."""
-    assert trim_engine_stop("sent 0 ", "text 0 2", matched, False) == "text 0 2"
+    assert trim_engine_stop("sent 0 ", "text 0 2", 0, matched, False) == "text 0 2"

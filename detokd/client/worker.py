@@ -123,7 +123,7 @@ class RequestStream:
         self.n_ids, self.meta = item.n_ids, item.meta
         if item.error is not None:
             self.error = item.error
-            self._end(finished=True)
+            self._end(finished=True, failed=True)
             raise DetokdError(self.rid, item.error)
         if item.finish is not None:
             self.finish = item.finish
@@ -142,11 +142,11 @@ class RequestStream:
         """The whole remaining text (waits for the finish)."""
         return "".join([d async for d in self])
 
-    def _end(self, finished: bool) -> None:
+    def _end(self, finished: bool, failed: bool = False) -> None:
         if not self._done:
             self._done = True
             self._finalizer.detach()
-            self._worker._release(self.rid, self._sink, finished)
+            self._worker._release(self.rid, self._sink, finished, failed)
 
     def close(self) -> None:
         """Stop reading: later rows of this request are dropped, not buffered."""
@@ -249,7 +249,7 @@ class WorkerClient:
     async def embedding(self, rid: str) -> EmbeddingRow:
         """Wait for the embedding row of `rid` (its data and meta stay msgspec.Raw)."""
         sink = self._claim(rid)
-        done = False
+        done = failed = False
         try:
             while True:
                 item = await sink.get()
@@ -259,10 +259,10 @@ class WorkerClient:
                     done = True
                     return item
                 if item.error is not None:
-                    done = True
+                    done = failed = True
                     raise DetokdError(rid, item.error)
         finally:
-            self._release(rid, sink, done)
+            self._release(rid, sink, done, failed)
 
     def _claim(self, rid: str) -> _Sink:
         """Open `rid`'s sink, with the rows that arrived for it before anyone asked."""
@@ -274,12 +274,14 @@ class WorkerClient:
         sink = self._open[rid] = _Sink(self._buffer.claim(rid))
         return sink
 
-    def _release(self, rid: str, sink: _Sink, finished: bool) -> None:
+    def _release(self, rid: str, sink: _Sink, finished: bool, failed: bool = False) -> None:
+        """`rid`'s stream ended: after its finish, after an error row (`failed`: rows of
+        that request may still follow), or unfinished (closed early)."""
         if self._open.get(rid) is not sink:
             return
         del self._open[rid]
         if finished or not self._closed:  # a closed client buffers nothing new
-            self._buffer.released(rid, [i for i in sink.items if i is not _CLOSED], finished)
+            self._buffer.released(rid, [i for i in sink.items if i is not _CLOSED], finished, failed)
 
     @property
     def max_buffered(self) -> int:
@@ -298,6 +300,11 @@ class WorkerClient:
     def dropped_rows(self) -> int:
         """Rows of abandoned streams."""
         return self._buffer.dropped_rows
+
+    @property
+    def stale_rows(self) -> int:
+        """Rows of a request that followed the error row its stream ended on."""
+        return self._buffer.stale_rows
 
     @property
     def ignored_errors(self) -> int:

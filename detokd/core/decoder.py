@@ -61,6 +61,10 @@ class Decoder(Protocol):
     def finish(self) -> str:
         """End of stream: return what is still held, decoded as the tokenizer would."""
 
+    def peek(self) -> str:
+        """What `finish` would return now, the state unchanged: the text of the ids fed
+        so far that is not committed yet (rendered as if the stream ended here)."""
+
 
 class Codec(Protocol):
     name: str
@@ -96,6 +100,9 @@ class PromptDecoder:
 
     def held(self) -> str:
         raise NotImplementedError
+
+    def peek(self) -> str:
+        return self.held()[self.prompt_left :]  # as finish's _emit would drop the prompt's
 
     def settle(self) -> None:
         raise NotImplementedError
@@ -219,6 +226,9 @@ class WordRelease(PromptDecoder):
         text = self.dirty[self.released :] + super().finish()
         self.dirty, self.released = "", 0
         return text
+
+    def peek(self) -> str:
+        return self.dirty[self.released :] + super().peek()
 
 
 class WordByteDecoder(WordRelease, ByteDecoder):
@@ -479,11 +489,14 @@ class WindowDecoder:
         return all([is_byte[i] for i in ids])
 
     def finish(self) -> str:
-        if self.codec.byte_runs and self.ids and self.codec.is_byte[self.ids[-1]]:
-            self.text = self.codec.vocab.decode(self.ids, self.skip_special)  # rows taken by _in_run
-        out = self.text[self.committed :]
+        out = self.peek()
         self.committed = len(self.text)
         return out
+
+    def peek(self) -> str:
+        if self.codec.byte_runs and self.ids and self.codec.is_byte[self.ids[-1]]:
+            self.text = self.codec.vocab.decode(self.ids, self.skip_special)  # rows taken by _in_run
+        return self.text[self.committed :]
 
     def _trim(self) -> None:
         codec = self.codec

@@ -57,31 +57,54 @@ class Request:
         """The text `ids` add (all in the vocabulary, the row's seq checked), the finish
         to send with it, and the feedback row when a stop string of detokd's own
         completed on one of them."""
+        if finish is not None:
+            return self._last(rid, ids, finish)
         before = self.n_ids
         self.n_ids += len(ids)
-        if finish is not None:
-            m = finish.matched
-            # A stop token is not rendered (SGLang #33151: id 0 is falsy, never trimmed).
-            if type(m) is int and not self.keep_stop and ids and ids[-1] == m:
-                ids = ids[:-1]
-        text, found, k = self._decode(ids, finish is not None)
-        stopped = None
+        text, found, k = self._decode(ids, False)
         if found is not None:
             self.stopped = True
-            stopped = StoppedRow(rid, self.vid, found, before + k)
-            finish = Finish("stop", found)
-        if self.parts is not None:  # stream=false: everything comes in the finishing row
-            if finish is None:
-                self.parts.append(text)
-                self.held += getsizeof(text) + 8
-                text = ""
-            else:
+            if self.parts is not None:  # stream=false: everything comes in the finishing row
                 text = "".join(self.parts) + text
-        if found is None and finish is not None:
-            text = trim_engine_stop(self.sent[-SENT_TAIL:], text, finish.matched, self.keep_stop)
-        elif text:
+            return text, Finish("stop", found), StoppedRow(rid, self.vid, found, before + k)
+        if self.parts is not None:
+            self.parts.append(text)
+            self.held += getsizeof(text) + 8
+            return "", None, None
+        if text:
             self.keep_sent(text)
-        return text, finish, stopped
+        return text, None, None
+
+    def _last(self, rid: str, ids: list[int], finish: Finish) -> tuple[str, Finish, StoppedRow | None]:
+        """`feed` of the engine's finishing row: its stop token or stop string trimmed."""
+        before = self.n_ids
+        self.n_ids += len(ids)
+        m = finish.matched
+        mark = None  # earlier rows' text not out yet, for the engine's stop string
+        # A stop token is not rendered (SGLang #33151: id 0 is falsy, never trimmed).
+        if type(m) is int and not self.keep_stop and ids and ids[-1] == m:
+            ids = ids[:-1]
+        elif type(m) is str and m:
+            mark = self._unsent()  # before this row's ids change it
+        text, found, k = self._decode(ids, True)
+        parted = 0  # characters of the stream=false text that earlier rows made
+        if self.parts is not None:
+            joined = "".join(self.parts)
+            parted, text = len(joined), joined + text
+        if found is not None:
+            self.stopped = True
+            return text, Finish("stop", found), StoppedRow(rid, self.vid, found, before + k)
+        if mark is not None:
+            earlier = parted + _earlier(mark, text, parted)
+            text = trim_engine_stop(self.sent[-SENT_TAIL:], text, earlier, m, self.keep_stop)
+        return text, finish, None
+
+    def _unsent(self) -> tuple[int, str]:
+        """What of earlier rows' text is not out yet, before a finishing row: how many
+        characters the stop scanner holds, and the decoder's uncommitted text as it
+        would render it now (word release's held words, a character still split, an
+        open byte run, the window codec's last ids)."""
+        return (len(self.stops.held) if self.stops is not None else 0), self.decoder.peek()
 
     def _decode(self, ids: list[int], final: bool) -> tuple[str, str | None, int]:
         """New text of these ids through the stop scanner: (text, the stop string
@@ -104,3 +127,18 @@ class Request:
                 out.append(scanner.flush())
             return "".join(out), found, len(ids)
         return "".join(out), None, 0
+
+
+def _earlier(mark: tuple[int, str], text: str, at: int) -> int:
+    """How many characters of `text[at:]`, a finishing row's text, earlier rows made:
+    those the stop scanner held, then as far as the decoder's rendering of what it held
+    agrees with what it made of it once the row's ids came (they may complete a split
+    character, or turn a byte run invalid)."""
+    scanned, peeked = mark
+    at += scanned
+    n = 0
+    for a, b in zip(peeked, text[at : at + len(peeked)], strict=False):  # the row may have made less
+        if a != b:
+            break
+        n += 1
+    return scanned + n

@@ -187,22 +187,26 @@ class StopScanner:
         return held
 
 
-def trim_engine_stop(sent: str, text: str, matched: str | int | None, keep: bool) -> str:
+def trim_engine_stop(sent: str, text: str, earlier: int, matched: str | int | None, keep: bool) -> str:
     """What of the unsent `text` goes out when the engine stopped on `matched`: the part
-    before its last occurrence (through it, with `keep`). `sent` is the tail of the text
-    already sent.
+    before the first occurrence that ends after the earlier rows' text (through it, with
+    `keep`); all of it when there is none. `sent` is the tail of the text already sent;
+    the first `earlier` characters of `text` are earlier rows' text not sent yet.
 
-    The engine stopped right after the occurrence that ended the request, so it is the
-    last one; an earlier occurrence (in text the engine did not check, such as a
-    reasoning section) stays. It may have begun in sent text (an engine holds a row back
-    while its text could begin a stop string, but not always: SGLang checks in token
-    space and misses a tail ending in part of a character), so it is searched in the
-    last len(matched) - 1 sent characters too; when it began there, nothing more is sent.
+    The engine checks for its stop strings after every step, so an occurrence that
+    ended in an earlier row would have stopped it then: the one it matched ends in the
+    finishing row, and is the first to. One wholly in earlier rows' text stays (text
+    the engine did not check, such as a reasoning section, or an occurrence its check
+    missed). It may have begun in sent text (an engine holds a row back while its text
+    could begin a stop string, but not always: SGLang checks in token space and misses
+    a tail ending in part of a character), so the last len(matched) - 1 sent characters
+    are searched too; when it began there, nothing more is sent.
     """
     if not isinstance(matched, str) or not matched:
         return text
     before = sent[max(0, len(sent) - len(matched) + 1) :]
-    at = (before + text).rfind(matched)
+    # The first occurrence that ends past before + text[:earlier] begins no sooner than this.
+    at = (before + text).find(matched, max(0, len(before) + earlier - len(matched) + 1))
     if at < 0:
         return text
     end = at + len(matched) if keep else at

@@ -10,7 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 
-from conftest import vocab
+from conftest import engine_cut, made_by, vocab
 from replay import Request, embedding_batch, health_check_batch, streams
 
 from detokd import zoo
@@ -41,6 +41,11 @@ TARGETS = {"sglang": None, "detokd": detokd_target}
 
 TEXT = "Hello, world! 世界你好 🤖🎉👍🏽 Привет, мир! مرحبا بالعالم. Done."
 STOP_TEXT = "The answer is 42. END of story"
+# "END" in a reasoning section, then far enough on that SGLang's stop-string hold-back
+# (the last stop_str_max_len + 1 ids) has let that row go, "END" again.
+EARLIER_TEXT = "Think: END? Yes, that is the plan for now, I think. Then END of it"
+# The requests whose text detokd cuts elsewhere than SGLang's detokenizer, on purpose.
+DIFFERS = {"stop-str-earlier"}
 # Stop strings SGLang's scheduler can let begin in sent text: it checks its hold-back in
 # token space, so beside a split character (a ZWJ sequence, rare Han) it misses a prefix.
 STRADDLES = [
@@ -89,6 +94,14 @@ def scenario(name: str, workers: int = 1) -> list[Request]:
         for c, chunks in enumerate([None, ragged(at), ragged(at)[::-1]]):
             straddles.append(Request(rid=f"straddle-{j}-{c}", prompt_ids=prompt[:3], output_ids=ids[:at], chunks=chunks,
                                       finish="matched_str", stop_str=stop, http_worker=w(j + c)))
+    # A stop string twice in the token that completes it (qwen2's ' fallback' with "l"):
+    # the scheduler stopped on the first. And one that occurs in earlier rows' text too,
+    # which the scheduler did not check (scripted): detokd keeps that one, SGLang's
+    # detokenizer cuts there (docs/sglang.md, "Where detokd differs").
+    twice = ids_of(name, "Byte fallback, all well")
+    twice = twice[: next(k for k in range(1, len(twice) + 1) if "l" in vocab(name).hf.decode(twice[:k]))]
+    again = ids_of(name, EARLIER_TEXT)
+    again = again[: next(k for k in range(1, len(again) + 1) if vocab(name).hf.decode(again[:k]).count("END") == 2)]
     # Ids the tokenizer never produces on its own: ones that render as "" with
     # skip_special_tokens (the specials) between real text, and one outside the vocabulary.
     empties = [other] * 12
@@ -115,6 +128,10 @@ def scenario(name: str, workers: int = 1) -> list[Request]:
                  stop_str="END", http_worker=w(0)),
         Request(rid="stop-str-kept", prompt_ids=prompt, output_ids=stop_ids[:stop_at], finish="matched_str",
                  stop_str="END", no_stop_trim=True, http_worker=w(1), first_step=3),
+        Request(rid="stop-str-twice", prompt_ids=prompt, output_ids=twice, finish="matched_str", stop_str="l",
+                 http_worker=w(1)),
+        Request(rid="stop-str-earlier", prompt_ids=prompt, output_ids=again, finish="matched_str", stop_str="END",
+                 http_worker=w(0)),
         Request(rid="aborted", prompt_ids=prompt, output_ids=out[:5], finish="abort", abort_message="client gone",
                  http_worker=w(0)),
         Request(rid="reused", prompt_ids=prompt, output_ids=out[:4], http_worker=w(1)),
@@ -123,18 +140,24 @@ def scenario(name: str, workers: int = 1) -> list[Request]:
     ]
 
 
-def expected_text(name: str, s: Request, ctx: list[int]) -> str:
+def expected_text(name: str, s: Request, ctx: list[int], earlier: int) -> str:
     """The oracle with SGLang's context (the first row's decode_ids[:read_offset]), its
-    clamp of ids outside the vocabulary to 0, and its trim rules on finish."""
+    clamp of ids outside the vocabulary to 0, and the trims on finish: a stop token's,
+    and a stop string's at the first occurrence that ends past the text of the output
+    ids sent in rows before the finishing one (`earlier` of them), as detokd cuts it
+    (docs/stop-strings.md; SGLang's own detokenizer cuts at the first in the whole text)."""
     v = vocab(name)
     out = [i if 0 <= i < v.size else 0 for i in s.output_ids]
     if s.finish == "matched_token" and not s.no_stop_trim:
         out = out[:-1]
     kw = dict(skip_special_tokens=s.skip_special_tokens, spaces_between_special_tokens=s.spaces_between_special_tokens)
-    text = v.hf.decode(ctx + out, **kw)[len(v.hf.decode(ctx, **kw)) :]
+
+    def text_of(ids: list[int]) -> str:
+        return v.hf.decode(ctx + ids, **kw)[len(v.hf.decode(ctx, **kw)) :]
+
+    text = text_of(out)
     if s.finish == "matched_str":
-        pos = text.find(s.stop_str)
-        text = text[: pos + len(s.stop_str)] if s.no_stop_trim else text[:pos]
+        text = text[: engine_cut(text, made_by(text_of(out[:earlier]), text), s.stop_str, s.no_stop_trim)]
     return text
 
 
@@ -173,6 +196,23 @@ class Run:
         for s in self.requests:
             out.setdefault(s.rid, []).append(s)
         return out
+
+    def earlier(self) -> dict[str, list[int]]:
+        """Per rid lifetime, the output ids sent in rows before its finishing row."""
+        seen: dict[str, list[int]] = {}
+        live: set[str] = set()
+        for m in self.sent:
+            if type(m).__name__ != "BatchTokenIDOutput":
+                continue
+            for i, rid in enumerate(m.rids):
+                if rid not in live:
+                    seen.setdefault(rid, []).append(0)
+                    live.add(rid)
+                if m.finished_reasons[i] is not None:
+                    live.discard(rid)
+                else:
+                    seen[rid][-1] += len(m.output_ids[i])
+        return seen
 
     def contexts(self) -> dict[str, list[list[int]]]:
         """Per rid lifetime, the first row's decode_ids[:read_offset]."""

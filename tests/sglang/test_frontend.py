@@ -24,7 +24,7 @@ import pytest
 import requests
 import restarts
 import sglang
-from conftest import vocab
+from conftest import engine_cut, made_by, vocab
 from models import model_folder, plugin_path  # noqa: F401  (a fixture: this worktree's entry point)
 
 from detokd.sglang.release import WINDOW
@@ -81,6 +81,8 @@ def requests_for(name: str) -> list[dict]:
              params=dict(max_new_tokens=200, skip_special_tokens=False, spaces_between_special_tokens=False)),
         dict(api="generate", stream=False, reply=2, params=dict(max_new_tokens=200, stop_token_ids=[stop_id])),
         dict(api="generate", stream=True, reply=0, params=dict(max_new_tokens=200, stop=["世界"], no_stop_trim=True)),
+        # "Hello" holds the stop string twice: the scheduler stops on its first "l".
+        dict(api="generate", stream=True, reply=0, params=dict(max_new_tokens=200, stop=["l"])),
         dict(api="generate", stream=False, reply=4, step=2, params=dict(max_new_tokens=150, ignore_eos=True)),
     ]
     out = []
@@ -144,7 +146,9 @@ def usage_of(meta: dict) -> dict:
 
 
 def oracle(name: str, rec: dict) -> str:
-    """The text SGLang's detokenizer contract gives the ids the stand-in emitted."""
+    """The text SGLang's detokenizer contract gives the ids the stand-in emitted, a stop
+    string cut at the first occurrence that ends past the text of the rows before the
+    finishing one (docs/stop-strings.md)."""
     hf = vocab(name).hf
     ctx, out, finish = rec["context"], list(rec["output_ids"]), rec["finish"]
     matched = finish.get("matched")
@@ -152,10 +156,13 @@ def oracle(name: str, rec: dict) -> str:
         out = out[:-1]
     kw = dict(skip_special_tokens=rec["skip_special_tokens"],
               spaces_between_special_tokens=rec["spaces_between_special_tokens"])
-    text = hf.decode(ctx + out, **kw)[len(hf.decode(ctx, **kw)):]
-    if isinstance(matched, str) and matched in text:
-        at = text.find(matched)
-        text = text[: at + len(matched)] if rec["no_stop_trim"] else text[:at]
+
+    def text_of(ids: list[int]) -> str:
+        return hf.decode(ctx + ids, **kw)[len(hf.decode(ctx, **kw)):]
+
+    text = text_of(out)
+    if isinstance(matched, str) and matched:
+        text = text[: engine_cut(text, made_by(text_of(out[: rec["earlier"]]), text), matched, rec["no_stop_trim"])]
     return text
 
 
