@@ -226,7 +226,6 @@ class Server:
             self._open_delivery(curve)
         except BaseException:
             self.close()
-            self._give_signals_back()
             raise
         self.core = Detokenizer(
             self.codec, self.vocab.size, Outbox(self.delivery.workers),  # the workers delivery connected
@@ -404,9 +403,8 @@ class Server:
             "stopping: %d queued frame(s) answered (%d row(s) with shutdown); sends get up to %d ms to leave",
             drained, self.stats.errors.get(SHUTDOWN, 0), self.cfg.linger_ms,
         )
-        self.close()
         logs.report_suppressed(force=True)
-        self._give_signals_back()
+        self.close()
 
     def _stop_accepting(self, requested_at: float) -> float:
         """The first signal (it came at `requested_at`): unbind the input, so that new
@@ -516,3 +514,4 @@ class Server:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+        self._give_signals_back()
