@@ -169,6 +169,7 @@ def prepare(server_args, port_args, use_pickle: bool | None = None) -> Prepared:
     ipc = schema.codec(use_pickle, pickled.allowances(os.environ.get("DETOKD_SGLANG_PICKLE_ALLOW", "")), built=built)
     vocab, fingerprint = sglangs_vocab(server_args)
     cfg = config(port_args, vocab.name)
+    take_reserved_path(cfg.input)  # first: the folder check sees the path as detokd will bind it
     ready = server.prepare(cfg, vocab, ipc_folders_fatal=False)
     return Prepared(vocab, fingerprint, cfg, dialect_factory(vocab, built, rel, ipc), ready)
 
@@ -227,7 +228,6 @@ def run_sglang_detokenizer(server_args, port_args, verdict=None) -> None:
     if verdict is not None:
         verdict.send(Verdict(True, f"{ready.vocab.name} ({ready.fingerprint})", sglang.__version__))
         verdict.close()
-    take_reserved_path(ready.cfg.input)
     # SIGKILL, as SGLang's own processes die with theirs: this one only goes when SGLang does.
     decoding = Forks(lambda index, restarts: serve(ready, restarts), death_signal=signal.SIGKILL)
     ended = Supervisor(decoding, 1, backoff=RESTARTS).run()

@@ -96,7 +96,14 @@ def decoding_pids(proc) -> list[int]:
     """detokd's decoding process, forked by the process SGLang started (none for SGLang's own)."""
     import psutil
 
-    return [c.pid for c in psutil.Process(proc.pid).children() if "(detokd decoding)" in " ".join(c.cmdline())]
+    pids = []
+    for c in psutil.Process(proc.pid).children():
+        try:
+            if "(detokd decoding)" in " ".join(c.cmdline()):
+                pids.append(c.pid)
+        except psutil.Error:  # one that is dying
+            pass
+    return pids
 
 
 def talk_and_kill(procs, names, port_args, oracle_dir: str, logs: Captured, kill: bool = True) -> dict:
