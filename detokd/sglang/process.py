@@ -43,7 +43,7 @@ from typing import Callable
 
 from .. import __version__, logs, server, sockets
 from ..config import Config, load
-from ..launch import EXIT_STARTUP, GAVE_UP, Backoff, Forks, Supervisor
+from ..launch import GAVE_UP, Backoff, Forks, Supervisor
 from ..tokenizer import Vocab, of
 from . import release, schema
 from . import vocab as sglang_vocab
@@ -231,7 +231,7 @@ def run_sglang_detokenizer(server_args, port_args, verdict=None) -> None:
     # SIGKILL, as SGLang's own processes die with theirs: this one only goes when SGLang does.
     decoding = Forks(lambda index, restarts: serve(ready, restarts), death_signal=signal.SIGKILL)
     ended = Supervisor(decoding, 1, backoff=RESTARTS).run()
-    if ended in (GAVE_UP, EXIT_STARTUP):
+    if ended == GAVE_UP:
         serve_sglangs_own(server_args, port_args, ready)
 
 
