@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import vocab
-from frontend import Frontend
+from frontend import Frontend, rust_server_default
 from models import model_folder, plugin_path  # noqa: F401  (a fixture: this worktree's entry point)
 from standin_scheduler import REPLIES
 
@@ -162,6 +162,9 @@ class Served:
     health_generate: int | None = None
     exit_after_kill: int | None = None  # the server's exit status once a detokd process was killed
     log: str = ""  # the server's log, as it was after the mix
+    # Its detokenizer processes when SGLang's launch said it was done (None: SGLang does not
+    # say so under --tokenizer-worker-num > 1).
+    launched: list[str] | None = None
 
 
 def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, Served]:
@@ -185,7 +188,8 @@ def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, 
         for key, fe in fes.items():
             answers = {r["rid"]: answer for (k, r), answer in zip(jobs, done, strict=True) if k == key}
             titles = [" ".join(p.cmdline()) for p in fe.detokenizer_processes()]
-            out[key] = Served(mix, answers, fe.records(), titles, log=fe.log_tail(1 << 22))
+            launched = None if "--tokenizer-worker-num" in fe.extra else fe.wait_launched()
+            out[key] = Served(mix, answers, fe.records(), titles, log=fe.log_tail(1 << 22), launched=launched)
         for key, fe in fes.items():
             if key[2] == "detokd":
                 out[key].health = requests.get(fe.url + "/health", timeout=30).status_code
@@ -286,3 +290,14 @@ def test_killing_detokd_ends_sglangs_server_as_killing_its_own_does(served, key)
     same_layout = own[3:] == key[3:]
     ends = served[own].exit_after_kill is not None if same_layout else True
     assert (served[key].exit_after_kill is not None) == ends, (served[key].exit_after_kill, served[own].exit_after_kill)
+
+
+def test_sglangs_launch_without_sglang_rust_server_starts_a_detokenizer_process(served):
+    """SGLang's real launch (launch_server, SGLANG_RUST_SERVER unset) started the
+    detokenizer process(es) the plugin replaces: the day its Rust server, which has none,
+    becomes the default, this fails saying what to do (issue 43, item 5; a launch that
+    ends with none fails in Frontend.wait_ready already, with the same words)."""
+    recorded = {key_id(key) + "-" + key[2]: run.launched for key, run in served.items() if run.launched is not None}
+    assert any(key.endswith("-sglang") for key in recorded), recorded  # SGLang's own, unreplaced, among them
+    missing = [key for key, titles in recorded.items() if not titles]
+    assert not missing, rust_server_default(f"no detokenizer process in {missing}")

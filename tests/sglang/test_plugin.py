@@ -157,6 +157,21 @@ def has_rust_server() -> bool:
     return hasattr(envs, "SGLANG_RUST_SERVER")
 
 
+def test_sglangs_rust_server_is_off_unless_the_operator_turns_it_on(monkeypatch):
+    """The day SGLANG_RUST_SERVER defaults to true, SGLang's launch starts no detokenizer
+    process and detokd is unused unless the operator sets SGLANG_RUST_SERVER=0: this
+    fails saying what to do (issue 43, item 5; test_frontend.py watches the launch)."""
+    from frontend import rust_server_default
+    from sglang.srt.environ import envs
+
+    from detokd.sglang import plugin
+
+    monkeypatch.delenv("SGLANG_RUST_SERVER", raising=False)
+    setting = getattr(envs, "SGLANG_RUST_SERVER", None)
+    assert setting is None or setting.get() is False, rust_server_default("SGLANG_RUST_SERVER defaults to true")
+    assert plugin.rust_server() is False
+
+
 def test_with_sglangs_rust_server_on_one_line_says_detokd_is_not_used(children):
     """SGLANG_RUST_SERVER=1: SGLang's Rust server tokenizes and detokenizes itself and its
     launch starts no detokenizer process, so the hook would never run: one warning line
