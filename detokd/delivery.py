@@ -269,6 +269,23 @@ class Delivery:
             log.info("worker %d moved from %r to %r%s", index, old, address, curve, extra=logs.UNLIMITED)
         return True
 
+    def replace_worker(self, index: int, address: str) -> bool:
+        """Worker `index` is another peer from now on, at `address`: the one it was is
+        gone (a dialect's HTTP worker that died). What was queued for the old peer is
+        dropped, never sent to the new one, whose requests those rows are not. False
+        when ZMQ refuses the address."""
+        w = self.workers[index]
+        dropped = len(w.backlog)
+        self._unwatch(w)
+        w.backlog.clear()
+        w.backlog_bytes = 0
+        w.in_flight.clear()
+        w.in_flight_bytes = w.in_flight_rows = 0
+        w.owed.clear()
+        if dropped:
+            log.info("worker %d: %d message(s) queued for %r dropped, its peer is gone", index, dropped, w.address)
+        return self.connect_worker(index, address)
+
     def known(self, index: int) -> bool:
         return index in self.workers
 

@@ -222,6 +222,18 @@ MODEL_CONFIG = {
 }
 
 
+def http_worker_address() -> str:
+    """An HTTP worker's address as SGLang makes it (http_server.init_multi_tokenizer): a
+    file tempfile reserves in the temp folder, which the worker's bind makes its socket."""
+    return f"ipc://{tempfile.NamedTemporaryFile(delete=False).name}"
+
+
+def remove_ipc(address: str) -> None:
+    """Remove an ipc address's file (ZMQ leaves a closed socket's behind)."""
+    with contextlib.suppress(OSError):
+        os.unlink(address.removeprefix("ipc://"))
+
+
 class DetokenizerDied(RuntimeError):
     """The detokenizer process exited, or signalled its parent (SIGQUIT) that it failed."""
 
@@ -282,7 +294,8 @@ class SglangDetokenizerUnderTest:
                 self.http_worker_ipcs = [None]
                 addresses = [port_args.tokenizer_ipc_name]
             else:
-                self.http_worker_ipcs = addresses = [self._ipc(f"http_worker_{i}") for i in range(self.http_workers)]
+                # Made as SGLang makes them: detokd's process connects no other address.
+                self.http_worker_ipcs = addresses = [http_worker_address() for _ in range(self.http_workers)]
             for address in addresses:
                 self._pulls.append(self._ctx.socket(zmq.PULL))
                 self._pulls[-1].bind(address)
@@ -344,6 +357,9 @@ class SglangDetokenizerUnderTest:
         if self._old_sigquit is not None:
             signal.signal(signal.SIGQUIT, self._old_sigquit)
             self._old_sigquit = None
+        for address in self.http_worker_ipcs:
+            if address is not None:
+                remove_ipc(address)
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None

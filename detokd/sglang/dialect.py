@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import msgspec
 
 from .. import logs
+from ..core.bounded import BoundedMap
 from ..core.outbox import Produced
 from ..core.records import BAD_ROW, RESTARTED, UNKNOWN_RID, WORKER_STALLED, Finish, OutRow, Row, Start
 from ..output import Output, WorkerOut
 from . import schema
+from .http_workers import HttpWorkerAddresses
 from .id_rows import in_vocabulary
 
 if TYPE_CHECKING:
@@ -49,6 +51,10 @@ log = logs.get(__name__)
 _R = TypeVar("_R")  # what _subsets carries along with each row of a sub-batch
 
 GPT_OSS_CALL = 200012  # <|call|>: a stop token SGLang keeps with the gpt-oss tool parser
+# Addresses refused as HTTP workers, remembered so each is judged once (http_workers.py):
+# at most this many, and their bytes (a longer one is judged again, by its form alone).
+REFUSED_MAX = 4096
+REFUSED_BYTES = 1 << 20
 
 
 # A row's meta is its position in the batch, as opaque bytes like every meta (the core
@@ -133,7 +139,8 @@ class SglangDialect:
         *,
         ipc: schema.MsgpackCodec | schema.PickleCodec,
         vocab_size: int,
-        http_workers: bool = False,
+        http_workers: int = 1,
+        own_addresses: frozenset[str] = frozenset(),
         keep_stop_ids: frozenset[int] = frozenset(),
         falsy_no_match: bool = False,
         split: Any = None,
@@ -145,7 +152,11 @@ class SglangDialect:
         self.stats = stats
         self.ipc = ipc
         self.vocab_size = vocab_size
-        self.http_workers = http_workers  # tokenizer_worker_num > 1: route rows by http_worker_ipcs
+        self.http_workers = http_workers > 1  # tokenizer_worker_num > 1: route rows by http_worker_ipcs
+        # Which addresses a row may name as its HTTP worker: SGLang's workers', twice
+        # tokenizer_worker_num at once at most, none of SGLang's own (own_addresses).
+        self.addresses = HttpWorkerAddresses(2 * http_workers, own_addresses)
+        self.refused: BoundedMap[str, str] = BoundedMap(REFUSED_MAX, REFUSED_BYTES, lambda a, why: len(a) + 100)
         self.keep_stop_ids = keep_stop_ids  # stop tokens SGLang never trims (tool-call closers)
         # The release's trim test (detokd.sglang.release): `if not matched` trims nothing
         # for a matched 0 or "" (0.5.20 and older), `is None` trims them.
@@ -157,6 +168,7 @@ class SglangDialect:
         # died and this one took its place (restarted), or no one knows why.
         self.unseen = RESTARTED if restarted else UNKNOWN_RID
         self.worker_of: dict[str, int] = {}  # http worker ipc name -> delivery's worker index
+        self.replaced = 0  # dead HTTP workers whose place went to a new one
         self.positions: list[msgspec.Raw] = []  # each position's meta, up to the largest batch within max_rows
         self.beam_warned = False
         by_name: dict[str, Callable[[Any, bytes], Output | None]] = {
@@ -249,6 +261,8 @@ class SglangDialect:
         log.error("a batch of %d requests cannot be read (%s); each of them is aborted", len(batch.rids or []), cause)
         ipcs = batch.http_worker_ipcs or []
         positions = grown(self.positions, len(batch.rids or []))
+        replaced = self.replaced
+        failing = []
         worker: int | None  # None: a row of no HTTP worker, skipped
         for i, rid in enumerate(batch.rids or []):
             worker = 0
@@ -256,6 +270,10 @@ class SglangDialect:
                 worker = self._worker(ipcs[i] if i < len(ipcs) else None)
                 if worker is None:
                     continue
+            failing.append((i, rid, worker))
+        if self.replaced != replaced:
+            failing = [(i, rid, w) for i, rid, w in failing if self._still_placed(ipcs[i])]
+        for i, rid, worker in failing:
             self.core.fail(rid, worker, BAD_ROW, positions[i])
         # With a cause, _answer reads only the batch's rids and HTTP workers.
         return self._answer(cast("TokenBatch", batch), self.core.take(), cause=cause)
@@ -266,6 +284,7 @@ class SglangDialect:
         rows = []
         grown(self.positions, len(rids))
         counts = _Counts(self.ipc, batch)
+        replaced = self.replaced
         worker: int | None  # None: a row of no HTTP worker, skipped
         # Strict: decode_ids of another length than rids is a batch that does not read as
         # the schema says (`tokens` aborts it), not one whose surplus rows go unanswered.
@@ -276,6 +295,8 @@ class SglangDialect:
                 if worker is None:
                     continue
             rows.append(self._row(batch, i, rid, ids, worker, counts))
+        if self.replaced != replaced and ipcs:
+            rows = [row for row in rows if self._still_placed(ipcs[_position(row.meta) or 0])]
         return rows
 
     def _row(self, batch: TokenBatch, i: int, rid: str, ids: list[int], worker: int, counts: _Counts) -> Row:
@@ -390,22 +411,62 @@ class SglangDialect:
         return out
 
     def _worker(self, ipc: str | None) -> int | None:
+        """The delivery index of the HTTP worker a row names, or None: a bad_row, skipped
+        (there is nobody to answer it to)."""
         w = self.worker_of.get(ipc) if ipc is not None else None
         if w is not None:
             return w
         if ipc is None:
-            self.stats.error(BAD_ROW)
-            log.warning("a row names no http worker ipc: it cannot be answered and is skipped")
-            return None
-        # SGLang's scheduler names the HTTP worker of each row, as its own detokenizer
-        # trusts it to: a destination of the engine's, not a peer's `register`. Connected
-        # now: the core routes the batch's rows to it.
-        w = len(self.delivery.workers)
-        if not self.delivery.connect_worker(w, ipc):
-            return None
-        self.core.add_worker(w)
+            why = "it names no http worker ipc"
+        else:
+            refused = self.refused.get(ipc) or self._connect(ipc)
+            if refused is None:
+                return self.worker_of[ipc]
+            why = f"its http worker ipc {ipc[:120]!r} is not one of SGLang's HTTP workers: {refused}"
+        self.stats.error(BAD_ROW)
+        log.warning("a row cannot be answered (%s); skipped", why)
+        return None
+
+    def _connect(self, ipc: str) -> str | None:
+        """Judge an address no row named before (http_workers.py) and connect it if an
+        HTTP worker of SGLang's listens there: None, or why not (remembered)."""
+        why = self.addresses.refusal(ipc)
+        if why is None:
+            why = self._place(ipc)
+        if why is not None:
+            self.refused.put(ipc, why)
+        return why
+
+    def _place(self, ipc: str) -> str | None:
+        """Connect `ipc`: as a new worker while fewer than `most` are, else in the place
+        of one whose worker no longer listens (a dead worker's replacement). None, or
+        why not."""
+        if len(self.worker_of) < self.addresses.most:
+            w = len(self.delivery.workers)
+            if not self.delivery.connect_worker(w, ipc):
+                return "ZMQ refuses the address"
+            self.core.add_worker(w)
+        else:
+            gone = next((old for old in self.worker_of if self.addresses.gone(old) is not None), None)
+            if gone is None:
+                return f"{self.addresses.most} HTTP workers are connected and listening, twice tokenizer_worker_num"
+            w = self.worker_of[gone]
+            if not self.delivery.replace_worker(w, ipc):
+                return "ZMQ refuses the address"
+            del self.worker_of[gone]
+            self.refused.put(gone, "its HTTP worker is gone")  # its requests' later rows are not the new one's
+            self.replaced += 1
         self.worker_of[ipc] = w
-        return w
+        return None
+
+    def _still_placed(self, ipc: str | None) -> bool:
+        """Whether a row of a batch in hand still goes to the worker it was given: not
+        when a later row of the batch gave that worker's place to a new HTTP worker (the
+        core routes a request by its worker's index, which is now the new one's)."""
+        if ipc in self.worker_of:
+            return True
+        self.stats.error(BAD_ROW)
+        return False
 
     def embeddings(self, msg: EmbeddingBatch, frame: bytes) -> Output:
         """Not decoded: SGLang's detokenizer returns the message unchanged, so the frame
@@ -545,10 +606,14 @@ class SglangDialect:
 
     def _split(self, full: Any, ipcs: list[str | None]) -> Iterator[tuple[int, Any]]:
         by_worker: dict[int, list[int]] = {}
+        replaced = self.replaced
         for i, ipc in enumerate(ipcs):
             w = self._worker(ipc)
             if w is not None:
                 by_worker.setdefault(w, []).append(i)
+        if self.replaced != replaced:
+            by_worker = {w: kept for w, indices in by_worker.items()
+                         if (kept := [i for i in indices if self._still_placed(ipcs[i])])}
         for w, indices in by_worker.items():
             for sub, _ in self._subsets(full, indices, [None] * len(indices)):
                 yield w, sub

@@ -24,7 +24,9 @@ mirror, a bad DETOKD_CONFIG, a tokenizer it cannot decode exactly as SGLang does
 launch waits for its verdict before it returns, and the process binds nothing until it
 serves. DETOKD_SGLANG=require turns every such fallback into a launch failure of one
 line. A release outside the tested window (detokd.sglang.release.WINDOW) is served when
-the structural check passes, and the log says it is untested.
+the structural check passes, and the log says it is untested. With SGLang's Rust server
+on (SGLANG_RUST_SERVER) there is no detokenizer process to replace: the log says detokd
+is not used, and DETOKD_SGLANG=require fails the launch.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, Callable
 
 ENV = "DETOKD_SGLANG"
 ROUTER_ENV = "DETOKD_SGLANG_ROUTER"  # true: --detokenizer-worker-num N > 1 as SGLang lays it out
+RUST_SERVER_ENV = "SGLANG_RUST_SERVER"  # SGLang's opt-in Rust server, which has no detokenizer process
 # How long the launch waits for detokd's process to load SGLang's tokenizer (the import of
 # SGLang in a spawned process takes most of it; a hub download could take longer).
 VERDICT_TIMEOUT_S = 600
@@ -91,6 +94,28 @@ def _main_process() -> bool:
     return mp.parent_process() is None
 
 
+def rust_server() -> bool:
+    """Whether SGLang's Rust server is on (SGLANG_RUST_SERVER, read as SGLang reads it):
+    it tokenizes and detokenizes itself, and SGLang's launch starts no detokenizer
+    process to replace. False where the installed release has no such setting."""
+    try:
+        from sglang.srt.environ import envs
+
+        setting = getattr(envs, RUST_SERVER_ENV, None)
+        return bool(setting is not None and setting.get())
+    except Exception:  # noqa: BLE001 - no failure of the plugin may take SGLang down
+        return False
+
+
+def not_used(why: str) -> None:
+    """detokd is not used on this launch: one warning line, or under DETOKD_SGLANG=require
+    a launch failure of one line."""
+    where = f"SGLang {_sglang_version()}"
+    if required():
+        raise SystemExit(f"detokd: {ENV}=require, and detokd is not used on {where}: {why}")
+    logger.warning("detokd: not used on %s: %s", where, why)
+
+
 def behind_router() -> bool:
     """Whether --detokenizer-worker-num N > 1 starts N detokd processes behind SGLang's
     router (DETOKD_SGLANG_ROUTER) rather than the one that outruns them."""
@@ -101,6 +126,11 @@ def register() -> None:
     """The entry point: hook the detokenizer launch if enabled and the schema matches."""
     global _registered
     if not enabled() or _registered:
+        return
+    if rust_server():
+        if _main_process():
+            not_used(f"{RUST_SERVER_ENV} is on, and SGLang's Rust server starts no detokenizer process "
+                     f"({RUST_SERVER_ENV}=0 serves with detokd; docs/sglang.md, The Rust server)")
         return
     # The structural check, in the process that launches the detokenizer (detokd's own
     # process decides again, with everything else, before it serves); no failure of it

@@ -48,6 +48,7 @@ from ..tokenizer import Vocab, of
 from . import release, schema
 from . import vocab as sglang_vocab
 from .dialect import SglangDialect
+from .http_workers import sglangs_addresses
 from .plugin import cause
 
 log = logs.get(__name__)
@@ -120,9 +121,10 @@ def sglangs_vocab(server_args) -> tuple[Vocab, sglang_vocab.Fingerprint]:
     return vocab, sglang_vocab.check(vocab, tokenizer)
 
 
-def dialect_factory(vocab, built: schema.Schema, rel: release.Release, ipc) -> Callable:
+def dialect_factory(vocab, built: schema.Schema, rel: release.Release, ipc, own: frozenset[str] = frozenset()
+                    ) -> Callable:
     """Builds the SGLang dialect for a Server, from SGLang's own (resolved) settings and
-    the installed release's behaviour."""
+    the installed release's behaviour; `own`: SGLang's addresses, none an HTTP worker's."""
     from sglang.srt.runtime_context import get_serving
 
     serving = get_serving()
@@ -144,7 +146,7 @@ def dialect_factory(vocab, built: schema.Schema, rel: release.Release, ipc) -> C
                 ipc.tensor_bytes = cfg.max_frame_bytes  # what a frame's tensors may expand to
             return SglangDialect(
                 core, delivery, gc_policy, stats,
-                ipc=ipc, vocab_size=vocab.size, http_workers=workers > 1,
+                ipc=ipc, vocab_size=vocab.size, http_workers=workers, own_addresses=own,
                 keep_stop_ids=frozenset(keep), falsy_no_match=rel.falsy_no_match, split=rel.split,
                 restarted=restarted,
             )
@@ -171,7 +173,8 @@ def prepare(server_args, port_args, use_pickle: bool | None = None) -> Prepared:
     cfg = config(port_args, vocab.name)
     take_reserved_path(cfg.input)  # first: the folder check sees the path as detokd will bind it
     ready = server.prepare(cfg, vocab, ipc_folders_fatal=False)
-    return Prepared(vocab, fingerprint, cfg, dialect_factory(vocab, built, rel, ipc), ready)
+    dialect = dialect_factory(vocab, built, rel, ipc, sglangs_addresses(port_args))
+    return Prepared(vocab, fingerprint, cfg, dialect, ready)
 
 
 def own_lines() -> None:

@@ -28,7 +28,7 @@ from conftest import engine_cut, made_by, vocab
 from models import model_folder, plugin_path  # noqa: F401  (a fixture: this worktree's entry point)
 
 from detokd.sglang.release import WINDOW
-from detokrig.sglang_frontend import Frontend
+from detokrig.sglang_frontend import Frontend, rust_server_default
 from detokrig.sglang_standin import REPLIES
 from detokrig.waits import wait_until
 
@@ -185,6 +185,9 @@ class Served:
     fallback_kills: int | None = None  # kills in a row that ended the restarts
     fallback_answer: tuple[str, str] | None = None  # through SGLang's own detokenizer, then
     stopped: tuple[int | None, list[int]] | None = None  # SIGTERM to SGLang: its exit, detokd processes left
+    # Its detokenizer processes when SGLang's launch said it was done (None: SGLang does not
+    # say so under --tokenizer-worker-num > 1).
+    launched: list[str] | None = None
 
 
 def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, Served]:
@@ -208,7 +211,8 @@ def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, 
         for key, fe in fes.items():
             answers = {r["rid"]: answer for (k, r), answer in zip(jobs, done, strict=True) if k == key}
             titles = [" ".join(p.cmdline()) for p in fe.detokenizer_processes()]
-            out[key] = Served(mix, answers, fe.records(), titles, log=fe.log_tail(1 << 22))
+            launched = None if "--tokenizer-worker-num" in fe.extra else fe.wait_launched()
+            out[key] = Served(mix, answers, fe.records(), titles, log=fe.log_tail(1 << 22), launched=launched)
         for key, fe in fes.items():
             if key[2] == "detokd":
                 out[key].health = requests.get(fe.url + "/health", timeout=30).status_code
@@ -418,3 +422,14 @@ def test_deaths_in_a_row_end_the_restarts_and_sglangs_own_serves_said_once(host)
     assert host.log.count(restarts.FALLBACK_LINE) == 1
     text, oracle_text = host.fallback_answer
     assert text == oracle_text
+
+
+def test_sglangs_launch_without_sglang_rust_server_starts_a_detokenizer_process(served):
+    """SGLang's real launch (launch_server, SGLANG_RUST_SERVER unset) started the
+    detokenizer process(es) the plugin replaces: the day its Rust server, which has none,
+    becomes the default, this fails saying what to do (issue 43, item 5; a launch that
+    ends with none fails in Frontend.wait_ready already, with the same words)."""
+    recorded = {key_id(key) + "-" + key[2]: run.launched for key, run in served.items() if run.launched is not None}
+    assert any(key.endswith("-sglang") for key in recorded), recorded  # SGLang's own, unreplaced, among them
+    missing = [key for key, titles in recorded.items() if not titles]
+    assert not missing, rust_server_default(f"no detokenizer process in {missing}")

@@ -30,8 +30,11 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None, router: bool = False,
-              extra_env: dict[str, str] | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("DETOKD_SGLANG", "DETOKD_SGLANG_ROUTER", "SGLANG_PLUGINS")}
+              extra_env: dict[str, str] | None = None, fails: bool = False) -> dict:
+    """The child's result; `fails`: a child expected to exit with an error, as its exit
+    status and output."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DETOKD_SGLANG", "DETOKD_SGLANG_ROUTER", "SGLANG_PLUGINS", "SGLANG_RUST_SERVER")}
     env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_path), str(ROOT)])
     env["HF_HUB_OFFLINE"] = "1"
@@ -41,6 +44,8 @@ def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None, r
         env["DETOKD_SGLANG_ROUTER"] = "1"
     p = subprocess.run([sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True,
                        timeout=CHILD_TIMEOUT)
+    if fails:
+        return {"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
     lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"child failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return {**json.loads(lines[-1][len("RESULT "):]), "stderr": p.stderr}
@@ -77,6 +82,8 @@ def children(plugin_path, tmp_path_factory) -> dict[str, Future]:
         "loader, 1": (["loader"], "1"),
         "loader, True": (["loader"], "True"),
         "loader, mismatch": (["loader", "mismatch"], "1"),
+        "loader, rust server": (["loader"], "1"),
+        "loader, rust server, require": (["loader"], "require"),
         "sglang's own": (["launch", qwen2, "--model-path", qwen2], None),
         # --model-path only, as most deployments launch SGLang, with a deprecated parser
         # name that SGLang resolves ("qwen25" -> "qwen") in its runtime context.
@@ -101,14 +108,16 @@ def children(plugin_path, tmp_path_factory) -> dict[str, Future]:
     cases["shared TMPDIR"] = (["launch", qwen2, "--model-path", qwen2], "1")
     envs = {"metrics port taken": {"DETOKD_METRICS_PORT": str(taken.getsockname()[1])},
             "missing CURVE key": {"DETOKD_CONFIG": str(missing_key)},
-            "shared TMPDIR": {"TMPDIR": str(shared)}}
+            "shared TMPDIR": {"TMPDIR": str(shared)},
+            "loader, rust server": {"SGLANG_RUST_SERVER": "1"}, "loader, rust server, require": {"SGLANG_RUST_SERVER": "1"}}
     pool = ThreadPoolExecutor(2)
     futures = {}
     for case, (args, detokd_sglang) in cases.items():
         if args[0] != "loader":
             args = [*args, "--device", "cpu"]
         futures[case] = pool.submit(run_child, plugin_path, *args, detokd_sglang=detokd_sglang,
-                                    router=case.endswith("router"), extra_env=envs.get(case))
+                                    router=case.endswith("router"), extra_env=envs.get(case),
+                                    fails=case == "loader, rust server, require" and has_rust_server())
     yield futures
     pool.shutdown(cancel_futures=True)
     taken.close()
@@ -150,6 +159,53 @@ def test_on_a_schema_mismatch_the_method_stays_and_the_warning_names_the_field(c
     assert result["replaced"] is False
     (warning,) = [w for w in warnings_of(result) if "detokd" in w]
     assert "BatchStrOutput" in warning and "'time_stats'" in warning
+
+
+def has_rust_server() -> bool:
+    """Whether the installed SGLang has the opt-in Rust server (0.5.20 to 0.5.23 do)."""
+    from sglang.srt.environ import envs
+
+    return hasattr(envs, "SGLANG_RUST_SERVER")
+
+
+def test_sglangs_rust_server_is_off_unless_the_operator_turns_it_on(monkeypatch):
+    """The day SGLANG_RUST_SERVER defaults to true, SGLang's launch starts no detokenizer
+    process and detokd is unused unless the operator sets SGLANG_RUST_SERVER=0: this
+    fails saying what to do (issue 43, item 5; test_frontend.py watches the launch)."""
+    from frontend import rust_server_default
+    from sglang.srt.environ import envs
+
+    from detokd.sglang import plugin
+
+    monkeypatch.delenv("SGLANG_RUST_SERVER", raising=False)
+    setting = getattr(envs, "SGLANG_RUST_SERVER", None)
+    assert setting is None or setting.get() is False, rust_server_default("SGLANG_RUST_SERVER defaults to true")
+    assert plugin.rust_server() is False
+
+
+def test_with_sglangs_rust_server_on_one_line_says_detokd_is_not_used(children):
+    """SGLANG_RUST_SERVER=1: SGLang's Rust server tokenizes and detokenizes itself and its
+    launch starts no detokenizer process, so the hook would never run: one warning line
+    says so instead of silence (a release without the setting loads the plugin as ever)."""
+    result = children["loader, rust server"].result()
+    lines = [w for w in warnings_of(result) if "detokd" in w]
+    if not has_rust_server():
+        assert result["replaced"] is True and not lines, lines
+        return
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("detokd: not used") and "SGLANG_RUST_SERVER" in lines[0], lines[0]
+    assert result["replaced"] is False
+
+
+def test_with_sglangs_rust_server_on_detokd_sglang_require_fails_the_launch_in_one_line(children):
+    result = children["loader, rust server, require"].result()
+    if not has_rust_server():
+        assert result["replaced"] is True
+        return
+    assert result["returncode"] != 0 and "RESULT" not in result["stdout"], result
+    (line,) = [line for line in result["stderr"].splitlines() if "require" in line]
+    assert line.startswith("detokd: DETOKD_SGLANG=require, and detokd is not used") and "SGLANG_RUST_SERVER" in line
+    assert "Traceback" not in result["stderr"], result["stderr"][-3000:]
 
 
 def assert_answers_and_dies_seen(result: dict) -> None:
