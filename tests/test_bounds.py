@@ -18,6 +18,9 @@ from conftest import oracle, vocab
 from utils import Engine, Req, Sink, logged, make_ids, metric, metrics_port, pull, scrape, wait_until
 from zmq.utils.monitor import recv_monitor_message
 
+from detokrig.proc import ProcTree
+from detokrig.proc import memory as proc_memory
+
 dec = msgspec.msgpack.decode
 
 
@@ -78,6 +81,60 @@ def test_rows_beyond_the_caps_get_too_large_and_rows_at_the_caps_are_served(deto
     m = scrape(metrics_port(d))
     assert metric(m, "detokd_bad_frames_total") == 1
     assert metric(m, "detokd_errors_total", kind="too_large") == 7  # 4 starts, the long rid, live twice
+
+
+def _unread_row(rid: str, n: int) -> dict:
+    """A row of n ids of 5 bytes each (SPACES), its ids written as MessagePack by hand."""
+    return {"rid": rid, "ids": msgspec.Raw(b"\xdd" + n.to_bytes(4, "big") + (b"\xce" + SPACES.to_bytes(4, "big")) * n),
+            "start": {}, "meta": rid}
+
+
+# Two shapes of a 25 MB frame whose ids detokd must not read: 5 M in one row, and
+# 5 M in 77 rows each within max_row_ids, all past the frame's max_frame_ids.
+OVER_CAPS = {
+    "one row over max_row_ids": [("big", 5_000_000)],
+    "rows past max_frame_ids": [(f"past{i}", 65_536) for i in range(77)],
+}
+
+
+@pytest.mark.parametrize("shape", list(OVER_CAPS))
+def test_ids_over_the_caps_are_refused_unread_and_cost_a_small_multiple_of_their_frame(detokd, zctx, shape):
+    # msgspec made every id a Python int (36 bytes for 5 on the wire) before any cap on
+    # ids was checked: 183-244 MB of peak RSS for one such frame. Their count is read
+    # from each array's header instead; the rows over a cap get too_large as they did,
+    # every other row is served as it was.
+    d = detokd(workers=1, args=["--metrics-port", "0"])
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    rng = random.Random(16)
+    honest = {f"h{i}": make_ids(rng, 40) for i in range(3)}
+    live = make_ids(rng, 20)
+    eng.rows([{"rid": "live", "ids": live[:10], "start": {}}])
+    _fence(eng, w, "warm", v)
+    over = OVER_CAPS[shape]
+    frame = msgspec.msgpack.encode({"type": "tokens", "rows": [
+        *({"rid": rid, "ids": ids, "start": {}, "finish": {"reason": "length"}} for rid, ids in honest.items()),
+        *(_unread_row(rid, n) for rid, n in over),
+        {"rid": "live", "ids": live[10:], "seq": 10, "finish": {"reason": "length"}},  # past the budget, as ever
+    ]})
+    assert 25e6 < len(frame) < 26e6
+    ProcTree(d.pid).reset_peak()
+    before = proc_memory(d.pid)
+    assert before.hwm_kb - before.rss_kb < 1024, before  # the peak starts from now
+    eng.raw(frame)
+    _fence(eng, w, "after", v)
+    grown = (proc_memory(d.pid).hwm_kb - before.rss_kb) * 1024
+    for rid, ids in honest.items():
+        assert w.text(rid) == oracle(v, [], ids, True) and not w.errors(rid), rid
+    for rid, _ in over:
+        assert [(r["error"], r["meta"]) for r in w.rows(rid)] == [("too_large", rid)]
+    assert w.errors("live") == ["too_large"] and w.rows("live")[0]["text"] == oracle(v, [], live[:10], True)
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_errors_total", kind="too_large") == len(over) + 1
+    assert metric(m, "detokd_bad_frames_total") == 0
+    assert grown <= 3 * len(frame), f"peak RSS grew {grown / 1e6:.0f} MB for a frame of {len(frame) / 1e6:.0f} MB"
 
 
 def test_rows_past_a_frames_id_budget_get_too_large_and_the_rows_before_are_served(detokd, zctx):

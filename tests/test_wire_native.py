@@ -13,8 +13,9 @@ import zmq
 from conftest import fast_codec, vocab
 
 from detokd.conductor import Conductor
-from detokd.core.detokenizer import Detokenizer
+from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
+from detokd.core.records import UnreadIds
 from detokd.core.stats import Stats
 from detokd.delivery import Delivery
 from detokd.gc_policy import GcPolicy
@@ -78,23 +79,47 @@ def test_salvage_keeps_the_good_rows_of_a_frame_with_one_bad_row() -> None:
         {"rid": "ok1", "ids": [1]}, {"rid": "bad", "ids": "not a list"}, {"ids": [3]}, {"rid": "ok2", "seq": 2}]})
     with pytest.raises(native.DecodeError):
         native.decode_inbound(frame)
-    good, bad = native.salvage_rows(frame, max_rows=4)
+    good, bad = native.salvage_rows(frame, Limits(rows=4))
     assert good == [native.Row("ok1", [1]), native.Row("ok2", [], 2)]
     assert bad == ["bad"]  # the row with no rid cannot be answered: it is only dropped
-    assert native.salvage_rows(frame, max_rows=3) is None  # more rows than max_rows: dropped whole, like a good frame
+    assert native.salvage_rows(frame, Limits(rows=3)) is None  # more rows than max_rows: dropped whole, like a good frame
 
 
 def test_salvage_reads_the_rid_of_a_bad_row_of_more_values_than_the_walker_takes() -> None:
     # msgspec reads a bad row's rid; the Python walker, which stops at MAX_VALUES, is only
     # for rows nested too deep for msgspec (and took 11 s over a 64 MiB frame of such rows).
     ids: list = [1] * msgpack_scan.MAX_VALUES + ["x"]
-    good, bad = native.salvage_rows(enc({"type": "tokens", "rows": [{"rid": "big", "ids": ids}]}), max_rows=4)
+    within = Limits(rows=4, row_ids=len(ids), frame_ids=len(ids))  # over a cap, its ids would not be read
+    good, bad = native.salvage_rows(enc({"type": "tokens", "rows": [{"rid": "big", "ids": ids}]}), within)
     assert (good, bad) == ([], ["big"])
 
 
 @pytest.mark.parametrize("frame", [b"\xc1", enc([1, 2]), enc({"type": "abort", "rids": [1]}), enc({"type": "tokens"})])
 def test_salvage_gives_up_on_a_frame_that_is_no_tokens_batch(frame: bytes) -> None:
-    assert native.salvage_rows(frame, max_rows=65536) is None
+    assert native.salvage_rows(frame, Limits()) is None
+
+
+def test_rows_over_a_cap_on_ids_are_read_with_their_ids_unread() -> None:
+    # Two rows of 3 ids within the budget, then a row over max_row_ids (its ids not even
+    # ints), then one past the frame's max_frame_ids; a row of no ids past it is read.
+    frame = enc({"type": "tokens", "rows": [
+        {"rid": "a", "ids": [1, 2, 3]}, {"rid": "b", "ids": [4, 5, 6], "seq": 2},
+        {"rid": "over", "ids": ["x"] * 5, "start": {"worker": 1}, "meta": 7}, {"rid": "past", "ids": [7, 8]},
+        {"rid": "empty"}]})
+    good, bad = native.salvage_rows(frame, Limits(row_ids=4, frame_ids=8))
+    assert bad == [] and [r.rid for r in good] == ["a", "b", "over", "past", "empty"]
+    assert good[:2] == [native.Row("a", [1, 2, 3]), native.Row("b", [4, 5, 6], 2)] and good[4] == native.Row("empty")
+    over, past = good[2], good[3]
+    assert isinstance(over.ids, UnreadIds) and len(over.ids) == 5 and over.start == native.Start(worker=1)
+    assert over.meta == RAW(7) and isinstance(past.ids, UnreadIds) and len(past.ids) == 2
+    with pytest.raises(TypeError, match="never read"):
+        max(over.ids)
+
+
+def test_ids_extent_reads_every_form_of_array_header_and_no_array_as_none() -> None:
+    rows: list = [[], [1], list(range(15)), list(range(16)), list(range(70_000)), "no ids"]
+    assert native.ids_extent([RAW(r) for r in rows]) == (70_000, 1 + 15 + 16 + 70_000)
+    assert native.ids_extent([RAW(list(range(15))), RAW([9])]) == (15, 16)  # fixarrays only
 
 
 @pytest.fixture

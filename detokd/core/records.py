@@ -44,6 +44,32 @@ class Row(Struct, gc=False, omit_defaults=True):
     meta: Raw = NIL
 
 
+class UnreadIds(list):
+    """A Row's ids that its dialect never read: a row over `max_row_ids`, or past its
+    frame's `max_frame_ids`, holds only how many there were. The core answers such a row
+    `too_large` by that count alone, as it answers any row over a cap, so a frame cannot
+    make detokd hold its ids as Python ints (36 bytes for 5 on the wire). Reading one is
+    a bug, and raises."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        raise TypeError(f"{self!r}: the ids of a row over a cap are never read")
+
+    def __getitem__(self, i):
+        raise TypeError(f"{self!r}: the ids of a row over a cap are never read")
+
+    def __repr__(self) -> str:
+        return f"UnreadIds({self.n})"
+
+
 class OutRow(Struct, gc=False):
     rid: str
     text: str = ""

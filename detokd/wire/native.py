@@ -11,6 +11,8 @@ never decoded.
 from __future__ import annotations
 
 import functools
+import operator
+import struct
 from typing import TYPE_CHECKING, Annotated, Union
 
 import msgspec
@@ -36,6 +38,7 @@ from ..core.records import (  # noqa: F401 (v1's rows and error words, re-export
     Row,
     Start,
     StoppedRow,
+    UnreadIds,
 )
 from ..output import Output, Registration, WorkerOut
 from . import msgpack_scan
@@ -43,6 +46,7 @@ from . import msgpack_scan
 if TYPE_CHECKING:
     from ..config import Config
     from ..core.api import Core
+    from ..core.detokenizer import Limits
     from ..core.outbox import Produced
     from ..core.stats import Stats
     from ..delivery import Delivery
@@ -115,11 +119,10 @@ DecodeError = msgspec.DecodeError  # ValidationError is a subclass
 
 
 @functools.cache
-def capped(max_rows: int) -> msgspec.msgpack.Decoder:
-    """The decoder of Inbound that refuses a list of more than
-    `max_rows` rows (tokens, embeddings) or rids (abort) from its length header, before
-    one element is read: 60 M empty rids fit in a 57 MiB abort, 3 s to decode alone.
-    Their messages are subclasses of the ones above."""
+def _capped(max_rows: int) -> tuple[type, type, type]:
+    """Tokens, Embeddings and Abort with at most `max_rows` rows or rids, refused from the
+    list's length header, before one element is read: 60 M empty rids fit in a 57 MiB
+    abort, 3 s to decode alone. Subclasses of the messages above."""
 
     # The classes are built at run time (msgspec reads their annotations then), so mypy
     # sees variables where types go: valid-type is ignored on those lines.
@@ -127,11 +130,64 @@ def capped(max_rows: int) -> msgspec.msgpack.Decoder:
         items = Annotated[list[item], Meta(max_length=max_rows)]  # type: ignore[valid-type]
         return msgspec.defstruct(name, [(field, items)], bases=(base,), tag=tag)
 
-    CappedTokens = many("CappedTokens", Tokens, "rows", Row, tag="tokens")
-    CappedEmbeddings = many("CappedEmbeddings", Embeddings, "rows", EmbeddingRow, tag="embeddings")
-    CappedAbort = many("CappedAbort", Abort, "rids", str, tag="abort")
-    inbound = Union[CappedTokens, CappedEmbeddings, CappedAbort, Register, Control]  # type: ignore[valid-type]
-    return msgspec.msgpack.Decoder(inbound)
+    return (many("CappedTokens", Tokens, "rows", Row, tag="tokens"),
+            many("CappedEmbeddings", Embeddings, "rows", EmbeddingRow, tag="embeddings"),
+            many("CappedAbort", Abort, "rids", str, tag="abort"))
+
+
+@functools.cache
+def capped(max_rows: int) -> msgspec.msgpack.Decoder:
+    """The decoder of Inbound whose lists hold at most `max_rows` rows or rids."""
+    tokens, embeddings, abort = _capped(max_rows)
+    return msgspec.msgpack.Decoder(Union[tokens, embeddings, abort, Register, Control])
+
+
+class _IdsOnly(Struct, gc=False):
+    """A tokens row as sizing reads it: its ids as their bytes, every other key skipped."""
+
+    ids: Raw = NIL
+
+
+class SizedTokens(Struct, tag_field="type", tag="tokens", gc=False):
+    """A tokens message as sizing reads it: no id a Python int yet."""
+
+    rows: list[_IdsOnly]
+
+
+@functools.cache
+def sizing(max_rows: int) -> msgspec.msgpack.Decoder:
+    """capped(max_rows)'s decoder, but for a tokens message, whose rows it reads only as
+    their ids' bytes (SizedTokens): enough to find the rows over a cap on ids before
+    any id is decoded. Every other message comes out whole."""
+    _, embeddings, abort = _capped(max_rows)
+    rows = Annotated[list[_IdsOnly], Meta(max_length=max_rows)]
+    sized = msgspec.defstruct("CappedSizedTokens", [("rows", rows)], bases=(SizedTokens,), tag="tokens")
+    return msgspec.msgpack.Decoder(Union[sized, embeddings, abort, Register, Control])
+
+
+_lead = struct.Struct("B").unpack_from  # a buffer's first byte, as a 1-tuple
+_first = operator.itemgetter(0)
+
+
+def ids_extent(ids: list[Raw]) -> tuple[int, int]:
+    """(the most ids of one row, the ids of all rows), from the headers of their arrays.
+    A row of at most 15 ids has the count in its lead byte (a fixarray), read with no
+    Python call of its own: ~80 ns a row, against ~400 through ids_count."""
+    leads = map(_first, map(_lead, ids))
+    counts = [b - 0x90 if 0x90 <= b <= 0x9F else ids_count(raw) for b, raw in zip(leads, ids, strict=True)]
+    return max(counts, default=0), sum(counts)
+
+
+def ids_count(ids: Raw | bytes) -> int:
+    """How many ids the bytes of a row's `ids` hold, from the array's header; 0 when they
+    are no array (the row's own decode then says what is wrong)."""
+    buf = memoryview(ids)
+    if not buf or not (0x90 <= buf[0] <= 0x9F or buf[0] in (0xDC, 0xDD)):
+        return 0
+    try:
+        return msgpack_scan.header(buf, 0)[2]
+    except msgpack_scan.Malformed:
+        return 0
 
 
 class _LooseTokens(Struct):
@@ -146,18 +202,20 @@ def _loose(max_rows: int) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(msgspec.defstruct("CappedLooseTokens", [("rows", rows)], bases=(_LooseTokens,)))
 
 
-def salvage_rows(frame: bytes, max_rows: int) -> tuple[list[Row], list[str]] | None:
-    """Per-row decode of a `tokens` frame that failed as a whole.
+def salvage_rows(frame: bytes, limits: Limits) -> tuple[list[Row], list[str]] | None:
+    """Per-row decode of a `tokens` frame that failed as a whole, or holds ids over a cap.
 
     One malformed row must not sink the rows of every other request in the batch:
-    returns the rows that decode, and the rids of those that do not but still name
-    one (they get a `bad_row` error). A row nested too deep for the decoder is such a
-    row: then the frame is split by msgpack_scan, which walks any depth. None when the
-    frame is not a tokens batch, or has more than `max_rows` rows (dropped whole, as
-    a frame that decodes would be).
+    returns the rows that decode (read_rows: those over a cap on ids with their ids
+    unread), and the rids of those that do not but still name one (they get a `bad_row`
+    error). A row nested too deep for the decoder is such a row: then the frame is
+    split by msgpack_scan, which walks any depth. None when the frame is not a tokens
+    batch, or has more than `limits.rows` rows (dropped whole, as a frame that decodes
+    would be).
     """
+    rows: list[Raw] | list[bytes]
     try:
-        raws = _loose(max_rows).decode(frame)
+        raws = _loose(limits.rows).decode(frame)
         if raws.type != "tokens":
             return None
         rows = list(raws.rows)
@@ -165,21 +223,60 @@ def salvage_rows(frame: bytes, max_rows: int) -> tuple[list[Row], list[str]] | N
         return None
     except RecursionError:  # a value nested deeper than msgspec goes: walk the frame instead
         try:
-            spans = _rows_of(frame, max_rows)
+            spans = _rows_of(frame, limits.rows)
         except (msgpack_scan.Malformed, DecodeError):
             return None
         if spans is None:
             return None
         rows = [frame[start:stop] for start, stop in spans]
+    return read_rows(rows, limits.row_ids, limits.frame_ids)
+
+
+class _RowUnread(Struct, gc=False):
+    """A Row over a cap on ids: every key but its ids decoded."""
+
+    rid: str
+    ids: Raw = NIL
+    seq: int = 0
+    start: Union[Start, None] = None
+    finish: Union[Finish, None] = None
+    meta: Raw = NIL
+
+
+_ids_only = msgspec.msgpack.Decoder(_IdsOnly)
+_row_unread = msgspec.msgpack.Decoder(_RowUnread)
+
+
+def read_rows(raws: list[Raw] | list[bytes], row_ids: int, frame_ids: int) -> tuple[list[Row], list[str]]:
+    """Each row decoded alone: the rows that decode, and the rids of those that do not.
+
+    A row of more than `row_ids` ids, or whose ids take the rows before it past
+    `frame_ids` (the core's budget, counted as it counts: over the rows it is handed),
+    keeps its ids unread (UnreadIds: their count, from the array's header), and the core
+    answers it too_large as it would have, whatever the ids hold: they never become
+    Python ints.
+    """
     good: list[Row] = []
     bad: list[str] = []
-    for raw in rows:
+    spent = 0
+    for raw in raws:
         try:
-            good.append(_row.decode(raw))
+            n = ids_count(_ids_only.decode(raw).ids)
+        except (DecodeError, RecursionError):
+            n = 0  # its full decode fails too, and says why
+        try:
+            if n and (n > row_ids or spent + n > frame_ids):
+                u = _row_unread.decode(raw)
+                row = Row(u.rid, UnreadIds(n), u.seq, u.start, u.finish, u.meta)
+            else:
+                row = _row.decode(raw)
         except (DecodeError, RecursionError):
             rid = _rid_of(raw)
             if rid is not None:
                 bad.append(rid)
+            continue
+        spent += len(row.ids)
+        good.append(row)
     return good, bad
 
 
@@ -225,6 +322,13 @@ def encode_stopped(rows: list[StoppedRow]) -> bytes:
     return encode(Stopped(rows))
 
 
+# A frame of at most this many bytes is decoded whole, as it comes, whatever its ids:
+# it holds at most ~3 MB of them as Python ints (36 bytes for 3 on the wire at worst),
+# the caps bound the rest of its cost, and sizing its rows first would cost a large
+# batch (4,096 rows of one id, ~120 KB) a tenth more. A larger frame is sized first.
+WHOLE_FRAME_BYTES = 256 << 10
+
+
 class NativeDialect:
     """Frames of PROTOCOL v1 in; the core's calls, and what they produced encoded, out."""
 
@@ -234,7 +338,13 @@ class NativeDialect:
         self.core = core
         self.gc_policy = gc_policy
         self.stats = stats
-        self.decode = capped(core.limits.rows).decode  # every list of rows within max_rows
+        limits = core.limits
+        self.decode = capped(limits.rows).decode  # every list of rows within max_rows
+        self.sizing = sizing(limits.rows).decode
+        # A frame of no more bytes than `within_caps` holds no more ids than any cap
+        # allows (an id is a byte or more on the wire).
+        self.within_caps = min(limits.row_ids, limits.frame_ids)
+        self.whole = max(WHOLE_FRAME_BYTES, self.within_caps)
 
     encode_text = staticmethod(encode_text)  # a method: a test's dialect may refuse to encode
 
@@ -248,7 +358,7 @@ class NativeDialect:
         A frame that does not decode is counted; the rows of a tokens frame that still
         decode go on. None when the frame held no message at all."""
         try:
-            msg = self.decode(frame)
+            msg = self.decode(frame) if len(frame) <= self.whole else self._decode_sized(frame)
         except Exception as exc:  # DecodeError; RecursionError for nesting deeper than msgspec goes
             msg = self._salvage(frame, exc)
             if msg is None:
@@ -266,17 +376,46 @@ class NativeDialect:
                 self.control(op)
         return Output()
 
+    def _decode_sized(self, frame: bytes) -> Inbound:
+        """A frame that could hold more ids than a cap allows. Its rows' ids are sized
+        first, as bytes (which bound their count) and then, if need be, counted from
+        their headers: within the caps, the frame is decoded whole as any other; past
+        them, row by row, each row over a cap with its ids unread (read_rows)."""
+        msg = self.sizing(frame)
+        if not isinstance(msg, SizedTokens):
+            return msg
+        ids = [row.ids for row in msg.rows]
+        if sum(map(len, ids)) > self.within_caps:
+            most, total = ids_extent(ids)
+            if most > self.core.limits.row_ids or total > self.core.limits.frame_ids:
+                return self._read_by_row(frame)
+        return self.decode(frame)
+
+    def _read_by_row(self, frame: bytes) -> Tokens:
+        """A tokens frame with ids over a cap, its rows decoded one by one; a row that
+        does not decode makes it a bad frame, as it would have whole."""
+        salvaged = salvage_rows(frame, self.core.limits)
+        if salvaged is None:  # sizing read it as a tokens frame of at most max_rows rows
+            raise DecodeError("a tokens frame that sizing read cannot be read by row")
+        rows, bad = salvaged
+        if bad:
+            self.stats.bad_frames += 1
+            return self._answer_bad_rows(frame, rows, bad, "a row does not match the schema")
+        return Tokens(rows)
+
     def _salvage(self, frame: bytes, exc: Exception) -> Tokens | None:
         """A frame that did not decode: counted; the rows of a tokens frame that still
         decode, as a Tokens message (the others answered bad_row), or None."""
         self.stats.bad_frames += 1
-        salvaged = salvage_rows(frame, self.core.limits.rows)
+        salvaged = salvage_rows(frame, self.core.limits)
         if salvaged is None:
             log.warning("bad frame (%d bytes): %s", len(frame), exc)
             return None
-        rows, bad = salvaged
+        return self._answer_bad_rows(frame, *salvaged, exc)
+
+    def _answer_bad_rows(self, frame: bytes, rows: list[Row], bad: list[str], why: object) -> Tokens:
         log.warning("tokens frame (%d bytes) with %d bad row(s), answered bad_row; %d good row(s) go on: %s",
-                    len(frame), len(bad), len(rows), exc)
+                    len(frame), len(bad), len(rows), why)
         self.core.bad_rows(bad)
         return Tokens(rows)
 
