@@ -116,10 +116,9 @@ def test_rows_over_a_cap_on_ids_are_read_with_their_ids_unread() -> None:
         max(over.ids)
 
 
-def test_ids_extent_reads_every_form_of_array_header_and_no_array_as_none() -> None:
-    rows: list = [[], [1], list(range(15)), list(range(16)), list(range(70_000)), "no ids"]
-    assert native.ids_extent([RAW(r) for r in rows]) == (70_000, 1 + 15 + 16 + 70_000)
-    assert native.ids_extent([RAW(list(range(15))), RAW([9])]) == (15, 16)  # fixarrays only
+def test_ids_counts_read_every_form_of_array_header_and_no_array_as_none() -> None:
+    rows: list = [[], [1], list(range(15)), list(range(16)), list(range(70_000)), "no ids", None]
+    assert native.ids_counts([RAW(r) for r in rows]) == [0, 1, 15, 16, 70_000, 0, 0]
 
 
 @pytest.fixture

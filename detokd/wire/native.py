@@ -169,13 +169,12 @@ _lead = struct.Struct("B").unpack_from  # a buffer's first byte, as a 1-tuple
 _first = operator.itemgetter(0)
 
 
-def ids_extent(ids: list[Raw]) -> tuple[int, int]:
-    """(the most ids of one row, the ids of all rows), from the headers of their arrays.
-    A row of at most 15 ids has the count in its lead byte (a fixarray), read with no
-    Python call of its own: ~80 ns a row, against ~400 through ids_count."""
+def ids_counts(ids: list[Raw]) -> list[int]:
+    """ids_count of each row's ids. A row of at most 15 ids has the count in its lead
+    byte (a fixarray), read with no Python call of its own: ~80 ns a row, against ~400
+    through ids_count."""
     leads = map(_first, map(_lead, ids))
-    counts = [b - 0x90 if 0x90 <= b <= 0x9F else ids_count(raw) for b, raw in zip(leads, ids, strict=True)]
-    return max(counts, default=0), sum(counts)
+    return [b - 0x90 if 0x90 <= b <= 0x9F else ids_count(raw) for b, raw in zip(leads, ids, strict=True)]
 
 
 def ids_count(ids: Raw | bytes) -> int:
@@ -202,7 +201,7 @@ def _loose(max_rows: int) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(msgspec.defstruct("CappedLooseTokens", [("rows", rows)], bases=(_LooseTokens,)))
 
 
-def salvage_rows(frame: bytes, limits: Limits) -> tuple[list[Row], list[str]] | None:
+def salvage_rows(frame: bytes, limits: Limits, counts: list[int] | None = None) -> tuple[list[Row], list[str]] | None:
     """Per-row decode of a `tokens` frame that failed as a whole, or holds ids over a cap.
 
     One malformed row must not sink the rows of every other request in the batch:
@@ -211,7 +210,7 @@ def salvage_rows(frame: bytes, limits: Limits) -> tuple[list[Row], list[str]] | 
     error). A row nested too deep for the decoder is such a row: then the frame is
     split by msgpack_scan, which walks any depth. None when the frame is not a tokens
     batch, or has more than `limits.rows` rows (dropped whole, as a frame that decodes
-    would be).
+    would be). `counts`: each row's ids, where the frame was sized already.
     """
     rows: list[Raw] | list[bytes]
     try:
@@ -229,7 +228,7 @@ def salvage_rows(frame: bytes, limits: Limits) -> tuple[list[Row], list[str]] | 
         if spans is None:
             return None
         rows = [frame[start:stop] for start, stop in spans]
-    return read_rows(rows, limits.row_ids, limits.frame_ids)
+    return read_rows(rows, limits.row_ids, limits.frame_ids, counts)
 
 
 class _RowUnread(Struct, gc=False):
@@ -247,23 +246,27 @@ _ids_only = msgspec.msgpack.Decoder(_IdsOnly)
 _row_unread = msgspec.msgpack.Decoder(_RowUnread)
 
 
-def read_rows(raws: list[Raw] | list[bytes], row_ids: int, frame_ids: int) -> tuple[list[Row], list[str]]:
+def read_rows(raws: list[Raw] | list[bytes], row_ids: int, frame_ids: int,
+              counts: list[int] | None = None) -> tuple[list[Row], list[str]]:
     """Each row decoded alone: the rows that decode, and the rids of those that do not.
 
     A row of more than `row_ids` ids, or whose ids take the rows before it past
     `frame_ids` (the core's budget, counted as it counts: over the rows it is handed),
     keeps its ids unread (UnreadIds: their count, from the array's header), and the core
     answers it too_large as it would have, whatever the ids hold: they never become
-    Python ints.
+    Python ints. `counts`: each row's ids (ids_count), if known.
     """
     good: list[Row] = []
     bad: list[str] = []
     spent = 0
-    for raw in raws:
-        try:
-            n = ids_count(_ids_only.decode(raw).ids)
-        except (DecodeError, RecursionError):
-            n = 0  # its full decode fails too, and says why
+    for k, raw in enumerate(raws):
+        if counts is not None:
+            n = counts[k]
+        else:
+            try:
+                n = ids_count(_ids_only.decode(raw).ids)
+            except (DecodeError, RecursionError):
+                n = 0  # its full decode fails too, and says why
         try:
             if n and (n > row_ids or spent + n > frame_ids):
                 u = _row_unread.decode(raw)
@@ -386,15 +389,15 @@ class NativeDialect:
             return msg
         ids = [row.ids for row in msg.rows]
         if sum(map(len, ids)) > self.within_caps:
-            most, total = ids_extent(ids)
-            if most > self.core.limits.row_ids or total > self.core.limits.frame_ids:
-                return self._read_by_row(frame)
+            counts = ids_counts(ids)
+            if max(counts) > self.core.limits.row_ids or sum(counts) > self.core.limits.frame_ids:
+                return self._read_by_row(frame, counts)
         return self.decode(frame)
 
-    def _read_by_row(self, frame: bytes) -> Tokens:
-        """A tokens frame with ids over a cap, its rows decoded one by one; a row that
-        does not decode makes it a bad frame, as it would have whole."""
-        salvaged = salvage_rows(frame, self.core.limits)
+    def _read_by_row(self, frame: bytes, counts: list[int]) -> Tokens:
+        """A tokens frame with ids over a cap (`counts`: each row's), its rows decoded one
+        by one; a row that does not decode makes it a bad frame, as it would have whole."""
+        salvaged = salvage_rows(frame, self.core.limits, counts)
         if salvaged is None:  # sizing read it as a tokens frame of at most max_rows rows
             raise DecodeError("a tokens frame that sizing read cannot be read by row")
         rows, bad = salvaged
