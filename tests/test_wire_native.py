@@ -15,7 +15,7 @@ from conftest import fast_codec, vocab
 from detokd.conductor import Conductor
 from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
-from detokd.core.records import UnreadIds
+from detokd.core.records import Unread
 from detokd.core.stats import Stats
 from detokd.delivery import Delivery
 from detokd.gc_policy import GcPolicy
@@ -99,26 +99,31 @@ def test_salvage_gives_up_on_a_frame_that_is_no_tokens_batch(frame: bytes) -> No
     assert native.salvage_rows(frame, Limits()) is None
 
 
-def test_rows_over_a_cap_on_ids_are_read_with_their_ids_unread() -> None:
-    # Two rows of 3 ids within the budget, then a row over max_row_ids (its ids not even
-    # ints), then one past the frame's max_frame_ids; a row of no ids past it is read.
+def test_rows_over_a_cap_are_read_with_their_lists_unread() -> None:
+    # Two rows of 3 ids within the budget, a row over max_row_ids (its ids not even
+    # ints), one past the frame's max_frame_ids, one without ids past it (read), and
+    # starts over max_wire_prompt_tail and max_stop_strings.
+    limits = Limits(row_ids=4, frame_ids=8, wire_prompt_tail=3, stop_strings=2)
     frame = enc({"type": "tokens", "rows": [
         {"rid": "a", "ids": [1, 2, 3]}, {"rid": "b", "ids": [4, 5, 6], "seq": 2},
-        {"rid": "over", "ids": ["x"] * 5, "start": {"worker": 1}, "meta": 7}, {"rid": "past", "ids": [7, 8]},
-        {"rid": "empty"}]})
-    good, bad = native.salvage_rows(frame, Limits(row_ids=4, frame_ids=8))
-    assert bad == [] and [r.rid for r in good] == ["a", "b", "over", "past", "empty"]
+        {"rid": "over", "ids": ["x"] * 5, "start": {"worker": 1, "stop": ["s"]}, "meta": 7},
+        {"rid": "past", "ids": [7, 8]}, {"rid": "empty"},
+        {"rid": "tail", "start": {"prompt_tail": [1, 2, 3, "x"]}}, {"rid": "stops", "start": {"stop": ["a", "b", 3]}}]})
+    good, bad = native.salvage_rows(frame, limits)
+    assert bad == [] and [r.rid for r in good] == ["a", "b", "over", "past", "empty", "tail", "stops"]
     assert good[:2] == [native.Row("a", [1, 2, 3]), native.Row("b", [4, 5, 6], 2)] and good[4] == native.Row("empty")
-    over, past = good[2], good[3]
-    assert isinstance(over.ids, UnreadIds) and len(over.ids) == 5 and over.start == native.Start(worker=1)
-    assert over.meta == RAW(7) and isinstance(past.ids, UnreadIds) and len(past.ids) == 2
+    lengths = {r.rid: (len(r.ids), r.start and len(r.start.prompt_tail), r.start and len(r.start.stop)) for r in good[2:]}
+    assert lengths == {"over": (5, 0, 1), "past": (2, None, None), "empty": (0, None, None), "tail": (0, 4, 0), "stops": (0, 0, 3)}
+    over, tail, stops = good[2], good[5], good[6]
+    assert isinstance(over.ids, Unread) and over.start.worker == 1 and over.start.stop == ["s"] and over.meta == RAW(7)
+    assert isinstance(good[3].ids, Unread) and isinstance(tail.start.prompt_tail, Unread) and isinstance(stops.start.stop, Unread)
     with pytest.raises(TypeError, match="never read"):
         max(over.ids)
 
 
-def test_ids_counts_read_every_form_of_array_header_and_no_array_as_none() -> None:
+def test_array_lens_read_every_form_of_array_header_and_no_array_as_0() -> None:
     rows: list = [[], [1], list(range(15)), list(range(16)), list(range(70_000)), "no ids", None]
-    assert native.ids_counts([RAW(r) for r in rows]) == [0, 1, 15, 16, 70_000, 0, 0]
+    assert native.array_lens([RAW(r) for r in rows]) == [0, 1, 15, 16, 70_000, 0, 0]
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from ..core.records import (  # noqa: F401 (v1's rows and error words, re-export
     Row,
     Start,
     StoppedRow,
-    UnreadIds,
+    Unread,
 )
 from ..output import Output, Registration, WorkerOut
 from . import msgpack_scan
@@ -142,25 +142,36 @@ def capped(max_rows: int) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(Union[tokens, embeddings, abort, Register, Control])
 
 
-class _IdsOnly(Struct, gc=False):
-    """A tokens row as sizing reads it: its ids as their bytes, every other key skipped."""
+EMPTY = Raw(b"\x90")  # MessagePack's empty array: what a list left out reads as
 
-    ids: Raw = NIL
+
+class _StartSizes(Struct, gc=False):
+    """A start as sizing reads it: its lists as their bytes."""
+
+    prompt_tail: Raw = EMPTY
+    stop: Raw = EMPTY
+
+
+class _Sizes(Struct, gc=False):
+    """A tokens row as sizing reads it: its lists as their bytes, every other key skipped."""
+
+    ids: Raw = EMPTY
+    start: Union[_StartSizes, None] = None
 
 
 class SizedTokens(Struct, tag_field="type", tag="tokens", gc=False):
     """A tokens message as sizing reads it: no id a Python int yet."""
 
-    rows: list[_IdsOnly]
+    rows: list[_Sizes]
 
 
 @functools.cache
 def sizing(max_rows: int) -> msgspec.msgpack.Decoder:
     """capped(max_rows)'s decoder, but for a tokens message, whose rows it reads only as
-    their ids' bytes (SizedTokens): enough to find the rows over a cap on ids before
-    any id is decoded. Every other message comes out whole."""
+    the bytes of their lists (SizedTokens): enough to find the rows whose lists pass a
+    cap before any item of them is decoded. Every other message comes out whole."""
     _, embeddings, abort = _capped(max_rows)
-    rows = Annotated[list[_IdsOnly], Meta(max_length=max_rows)]
+    rows = Annotated[list[_Sizes], Meta(max_length=max_rows)]
     sized = msgspec.defstruct("CappedSizedTokens", [("rows", rows)], bases=(SizedTokens,), tag="tokens")
     return msgspec.msgpack.Decoder(Union[sized, embeddings, abort, Register, Control])
 
@@ -169,24 +180,34 @@ _lead = struct.Struct("B").unpack_from  # a buffer's first byte, as a 1-tuple
 _first = operator.itemgetter(0)
 
 
-def ids_counts(ids: list[Raw]) -> list[int]:
-    """ids_count of each row's ids. A row of at most 15 ids has the count in its lead
-    byte (a fixarray), read with no Python call of its own: ~80 ns a row, against ~400
-    through ids_count."""
-    leads = map(_first, map(_lead, ids))
-    return [b - 0x90 if 0x90 <= b <= 0x9F else ids_count(raw) for b, raw in zip(leads, ids, strict=True)]
+def array_lens(raws: list[Raw]) -> list[int]:
+    """array_len of each. An array of at most 15 items has its length in its lead byte (a
+    fixarray), read with no Python call of its own: ~80 ns an array, against ~400
+    through array_len."""
+    leads = map(_first, map(_lead, raws))
+    return [b - 0x90 if 0x90 <= b <= 0x9F else array_len(raw) for b, raw in zip(leads, raws, strict=True)]
 
 
-def ids_count(ids: Raw | bytes) -> int:
-    """How many ids the bytes of a row's `ids` hold, from the array's header; 0 when they
-    are no array (the row's own decode then says what is wrong)."""
-    buf = memoryview(ids)
+def array_len(raw: Raw | bytes) -> int:
+    """How many items the array in these bytes holds, from its header; 0 when they are
+    no array (the decode of its row then says what is wrong)."""
+    buf = memoryview(raw)
     if not buf or not (0x90 <= buf[0] <= 0x9F or buf[0] in (0xDC, 0xDD)):
         return 0
     try:
         return msgpack_scan.header(buf, 0)[2]
     except msgpack_scan.Malformed:
         return 0
+
+
+def start_over_caps(start: _StartSizes | None, limits: Limits) -> bool:
+    """Whether a start's prompt_tail or stop list holds more items than its cap (their
+    bytes bound how many they hold: an item is a byte or more)."""
+    if start is None:
+        return False
+    tail, stop = start.prompt_tail, start.stop
+    return ((len(tail) > limits.wire_prompt_tail and array_len(tail) > limits.wire_prompt_tail)
+            or (len(stop) > limits.stop_strings and array_len(stop) > limits.stop_strings))
 
 
 class _LooseTokens(Struct):
@@ -201,16 +222,17 @@ def _loose(max_rows: int) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(msgspec.defstruct("CappedLooseTokens", [("rows", rows)], bases=(_LooseTokens,)))
 
 
-def salvage_rows(frame: bytes, limits: Limits, counts: list[int] | None = None) -> tuple[list[Row], list[str]] | None:
-    """Per-row decode of a `tokens` frame that failed as a whole, or holds ids over a cap.
+def salvage_rows(frame: bytes, limits: Limits, sizes: list[_Sizes] | None = None,
+                 ) -> tuple[list[Row], list[str]] | None:
+    """Per-row decode of a `tokens` frame that failed as a whole, or holds lists over a cap.
 
     One malformed row must not sink the rows of every other request in the batch:
-    returns the rows that decode (read_rows: those over a cap on ids with their ids
-    unread), and the rids of those that do not but still name one (they get a `bad_row`
-    error). A row nested too deep for the decoder is such a row: then the frame is
-    split by msgpack_scan, which walks any depth. None when the frame is not a tokens
-    batch, or has more than `limits.rows` rows (dropped whole, as a frame that decodes
-    would be). `counts`: each row's ids, where the frame was sized already.
+    returns the rows that decode (read_rows: those over a cap with their lists unread),
+    and the rids of those that do not but still name one (they get a `bad_row` error).
+    A row nested too deep for the decoder is such a row: then the frame is split by
+    msgpack_scan, which walks any depth. None when the frame is not a tokens batch, or
+    has more than `limits.rows` rows (dropped whole, as a frame that decodes would be).
+    `sizes`: the frame's rows as sizing read them, where it did.
     """
     rows: list[Raw] | list[bytes]
     try:
@@ -228,51 +250,60 @@ def salvage_rows(frame: bytes, limits: Limits, counts: list[int] | None = None) 
         if spans is None:
             return None
         rows = [frame[start:stop] for start, stop in spans]
-    return read_rows(rows, limits.row_ids, limits.frame_ids, counts)
+    return read_rows(rows, limits, sizes)
+
+
+class _StartUnread(Struct, gc=False):
+    """A Start whose lists stay bytes."""
+
+    worker: int = 0
+    vid: int = 0
+    prompt_tail: Raw = EMPTY
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop: Raw = EMPTY
+    no_stop_trim: bool = False
+    stream: bool = True
 
 
 class _RowUnread(Struct, gc=False):
-    """A Row over a cap on ids: every key but its ids decoded."""
+    """A Row whose lists stay bytes."""
 
     rid: str
-    ids: Raw = NIL
+    ids: Raw = EMPTY
     seq: int = 0
-    start: Union[Start, None] = None
+    start: Union[_StartUnread, None] = None
     finish: Union[Finish, None] = None
     meta: Raw = NIL
 
 
-_ids_only = msgspec.msgpack.Decoder(_IdsOnly)
+_sizes = msgspec.msgpack.Decoder(_Sizes)
 _row_unread = msgspec.msgpack.Decoder(_RowUnread)
+_strs = msgspec.msgpack.Decoder(list[str])
 
 
-def read_rows(raws: list[Raw] | list[bytes], row_ids: int, frame_ids: int,
-              counts: list[int] | None = None) -> tuple[list[Row], list[str]]:
+def read_rows(raws: list[Raw] | list[bytes], limits: Limits,
+              sizes: list[_Sizes] | None = None) -> tuple[list[Row], list[str]]:
     """Each row decoded alone: the rows that decode, and the rids of those that do not.
 
-    A row of more than `row_ids` ids, or whose ids take the rows before it past
-    `frame_ids` (the core's budget, counted as it counts: over the rows it is handed),
-    keeps its ids unread (UnreadIds: their count, from the array's header), and the core
-    answers it too_large as it would have, whatever the ids hold: they never become
-    Python ints. `counts`: each row's ids (ids_count), if known.
+    A row of more than `max_row_ids` ids, whose ids take the rows before it past
+    `max_frame_ids` (the core's budget, counted as it counts: over the rows it is
+    handed), or whose start holds more than `max_wire_prompt_tail` ids or
+    `max_stop_strings` stop strings, keeps its lists unread (Unread: only their
+    lengths), and the core answers it too_large as it would have, whatever the lists
+    hold: their items never become Python objects. `sizes`: each row as sizing read it,
+    if known.
     """
     good: list[Row] = []
     bad: list[str] = []
     spent = 0
     for k, raw in enumerate(raws):
-        if counts is not None:
-            n = counts[k]
-        else:
-            try:
-                n = ids_count(_ids_only.decode(raw).ids)
-            except (DecodeError, RecursionError):
-                n = 0  # its full decode fails too, and says why
+        size = sizes[k] if sizes is not None else _size_of(raw)
+        n = array_len(size.ids) if size is not None else 0
+        over = size is not None and (n > limits.row_ids or (n and spent + n > limits.frame_ids)
+                                     or start_over_caps(size.start, limits))
         try:
-            if n and (n > row_ids or spent + n > frame_ids):
-                u = _row_unread.decode(raw)
-                row = Row(u.rid, UnreadIds(n), u.seq, u.start, u.finish, u.meta)
-            else:
-                row = _row.decode(raw)
+            row = _read_unread(raw, n, limits) if over else _row.decode(raw)
         except (DecodeError, RecursionError):
             rid = _rid_of(raw)
             if rid is not None:
@@ -281,6 +312,28 @@ def read_rows(raws: list[Raw] | list[bytes], row_ids: int, frame_ids: int,
         spent += len(row.ids)
         good.append(row)
     return good, bad
+
+
+def _size_of(raw: Raw | bytes) -> _Sizes | None:
+    """A row as sizing reads it, or None when it does not read so (its decode fails too)."""
+    try:
+        return _sizes.decode(raw)
+    except (DecodeError, RecursionError):
+        return None
+
+
+def _read_unread(raw: Raw | bytes, n: int, limits: Limits) -> Row:
+    """A row over a cap, its ids and prompt_tail unread; its stop list too when it is
+    over its cap (the core sums a stop list's characters when its length is within)."""
+    u = _row_unread.decode(raw)
+    start = u.start
+    if start is None:
+        return Row(u.rid, Unread(n), u.seq, None, u.finish, u.meta)
+    stops = array_len(start.stop)
+    stop = Unread(stops) if stops > limits.stop_strings else _strs.decode(start.stop)
+    return Row(u.rid, Unread(n), u.seq, Start(
+        start.worker, start.vid, Unread(array_len(start.prompt_tail)), start.skip_special_tokens,
+        start.spaces_between_special_tokens, stop, start.no_stop_trim, start.stream), u.finish, u.meta)
 
 
 def _rows_of(frame: bytes, max_rows: int) -> list[tuple[int, int]] | None:
@@ -325,10 +378,10 @@ def encode_stopped(rows: list[StoppedRow]) -> bytes:
     return encode(Stopped(rows))
 
 
-# A frame of at most this many bytes is decoded whole, as it comes, whatever its ids:
-# it holds at most ~3 MB of them as Python ints (36 bytes for 3 on the wire at worst),
-# the caps bound the rest of its cost, and sizing its rows first would cost a large
-# batch (4,096 rows of one id, ~120 KB) a tenth more. A larger frame is sized first.
+# A frame of at most this many bytes is decoded whole, as it comes, whatever its lists:
+# their items are at most ~3 MB of Python objects (an id is 36 bytes for 3 on the wire at
+# worst), and sizing its rows first would cost a large batch (4,096 rows of one id,
+# ~120 KB) a tenth more. A larger tokens frame is sized first.
 WHOLE_FRAME_BYTES = 256 << 10
 
 
@@ -344,10 +397,9 @@ class NativeDialect:
         limits = core.limits
         self.decode = capped(limits.rows).decode  # every list of rows within max_rows
         self.sizing = sizing(limits.rows).decode
-        # A frame of no more bytes than `within_caps` holds no more ids than any cap
+        # Rows whose ids are no more bytes than this hold no more ids than either cap
         # allows (an id is a byte or more on the wire).
         self.within_caps = min(limits.row_ids, limits.frame_ids)
-        self.whole = max(WHOLE_FRAME_BYTES, self.within_caps)
 
     encode_text = staticmethod(encode_text)  # a method: a test's dialect may refuse to encode
 
@@ -361,7 +413,7 @@ class NativeDialect:
         A frame that does not decode is counted; the rows of a tokens frame that still
         decode go on. None when the frame held no message at all."""
         try:
-            msg = self.decode(frame) if len(frame) <= self.whole else self._decode_sized(frame)
+            msg = self.decode(frame) if len(frame) <= WHOLE_FRAME_BYTES else self._decode_sized(frame)
         except Exception as exc:  # DecodeError; RecursionError for nesting deeper than msgspec goes
             msg = self._salvage(frame, exc)
             if msg is None:
@@ -380,24 +432,26 @@ class NativeDialect:
         return Output()
 
     def _decode_sized(self, frame: bytes) -> Inbound:
-        """A frame that could hold more ids than a cap allows. Its rows' ids are sized
-        first, as bytes (which bound their count) and then, if need be, counted from
-        their headers: within the caps, the frame is decoded whole as any other; past
-        them, row by row, each row over a cap with its ids unread (read_rows)."""
+        """A frame that could hold more items than a cap allows. Its rows' lists are
+        sized first, as bytes (which bound their length) and then, if need be, counted
+        from their headers: within the caps, the frame is decoded whole as any other;
+        past them, row by row, each row over a cap with its lists unread (read_rows)."""
         msg = self.sizing(frame)
         if not isinstance(msg, SizedTokens):
             return msg
-        ids = [row.ids for row in msg.rows]
-        if sum(map(len, ids)) > self.within_caps:
-            counts = ids_counts(ids)
-            if max(counts) > self.core.limits.row_ids or sum(counts) > self.core.limits.frame_ids:
-                return self._read_by_row(frame, counts)
-        return self.decode(frame)
+        limits, rows = self.core.limits, msg.rows
+        over = any(start_over_caps(row.start, limits) for row in rows if row.start is not None)
+        ids = [row.ids for row in rows]
+        if not over and sum(map(len, ids)) > self.within_caps:
+            counts = array_lens(ids)
+            over = max(counts) > limits.row_ids or sum(counts) > limits.frame_ids
+        return self._read_by_row(frame, rows) if over else self.decode(frame)
 
-    def _read_by_row(self, frame: bytes, counts: list[int]) -> Tokens:
-        """A tokens frame with ids over a cap (`counts`: each row's), its rows decoded one
-        by one; a row that does not decode makes it a bad frame, as it would have whole."""
-        salvaged = salvage_rows(frame, self.core.limits, counts)
+    def _read_by_row(self, frame: bytes, sizes: list[_Sizes]) -> Tokens:
+        """A tokens frame with lists over a cap (`sizes`: its rows as sizing read them),
+        its rows decoded one by one; a row that does not decode makes it a bad frame, as
+        it would have whole."""
+        salvaged = salvage_rows(frame, self.core.limits, sizes)
         if salvaged is None:  # sizing read it as a tokens frame of at most max_rows rows
             raise DecodeError("a tokens frame that sizing read cannot be read by row")
         rows, bad = salvaged
