@@ -15,6 +15,12 @@ from .tokenizer import TokenizerError
 
 EXIT_CONFIG = 2
 EXIT_CRASH = 1
+# A shard is a process on a core of its own holding the tokenizer's tables (~190 MB at
+# start) and serving a few million tokens/s: 256 of them are ~48 GB and more tokens
+# than any engine beside them makes, on more cores than most hosts have. More is a
+# slip (`--shards 1000000`) that would start processes until the host runs out of
+# memory, so it is refused before one is started.
+MAX_SHARDS = 256
 log = logs.get(__name__)
 CONFIG_HELP = "TOML config file (default: $DETOKD_CONFIG); DETOKD_<KEY> variables override it, flags override both"
 
@@ -51,8 +57,8 @@ def flag(key: str) -> str:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    if ns.shards < 1:
-        raise ConfigError(f"--shards must be 1 or more, not {ns.shards}")
+    if not 1 <= ns.shards <= MAX_SHARDS:
+        raise ConfigError(f"--shards must be 1 to {MAX_SHARDS}, not {ns.shards}")
     cfg = load(ns.config, _overrides(ns), os.environ, flag)
     # Through a bounded queue to stderr, rate-limited and escaped: see detokd/logs.py.
     logs.setup(cfg.log_level, fmt=cfg.log_format, shard=ns.shard_index)

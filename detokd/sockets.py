@@ -125,11 +125,28 @@ def ipc_folder_problem(address: str) -> tuple[str, bool] | None:
     bit is fatal; with it (/tmp), an existing path must be this user's, and a path
     not there yet could still be bound first by anyone (not fatal: it is said; a
     `register` of it is refused, since a worker registers once it has bound).
+
+    The socket lives where the path resolves, so a path through a symlink is checked
+    both as named (the folders that hold the links) and as resolved (the folders that
+    hold the socket).
     """
     path = ipc_path(address)
     if path is None:
         return None
     path = os.path.abspath(path)
+    named = _path_problem(path)
+    real = os.path.realpath(path)
+    if real == path or (named is not None and named[1]):
+        return named
+    resolved = _path_problem(real)
+    if resolved is None or (named is not None and not resolved[1]):
+        return named
+    why, fatal = resolved
+    return f"{path} resolves to {real}, and {why}", fatal
+
+
+def _path_problem(path: str) -> tuple[str, bool] | None:
+    """ipc_folder_problem of one absolute path, its folders as os.stat sees them."""
     folder = os.path.dirname(path)
     d = folder
     while True:

@@ -18,6 +18,9 @@ from conftest import oracle, vocab
 from utils import Engine, Req, Sink, logged, make_ids, metric, metrics_port, pull, scrape, wait_until
 from zmq.utils.monitor import recv_monitor_message
 
+from detokrig.proc import ProcTree
+from detokrig.proc import memory as proc_memory
+
 dec = msgspec.msgpack.decode
 
 
@@ -78,6 +81,69 @@ def test_rows_beyond_the_caps_get_too_large_and_rows_at_the_caps_are_served(deto
     m = scrape(metrics_port(d))
     assert metric(m, "detokd_bad_frames_total") == 1
     assert metric(m, "detokd_errors_total", kind="too_large") == 7  # 4 starts, the long rid, live twice
+
+
+def _array(n: int, item: bytes) -> msgspec.Raw:
+    """A MessagePack array of n copies of an encoded item, written by hand."""
+    return msgspec.Raw(b"\xdd" + n.to_bytes(4, "big") + item * n)
+
+
+SPACES = 69933  # deepseek's id with the longest text: 128 spaces (5 bytes on the wire, 128 characters out)
+ID5 = b"\xce" + SPACES.to_bytes(4, "big")  # as MessagePack writes it: 5 bytes
+
+# Four shapes of a 25 MB frame whose lists detokd must not read: 5 M ids in one row; 5 M
+# in 77 rows each within max_row_ids, all past the frame's max_frame_ids; a start's
+# prompt_tail of 5 M ids; a start's 5 M stop strings.
+OVER_CAPS = {
+    "one row over max_row_ids": [{"rid": "big", "ids": _array(5_000_000, ID5), "start": {}}],
+    "rows past max_frame_ids": [{"rid": f"past{i}", "ids": _array(65_536, ID5), "start": {}} for i in range(77)],
+    "a prompt_tail over max_wire_prompt_tail": [{"rid": "tail", "ids": [100], "start": {"prompt_tail": _array(5_000_000, ID5)}}],
+    "stop strings over max_stop_strings": [{"rid": "stops", "ids": [100], "start": {"stop": _array(5_000_000, b"\xa4stop")}}],
+}
+
+
+@pytest.mark.parametrize("shape", list(OVER_CAPS))
+def test_lists_over_the_caps_are_refused_unread_and_cost_a_small_multiple_of_their_frame(detokd, zctx, shape):
+    # msgspec made every item a Python object (an id 36 bytes for 5 on the wire) before
+    # any cap on them was checked: 183-257 MB of peak RSS for one such frame. Their
+    # lengths are read from each array's header instead; the rows over a cap get
+    # too_large as they did, every other row is served as it was.
+    d = detokd(workers=1, args=["--metrics-port", "0"])
+    w = Sink(zctx, d.workers[0])
+    d.wait_ready()
+    eng = Engine(zctx, d.input)
+    v = vocab("deepseek")
+    rng = random.Random(16)
+    honest = {f"h{i}": make_ids(rng, 40) for i in range(3)}
+    live = make_ids(rng, 20)
+    eng.rows([{"rid": "live", "ids": live[:10], "start": {}}])
+    _fence(eng, w, "warm", v)
+    over = [{**row, "meta": row["rid"]} for row in OVER_CAPS[shape]]
+    frame = msgspec.msgpack.encode({"type": "tokens", "rows": [
+        *({"rid": rid, "ids": ids, "start": {}, "finish": {"reason": "length"}} for rid, ids in honest.items()),
+        *over,
+        {"rid": "live", "ids": live[10:], "seq": 10, "finish": {"reason": "length"}},
+    ]})
+    assert 25e6 < len(frame) < 26e6
+    ProcTree(d.pid).reset_peak()
+    before = proc_memory(d.pid)
+    assert before.hwm_kb - before.rss_kb < 1024, before  # the peak starts from now
+    eng.raw(frame)
+    _fence(eng, w, "after", v)
+    grown = (proc_memory(d.pid).hwm_kb - before.rss_kb) * 1024
+    for rid, ids in honest.items():
+        assert w.text(rid) == oracle(v, [], ids, True) and not w.errors(rid), rid
+    for row in over:
+        assert [(r["error"], r["meta"]) for r in w.rows(row["rid"])] == [("too_large", row["rid"])]
+    # A live request's row after ids past the budget gets too_large, as ever; after a
+    # start over a cap on its lists, its text.
+    past_budget = shape in ("one row over max_row_ids", "rows past max_frame_ids")
+    assert w.errors("live") == (["too_large"] if past_budget else [])
+    assert w.text("live") == oracle(v, [], live[:10] if past_budget else live, True)
+    m = scrape(metrics_port(d))
+    assert metric(m, "detokd_errors_total", kind="too_large") == len(over) + past_budget
+    assert metric(m, "detokd_bad_frames_total") == 0
+    assert grown <= 3 * len(frame), f"peak RSS grew {grown / 1e6:.0f} MB for a frame of {len(frame) / 1e6:.0f} MB"
 
 
 def test_rows_past_a_frames_id_budget_get_too_large_and_the_rows_before_are_served(detokd, zctx):
@@ -239,8 +305,6 @@ def test_above_max_rss_new_requests_are_refused_and_live_ones_go_on(detokd, zctx
 
 
 # --------------------------------------------------------------------------- 3. memory that grows across frames
-
-SPACES = 69933  # deepseek's id with the longest text: 128 spaces (5 bytes on the wire, 128 characters out)
 
 
 def _fence(eng: Engine, w: Sink, rid: str, v) -> None:

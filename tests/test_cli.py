@@ -11,8 +11,9 @@ import tomllib
 
 import msgspec
 import pytest
-from utils import config_ranges, logged
+from utils import config_ranges, logged, wait_until
 
+from detokd.cli import MAX_SHARDS
 from detokd.config import Config, load
 from detokd.process import DetokdProcess, ipc_config
 
@@ -217,6 +218,50 @@ def test_serve_binds_the_flags_input_over_the_environments_over_the_files(tmp_pa
 def test_no_shards_is_refused(tmp_path, n):
     """--shards 0 or -1 is refused, not taken for unset (one server)."""
     one_line_error(run("serve", "--input", f"ipc://{tmp_path}/in.sock", "--shards", n, timeout=60), "--shards", n)
+
+
+# `python -m detokd ARGS` with an audit hook that writes a line to the file argv[1] for
+# each process the interpreter starts, however it starts it.
+SPAWNS_LOGGED = r"""
+import runpy, sys
+spawns = open(sys.argv.pop(1), "a", buffering=1)
+STARTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system"}
+sys.addaudithook(lambda event, args: event in STARTS and spawns.write(f"{event} {args[:2]!r}\n"))
+runpy.run_module("detokd", run_name="__main__", alter_sys=True)
+"""
+
+
+def serve_until_it_starts_a_process(tmp_path, *args) -> tuple[str, subprocess.CompletedProcess]:
+    """`detokd serve ARGS` until it exits or starts a process (then it is stopped at
+    once): (the processes it started, one a line; how it ended). Its output goes to
+    files: a shard it started would hold a pipe open."""
+    from detokrig.children import stop_proc
+
+    spawns, out, err = (tmp_path / name for name in ("spawns", "stdout", "stderr"))
+    spawns.write_text("")
+    with open(out, "w") as o, open(err, "w") as e:
+        p = subprocess.Popen([sys.executable, "-c", SPAWNS_LOGGED, str(spawns), "serve", *args],
+                             stdout=o, stderr=e, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: p.poll() is not None or spawns.read_text(), 60, "detokd to exit or start a process")
+    finally:
+        stop_proc(p)
+    return spawns.read_text(), subprocess.CompletedProcess(p.args, p.returncode, out.read_text(), err.read_text())
+
+
+def test_more_shards_than_the_bound_exit_2_before_any_process_is_started(tmp_path):
+    """--shards 1000000 started shard after shard (12 within 2 s) until the host ran
+    out of memory. Beyond MAX_SHARDS: one line, exit 2, and not one process started."""
+    for n in (MAX_SHARDS + 1, 1_000_000):
+        started, r = serve_until_it_starts_a_process(tmp_path, "--input", f"ipc://{tmp_path}/in.sock", "--shards", str(n))
+        assert started == "", f"--shards {n}: {started.count(chr(10))} processes started, the first: {started[:300]}"
+        one_line_error(r, f"--shards must be 1 to {MAX_SHARDS}, not {n}")
+
+
+def test_a_shard_start_is_seen_by_the_hook_that_sees_none_above(tmp_path):
+    """The control of the test above: `--shards 2` starts a shard, and the hook says so."""
+    started, _ = serve_until_it_starts_a_process(tmp_path, "--input", f"ipc://{tmp_path}/in.sock", "--shards", "2")
+    assert started.startswith("subprocess.Popen") and "'--shard-index', '0'" in started, started
 
 
 @pytest.mark.parametrize("shards", [1, 2])

@@ -677,6 +677,21 @@ def test_an_ipc_path_another_user_could_take_is_refused_at_start(tmp_path, zctx)
         shutil.rmtree(sticky)
 
 
+def test_an_ipc_path_through_a_symlink_is_refused_where_it_resolves(tmp_path):
+    # The socket is made where the path resolves: `run -> shared/detokd` puts it in
+    # `shared`, which anyone may write and which is not sticky, named directly or not.
+    shared = tmp_path / "shared"
+    (shared / "detokd").mkdir(parents=True)
+    os.chmod(shared, 0o777)
+    (tmp_path / "run").symlink_to(shared / "detokd")
+    for address in (f"ipc://{shared}/detokd/in.sock", f"ipc://{tmp_path}/run/in.sock"):
+        code, log = _refused_at_start(tmp_path, msgspec.structs.replace(ipc_config(tmp_path), input=address))
+        lines = log.strip().splitlines()
+        assert code == 2 and len(lines) == 1, log
+        assert f"input {address}: " in lines[0] and f"{shared} is writable by every user and not sticky" in lines[0], log
+    assert not (shared / "detokd" / "in.sock").exists()
+
+
 def test_every_register_change_is_logged_and_every_refusal_counted_and_logged_or_said_suppressed(detokd, zctx, tmp_path):
     # 10 lines per template per 10 s: a burst of refusals (a peer's flood) loses lines,
     # never the count; a change of who receives a worker's text is never rate limited.

@@ -13,8 +13,9 @@ import zmq
 from conftest import fast_codec, vocab
 
 from detokd.conductor import Conductor
-from detokd.core.detokenizer import Detokenizer
+from detokd.core.detokenizer import Detokenizer, Limits
 from detokd.core.outbox import Outbox
+from detokd.core.records import Unread
 from detokd.core.stats import Stats
 from detokd.delivery import Delivery
 from detokd.gc_policy import GcPolicy
@@ -78,23 +79,51 @@ def test_salvage_keeps_the_good_rows_of_a_frame_with_one_bad_row() -> None:
         {"rid": "ok1", "ids": [1]}, {"rid": "bad", "ids": "not a list"}, {"ids": [3]}, {"rid": "ok2", "seq": 2}]})
     with pytest.raises(native.DecodeError):
         native.decode_inbound(frame)
-    good, bad = native.salvage_rows(frame, max_rows=4)
+    good, bad = native.salvage_rows(frame, Limits(rows=4))
     assert good == [native.Row("ok1", [1]), native.Row("ok2", [], 2)]
     assert bad == ["bad"]  # the row with no rid cannot be answered: it is only dropped
-    assert native.salvage_rows(frame, max_rows=3) is None  # more rows than max_rows: dropped whole, like a good frame
+    assert native.salvage_rows(frame, Limits(rows=3)) is None  # more rows than max_rows: dropped whole, like a good frame
 
 
 def test_salvage_reads_the_rid_of_a_bad_row_of_more_values_than_the_walker_takes() -> None:
     # msgspec reads a bad row's rid; the Python walker, which stops at MAX_VALUES, is only
     # for rows nested too deep for msgspec (and took 11 s over a 64 MiB frame of such rows).
     ids: list = [1] * msgpack_scan.MAX_VALUES + ["x"]
-    good, bad = native.salvage_rows(enc({"type": "tokens", "rows": [{"rid": "big", "ids": ids}]}), max_rows=4)
+    within = Limits(rows=4, row_ids=len(ids), frame_ids=len(ids))  # over a cap, its ids would not be read
+    good, bad = native.salvage_rows(enc({"type": "tokens", "rows": [{"rid": "big", "ids": ids}]}), within)
     assert (good, bad) == ([], ["big"])
 
 
 @pytest.mark.parametrize("frame", [b"\xc1", enc([1, 2]), enc({"type": "abort", "rids": [1]}), enc({"type": "tokens"})])
 def test_salvage_gives_up_on_a_frame_that_is_no_tokens_batch(frame: bytes) -> None:
-    assert native.salvage_rows(frame, max_rows=65536) is None
+    assert native.salvage_rows(frame, Limits()) is None
+
+
+def test_rows_over_a_cap_are_read_with_their_lists_unread() -> None:
+    # Two rows of 3 ids within the budget, a row over max_row_ids (its ids not even
+    # ints), one past the frame's max_frame_ids, one without ids past it (read), and
+    # starts over max_wire_prompt_tail and max_stop_strings.
+    limits = Limits(row_ids=4, frame_ids=8, wire_prompt_tail=3, stop_strings=2)
+    frame = enc({"type": "tokens", "rows": [
+        {"rid": "a", "ids": [1, 2, 3]}, {"rid": "b", "ids": [4, 5, 6], "seq": 2},
+        {"rid": "over", "ids": ["x"] * 5, "start": {"worker": 1, "stop": ["s"]}, "meta": 7},
+        {"rid": "past", "ids": [7, 8]}, {"rid": "empty"},
+        {"rid": "tail", "start": {"prompt_tail": [1, 2, 3, "x"]}}, {"rid": "stops", "start": {"stop": ["a", "b", 3]}}]})
+    good, bad = native.salvage_rows(frame, limits)
+    assert bad == [] and [r.rid for r in good] == ["a", "b", "over", "past", "empty", "tail", "stops"]
+    assert good[:2] == [native.Row("a", [1, 2, 3]), native.Row("b", [4, 5, 6], 2)] and good[4] == native.Row("empty")
+    lengths = {r.rid: (len(r.ids), r.start and len(r.start.prompt_tail), r.start and len(r.start.stop)) for r in good[2:]}
+    assert lengths == {"over": (5, 0, 1), "past": (2, None, None), "empty": (0, None, None), "tail": (0, 4, 0), "stops": (0, 0, 3)}
+    over, tail, stops = good[2], good[5], good[6]
+    assert isinstance(over.ids, Unread) and over.start.worker == 1 and over.start.stop == ["s"] and over.meta == RAW(7)
+    assert isinstance(good[3].ids, Unread) and isinstance(tail.start.prompt_tail, Unread) and isinstance(stops.start.stop, Unread)
+    with pytest.raises(TypeError, match="never read"):
+        max(over.ids)
+
+
+def test_array_lens_read_every_form_of_array_header_and_no_array_as_0() -> None:
+    rows: list = [[], [1], list(range(15)), list(range(16)), list(range(70_000)), "no ids", None]
+    assert native.array_lens([RAW(r) for r in rows]) == [0, 1, 15, 16, 70_000, 0, 0]
 
 
 @pytest.fixture

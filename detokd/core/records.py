@@ -44,6 +44,38 @@ class Row(Struct, gc=False, omit_defaults=True):
     meta: Raw = NIL
 
 
+class Unread(list):
+    """A list of a Row that its dialect never read (its ids, its start's prompt_tail or
+    stop strings), because it passes a cap (`max_row_ids`, the frame's `max_frame_ids`,
+    `max_wire_prompt_tail`, `max_stop_strings`): only its length. The core answers such
+    a row `too_large` by the lengths alone, as it answers any row over a cap, so a frame
+    cannot make detokd hold those items as Python objects (an id is 36 bytes for 5 on the
+    wire). Reading one is a bug, and raises."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        raise TypeError(f"{self!r}: a list over a cap is never read")
+
+    def __getitem__(self, i):
+        raise TypeError(f"{self!r}: a list over a cap is never read")
+
+    def __eq__(self, other: object) -> bool:  # list's would compare the (empty) items
+        return self is other
+
+    __hash__ = None  # as a list's
+
+    def __repr__(self) -> str:
+        return f"Unread({self.n})"
+
+
 class OutRow(Struct, gc=False):
     rid: str
     text: str = ""

@@ -25,6 +25,7 @@ from detokd import zoo
 
 CHILD = Path(__file__).with_name("sglang_child.py")
 CHILD_TIMEOUT = 480
+BAD_PICKLE_ALLOW = "fractions.Fraction"  # module:name is fractions:Fraction
 # The first test waits for its child among all of them: minutes on two cores.
 pytestmark = pytest.mark.timeout(1800)
 
@@ -34,7 +35,8 @@ def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None, r
     """The child's result; `fails`: a child expected to exit with an error, as its exit
     status and output."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("DETOKD_SGLANG", "DETOKD_SGLANG_ROUTER", "SGLANG_PLUGINS", "SGLANG_RUST_SERVER")}
+           if k not in ("DETOKD_SGLANG", "DETOKD_SGLANG_ROUTER", "DETOKD_SGLANG_PICKLE_ALLOW",
+                        "SGLANG_PLUGINS", "SGLANG_RUST_SERVER")}
     env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_path), str(ROOT)])
     env["HF_HUB_OFFLINE"] = "1"
@@ -110,6 +112,8 @@ def children(plugin_path, tmp_path_factory) -> dict[str, Future]:
             "missing CURVE key": {"DETOKD_CONFIG": str(missing_key)},
             "shared TMPDIR": {"TMPDIR": str(shared)},
             "loader, rust server": {"SGLANG_RUST_SERVER": "1"}, "loader, rust server, require": {"SGLANG_RUST_SERVER": "1"}}
+    cases["pickle allow malformed"] = (["launch", qwen2, "--model-path", qwen2], "1")
+    envs["pickle allow malformed"] = {"DETOKD_SGLANG_PICKLE_ALLOW": BAD_PICKLE_ALLOW}
     pool = ThreadPoolExecutor(2)
     futures = {}
     for case, (args, detokd_sglang) in cases.items():
@@ -278,6 +282,19 @@ def test_a_metrics_port_in_use_keeps_sglangs_own_with_a_warning_not_a_dead_serve
     assert result["sglangs_own"] is True
     (warning,) = [w for w in warnings_of(result) if "detokd" in w]
     assert "keeping SGLang's own detokenizer" in warning and "cannot serve metrics on 127.0.0.1:" in warning
+    assert_answers_and_dies_seen(result)
+
+
+def test_a_malformed_pickle_allow_list_keeps_sglangs_own_with_a_warning_naming_it(children):
+    """DETOKD_SGLANG_PICKLE_ALLOW is read before detokd tells the launch it serves: a
+    value not of the form module:name is a fallback like any other, never a dead server
+    (under DETOKD_SGLANG=require, then, a launch failure of one line, as
+    test_fallback.py's require case shows for a bad DETOKD_CONFIG)."""
+    result = children["pickle allow malformed"].result()
+    assert result["sglangs_own"] is True
+    (warning,) = [w for w in warnings_of(result) if "detokd" in w]
+    assert "keeping SGLang's own detokenizer" in warning
+    assert f"DETOKD_SGLANG_PICKLE_ALLOW: {BAD_PICKLE_ALLOW!r} is not module:name" in warning
     assert_answers_and_dies_seen(result)
 
 
