@@ -35,6 +35,8 @@ COMMANDS = {  # name: (module, summary)
                      "detokd in SGLang mode against SGLang's own detokenizer (in SGLang's environment)"),
     "sglang-aging": ("detokbench.sglang_aging", "does detokd in SGLang mode slow down as it ages? "
                      "one process for all passes against a fresh one per pass"),
+    "rust-bench": ("detokbench.rust_bench", "SGLang's Rust server against its Python front end with SGLang's "
+                   "detokenizer or detokd, under bench_serving; --exactness: the front-end cases (SGLang's environment)"),
 }
 
 

@@ -11,6 +11,7 @@ detokbench. Not part of the wheel: it runs from a checkout and drives that check
     sglang_replay  a scripted scheduler stream through SGLang's detokenizer or detokd's
     sglang_standin  SGLang's scheduler minus the model: scripted replies through SGLang's Req
     sglang_frontend  SGLang's own HTTP server around the stand-in (serve_standin.py), model folders
+    sglang_cases  the front-end cases: a mix of client requests, what each client saw, the oracle
 """
 
 from pathlib import Path

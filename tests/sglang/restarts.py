@@ -38,7 +38,7 @@ class Stream:
     rid: str
     text: str = ""
     finish: dict | None = None
-    first_at: float | None = None  # time.time() of its first chunk
+    first_at: float | None = None  # time.monotonic() of its first chunk
     chunks: int = 0
     ended: bool = False  # its stream ended with a finish reason before the deadline
 
@@ -63,10 +63,10 @@ class Clients:
                     chunk = json.loads(line[len(b"data: "):])
                     s.chunks += 1
                     self.progress[rid] = s.chunks
-                    s.first_at = s.first_at or time.time()
+                    s.first_at = s.first_at or time.monotonic()
                     s.text = chunk.get("text", s.text)
                     s.finish = chunk.get("meta_info", {}).get("finish_reason") or s.finish
-                    if time.time() > self.deadline:
+                    if time.monotonic() > self.deadline:
                         return s
         except requests.RequestException:
             return s  # a read that outlasted DEADLINE_S: the stream never ended
@@ -75,10 +75,10 @@ class Clients:
 
     def probe(self, path: str, since: float) -> float | None:
         """Seconds from `since` until `path` answers 200, or None by the deadline."""
-        while time.time() < self.deadline:
+        while time.monotonic() < self.deadline:
             try:
                 if requests.get(self.fe.url + path, timeout=15).status_code == 200:
-                    return time.time() - since
+                    return time.monotonic() - since
             except requests.RequestException:
                 pass
             time.sleep(0.1)
@@ -90,7 +90,7 @@ class Kill:
     """One SIGKILL of the decoding process under load, and what every client saw."""
 
     moment: str  # "mid-stream": every client had chunks; "at start": most were still starting
-    at: float  # time.time() of the kill
+    at: float  # time.monotonic() of the kill
     killed: int  # the decoding process's pid
     replaced_by: list[int]  # the decoding processes after it
     streams: list[Stream]
@@ -110,11 +110,11 @@ def kill_under_load(fe: Frontend, tag: str, moment: str) -> Kill:
                    f"{want} clients streaming")
         (decoding,) = fe.decoding_processes()
         decoding.kill()
-        at = time.time()
+        at = time.monotonic()
         clients.deadline = at + DEADLINE_S
         health = pool.submit(clients.probe, "/health", at)
         health_generate = pool.submit(clients.probe, "/health_generate", at)
-        time.sleep(max(0.0, at + AFTER_S - time.time()))  # when the `after` clients start, not a wait for a state
+        time.sleep(max(0.0, at + AFTER_S - time.monotonic()))  # when the `after` clients start, not a wait for a state
         after = [pool.submit(clients.stream, f"{tag}-a{i}", 60) for i in range(AFTER)]
         kill = Kill(moment, at, decoding.pid, [], [f.result() for f in streams], [f.result() for f in after],
                     health.result(), health_generate.result(), fe.proc.poll() is None)

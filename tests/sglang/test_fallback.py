@@ -20,9 +20,9 @@ import pytest
 import requests
 import sglang
 from models import model_folder, plugin_path  # noqa: F401  (a fixture)
-from test_frontend import oracle
 
 from detokrig import ROOT
+from detokrig.sglang_cases import oracle
 from detokrig.sglang_frontend import Frontend
 
 BREAKAGE = Path(__file__).resolve().parent / "breakage"

@@ -13,7 +13,6 @@ emitted, in SGLang's prompt context, with SGLang's trim rules) and SGLang's own 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,12 +23,11 @@ import pytest
 import requests
 import restarts
 import sglang
-from conftest import engine_cut, made_by, vocab
 from models import model_folder, plugin_path  # noqa: F401  (a fixture: this worktree's entry point)
 
 from detokd.sglang.release import WINDOW
+from detokrig.sglang_cases import call, oracle, requests_for
 from detokrig.sglang_frontend import Frontend, rust_server_default
-from detokrig.sglang_standin import REPLIES
 from detokrig.waits import wait_until
 
 
@@ -64,106 +62,6 @@ RESTART_HOST = (*RESTART_CASE, "detokd", 1, False)
 # The first test runs every case's servers (11 processes that import SGLang and torch,
 # ~10 s of CPU each, per case): minutes on two cores, past pytest's per-test timeout.
 pytestmark = pytest.mark.timeout(2400)
-
-
-def requests_for(name: str) -> list[dict]:
-    """The mix: endpoint, stream, reply, ids per step, and sampling parameters."""
-    stop_id = vocab(name).hf.encode(REPLIES[2], add_special_tokens=False)[6]
-    base = [
-        dict(api="completions", stream=False, reply=0, params=dict(max_tokens=200)),
-        dict(api="completions", stream=True, reply=2, params=dict(max_tokens=12)),
-        dict(api="completions", stream=True, reply=1, params=dict(max_tokens=200, stop=["\u200d👩"])),
-        dict(api="completions", stream=True, reply=3, step=3, params=dict(max_tokens=200, stop=["ещё этих"])),
-        dict(api="completions", stream=False, reply=4, params=dict(max_tokens=20, logprobs=2)),
-        dict(api="chat", stream=True, reply=0, step=2, params=dict(max_tokens=200)),
-        dict(api="chat", stream=False, reply=3, params=dict(max_tokens=200, stop=[" STOP"])),
-        dict(api="generate", stream=True, reply=1,
-             params=dict(max_new_tokens=200, skip_special_tokens=False, spaces_between_special_tokens=False)),
-        dict(api="generate", stream=False, reply=2, params=dict(max_new_tokens=200, stop_token_ids=[stop_id])),
-        dict(api="generate", stream=True, reply=0, params=dict(max_new_tokens=200, stop=["世界"], no_stop_trim=True)),
-        # "Hello" holds the stop string twice: the scheduler stops on its first "l".
-        dict(api="generate", stream=True, reply=0, params=dict(max_new_tokens=200, stop=["l"])),
-        dict(api="generate", stream=False, reply=4, step=2, params=dict(max_new_tokens=150, ignore_eos=True)),
-    ]
-    out = []
-    for rep in range(3):
-        for i, r in enumerate(base):
-            step = r.get("step", 1) + rep % 2
-            out.append({**r, "rid": f"r{rep}-{i}", "prompt": f"Please answer. [reply {r['reply']}] [step {step}]"})
-    out.append(dict(api="hangup", stream=True, reply=0, rid="hangup", prompt="Talk. [reply 0] [step 1]",
-                    params=dict(max_new_tokens=4000, ignore_eos=True)))
-    return out
-
-
-def call(fe: Frontend, r: dict) -> dict:
-    """One client's request; its text, finish reason and usage as the client saw them."""
-    from openai import OpenAI
-
-    if r["api"] in ("completions", "chat"):
-        client = OpenAI(base_url=fe.url + "/v1", api_key="none", timeout=300)
-        p = dict(r["params"])
-        logprobs = p.pop("logprobs", None)
-        kw = dict(model="default", stream=r["stream"], temperature=0, extra_body={"rid": r["rid"]}, **p)
-        if r["stream"]:
-            kw["stream_options"] = {"include_usage": True}
-        if r["api"] == "completions":
-            resp = client.completions.create(prompt=r["prompt"], logprobs=logprobs, **kw)
-        else:
-            resp = client.chat.completions.create(messages=[{"role": "user", "content": r["prompt"]}], **kw)
-        if not r["stream"]:
-            c = resp.choices[0]
-            text = c.text if r["api"] == "completions" else c.message.content
-            lp = c.logprobs.model_dump() if logprobs and c.logprobs else None
-            return dict(text=text, finish=c.finish_reason, usage=resp.usage.model_dump(), logprobs=lp)
-        text, finish, usage = "", None, None
-        for chunk in resp:
-            if chunk.usage is not None:
-                usage = chunk.usage.model_dump()
-            for c in chunk.choices:
-                text += (c.text if r["api"] == "completions" else c.delta.content) or ""
-                finish = c.finish_reason or finish
-        return dict(text=text, finish=finish, usage=usage, logprobs=None)
-    body = {"text": r["prompt"], "rid": r["rid"], "stream": r["stream"], "sampling_params": r["params"]}
-    resp = requests.post(fe.url + "/generate", json=body, stream=r["stream"], timeout=300)
-    resp.raise_for_status()
-    if not r["stream"]:
-        out = resp.json()
-        return dict(text=out["text"], finish=out["meta_info"]["finish_reason"], usage=usage_of(out["meta_info"]))
-    last, lines = None, 0
-    for line in resp.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        last = json.loads(line[len(b"data: "):])
-        lines += 1
-        if r["api"] == "hangup" and lines == 5:
-            resp.close()  # the client goes away mid-stream
-            return dict(text=last["text"], finish=None, usage=None)
-    return dict(text=last["text"], finish=last["meta_info"]["finish_reason"], usage=usage_of(last["meta_info"]))
-
-
-def usage_of(meta: dict) -> dict:
-    return {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"]}
-
-
-def oracle(name: str, rec: dict) -> str:
-    """The text SGLang's detokenizer contract gives the ids the stand-in emitted, a stop
-    string cut at the first occurrence that ends past the text of the rows before the
-    finishing one (docs/stop-strings.md)."""
-    hf = vocab(name).hf
-    ctx, out, finish = rec["context"], list(rec["output_ids"]), rec["finish"]
-    matched = finish.get("matched")
-    if isinstance(matched, int) and not rec["no_stop_trim"]:
-        out = out[:-1]
-    kw = dict(skip_special_tokens=rec["skip_special_tokens"],
-              spaces_between_special_tokens=rec["spaces_between_special_tokens"])
-
-    def text_of(ids: list[int]) -> str:
-        return hf.decode(ctx + ids, **kw)[len(hf.decode(ctx, **kw)):]
-
-    text = text_of(out)
-    if isinstance(matched, str) and matched:
-        text = text[: engine_cut(text, made_by(text_of(out[: rec["earlier"]]), text), matched, rec["no_stop_trim"])]
-    return text
 
 
 @dataclass
@@ -381,7 +279,7 @@ def outcome(run: Served, s: restarts.Stream, kill: restarts.Kill) -> str:
         assert s.finish.get("message") == "detokd: restarted", (s.rid, s.finish)
         assert expected.startswith(s.text), s.rid
         return "restarted"
-    assert record["time"] < kill.at + 1.0, f"{s.rid}: its last row went out {record['time'] - kill.at:.2f} s after the kill"
+    assert record["finished"] < kill.at + 1.0, f"{s.rid}: its last row went out {record['finished'] - kill.at:.2f} s after the kill"
     return "lost"
 
 
