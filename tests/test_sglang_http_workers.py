@@ -44,23 +44,30 @@ def ctx():
     c.destroy(linger=0)
 
 
-def bound(ctx: zmq.Context, address: str) -> zmq.Socket:
-    """A TokenizerManager's end: a PULL socket bound at the address (its file becomes the socket)."""
-    s = ctx.socket(zmq.PULL)
-    s.bind(address)
-    return s
+@pytest.fixture
+def bound(ctx):
+    """A TokenizerManager's end: a PULL socket bound at the address (its file becomes the
+    socket), held open until the test ends (a socket no one holds is closed when collected)."""
+    held: list[zmq.Socket] = []
+
+    def bind(address: str) -> zmq.Socket:
+        held.append(ctx.socket(zmq.PULL))
+        held[-1].bind(address)
+        return held[-1]
+
+    return bind
 
 
-def test_a_listening_socket_of_this_user_at_an_address_sglang_makes_is_an_http_workers(made, ctx):
+def test_a_listening_socket_of_this_user_at_an_address_sglang_makes_is_an_http_workers(made, bound):
     address = made()
-    bound(ctx, address)
+    bound(address)
     assert HttpWorkerAddresses(4).refusal(address) is None
 
 
-def test_one_of_sglangs_own_addresses_is_refused_though_it_listens(made, ctx):
+def test_one_of_sglangs_own_addresses_is_refused_though_it_listens(made, bound):
     """The router's or the scheduler's address is made the same way and listens too."""
     address = made()
-    bound(ctx, address)
+    bound(address)
     why = HttpWorkerAddresses(4, frozenset({address})).refusal(address)
     assert why is not None and "SGLang's own" in why
 
@@ -75,7 +82,7 @@ def test_a_reserved_file_nothing_bound_is_refused(made):
     assert HttpWorkerAddresses(4).refusal(made()) == "it is not a socket"
 
 
-def test_a_socket_nobody_listens_on_any_more_is_refused(made, ctx):
+def test_a_socket_nobody_listens_on_any_more_is_refused(made):
     """A worker that died leaves its socket file (ZMQ removes none); nothing accepts there."""
     address = made()
     os.unlink(address.removeprefix("ipc://"))
@@ -85,16 +92,17 @@ def test_a_socket_nobody_listens_on_any_more_is_refused(made, ctx):
     assert addresses.refusal(address) == "nothing listens on it"
     other = made()
     c = zmq.Context()
-    bound(c, other)
+    worker = c.socket(zmq.PULL)
+    worker.bind(other)
     assert addresses.refusal(other) is None
     c.destroy(linger=0)  # the worker dies: its socket file stays, its listener goes
     assert os.path.exists(other.removeprefix("ipc://"))
     assert addresses.gone(other) == "nothing listens on it"
 
 
-def test_another_users_socket_is_refused(made, ctx):
+def test_another_users_socket_is_refused(made, bound):
     address = made()
-    bound(ctx, address)
+    bound(address)
     assert HttpWorkerAddresses(4, uid=os.geteuid() + 1).refusal(address) == "it is another user's socket"
 
 
