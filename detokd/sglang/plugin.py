@@ -130,7 +130,7 @@ def register() -> None:
     if rust_server():
         if _main_process():
             not_used(f"{RUST_SERVER_ENV} is on, and SGLang's Rust server starts no detokenizer process "
-                     f"({RUST_SERVER_ENV}=0 serves with detokd; docs/sglang.md, The Rust server)")
+                     f"({RUST_SERVER_ENV}=0 serves with detokd; docs/sglang.md: which to run)")
         return
     # The structural check, in the process that launches the detokenizer (detokd's own
     # process decides again, with everything else, before it serves); no failure of it

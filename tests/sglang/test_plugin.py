@@ -22,6 +22,7 @@ from conftest import alive
 from models import ROOT, entry_points, model_folder, plugin_path  # noqa: F401  (a fixture)
 
 from detokd import zoo
+from detokrig.sglang_frontend import rust_server_default
 
 CHILD = Path(__file__).with_name("sglang_child.py")
 CHILD_TIMEOUT = 480
@@ -176,7 +177,6 @@ def test_sglangs_rust_server_is_off_unless_the_operator_turns_it_on(monkeypatch)
     """The day SGLANG_RUST_SERVER defaults to true, SGLang's launch starts no detokenizer
     process and detokd is unused unless the operator sets SGLANG_RUST_SERVER=0: this
     fails saying what to do (issue 43, item 5; test_frontend.py watches the launch)."""
-    from frontend import rust_server_default
     from sglang.srt.environ import envs
 
     from detokd.sglang import plugin
