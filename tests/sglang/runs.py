@@ -1,8 +1,8 @@
 """The scenario every SGLang test replays, and the detokenizer processes it runs on.
 
-Each process (SGLang's own detokenizer, or detokd's replacement of it) costs ~15-25 s of
-CPU to import SGLang, so all of them start together on first use and every test module
-shares them (a process-wide cache, closed at exit).
+Each process (SGLang's own detokenizer, or detokd's replacement of it) would cost ~15-25 s
+of CPU to import SGLang: all of them are forked from one forkserver that imported it, on
+first use, and every test module shares them (a process-wide cache, closed at exit).
 """
 
 from __future__ import annotations
@@ -245,9 +245,10 @@ class Runs:
         for name, enc, workers, detokenizers in single + ROUTED:
             for target, fn in TARGETS.items():
                 self.procs[name, enc, workers, detokenizers, target] = SglangDetokenizerUnderTest(
-                    zoo.build(name), encoding=enc, http_workers=workers, detokenizers=detokenizers, target=fn
+                    zoo.build(name), encoding=enc, http_workers=workers, detokenizers=detokenizers, target=fn,
+                    start_method="forkserver",
                 ).start()
-        # Ready once each answers a fence: they import SGLang side by side meanwhile.
+        # Ready once each answers a fence.
         for proc in self.procs.values():
             proc.exchange([], timeout=900)
 

@@ -2,8 +2,8 @@
 
 Each case is a child process of its own (plugin state is process-global) that imports
 SGLang, and most start a detokenizer process that imports it too: ~10 s of CPU each. So
-every child of this module starts on first use, two at a time (this machine's cores),
-and each test reads its own child's result.
+every child the selected tests read (`reads`) starts on first use, two at a time (this
+machine's cores), and each test reads its own child's result.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ CHILD_TIMEOUT = 480
 BAD_PICKLE_ALLOW = "fractions.Fraction"  # module:name is fractions:Fraction
 # The first test waits for its child among all of them: minutes on two cores.
 pytestmark = pytest.mark.timeout(1800)
+# The children a test reads: the module starts those of the tests selected, and no other.
+reads = pytest.mark.sglang_child
+# What detokd does with a setting or a file, the same on every release (pyproject.toml).
+detokds_own_code = pytest.mark.detokds_own_code
 
 
 def run_child(plugin_path: Path, *args: str, detokd_sglang: str | None = None, router: bool = False,
@@ -70,10 +74,12 @@ def tiktoken_file(folder: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def children(plugin_path, tmp_path_factory) -> dict[str, Future]:
-    """Every child of this module, by case, started two at a time: {case: its result}.
-    A `launch` child gets SGLang's own command-line arguments (`--device cpu` added) and
-    the tokenizer folder its answer must be the decode of."""
+def children(request, plugin_path, tmp_path_factory) -> dict[str, Future]:
+    """Every child the selected tests of this module read, by case, started two at a time:
+    {case: its result}. A `launch` child gets SGLang's own command-line arguments
+    (`--device cpu` added) and the tokenizer folder its answer must be the decode of."""
+    wanted = {case for item in request.session.items if item.module is request.module
+              for mark in item.iter_markers("sglang_child") for case in mark.args}
     root = tmp_path_factory.mktemp("models")
     qwen2 = str(model_folder(root, "qwen2"))  # the model's own tokenizer: not detokd's default
     bare = str(model_folder(root, None))
@@ -118,6 +124,8 @@ def children(plugin_path, tmp_path_factory) -> dict[str, Future]:
     pool = ThreadPoolExecutor(2)
     futures = {}
     for case, (args, detokd_sglang) in cases.items():
+        if case not in wanted:
+            continue
         if args[0] != "loader":
             args = [*args, "--device", "cpu"]
         futures[case] = pool.submit(run_child, plugin_path, *args, detokd_sglang=detokd_sglang,
@@ -132,6 +140,7 @@ def test_the_entry_point_names_the_plugins_register_function():
     assert entry_points() == {"detokd": "detokd.sglang.plugin:register"}
 
 
+@reads("loader, unset")
 def test_without_detokd_sglang_sglangs_loader_leaves_the_launch_method_alone(children):
     result = children["loader, unset"].result()
     messages = [msg for _, msg in result["logs"]]
@@ -140,6 +149,7 @@ def test_without_detokd_sglang_sglangs_loader_leaves_the_launch_method_alone(chi
     assert not [m for m in messages if m.startswith(("detokd", "Applied"))]
 
 
+@reads("loader, false")
 def test_a_false_detokd_sglang_leaves_the_launch_method_alone(children):
     assert children["loader, false"].result()["replaced"] is False
 
@@ -153,12 +163,14 @@ def test_enabled_is_true_only_for_one_true_yes(monkeypatch):
 
 
 @pytest.mark.parametrize("value", ["1", "True"])
+@reads("loader, 1", "loader, True")
 def test_with_detokd_sglang_the_launch_method_is_wrapped_around_sglangs_own(children, value):
     result = children[f"loader, {value}"].result()
     assert result["replaced"] is True and result["wraps_original"] is True
     assert not warnings_of(result)
 
 
+@reads("loader, mismatch")
 def test_on_a_schema_mismatch_the_method_stays_and_the_warning_names_the_field(children):
     result = children["loader, mismatch"].result()
     assert result["replaced"] is False
@@ -187,6 +199,7 @@ def test_sglangs_rust_server_is_off_unless_the_operator_turns_it_on(monkeypatch)
     assert plugin.rust_server() is False
 
 
+@reads("loader, rust server")
 def test_with_sglangs_rust_server_on_one_line_says_detokd_is_not_used(children):
     """SGLANG_RUST_SERVER=1: SGLang's Rust server tokenizes and detokenizes itself and its
     launch starts no detokenizer process, so the hook would never run: one warning line
@@ -201,6 +214,7 @@ def test_with_sglangs_rust_server_on_one_line_says_detokd_is_not_used(children):
     assert result["replaced"] is False
 
 
+@reads("loader, rust server, require")
 def test_with_sglangs_rust_server_on_detokd_sglang_require_fails_the_launch_in_one_line(children):
     result = children["loader, rust server, require"].result()
     if not has_rust_server():
@@ -239,12 +253,14 @@ def assert_detokds(result: dict) -> None:
     assert len(infos) == 1 and f"(SGLang {sglang.__version__})" in infos[0]
 
 
+@reads("sglang's own")
 def test_sglangs_own_detokenizer_starts_answers_and_its_death_is_seen_without_the_plugin(children):
     result = children["sglang's own"].result()
     assert result["sglangs_own"] is True
     assert_answers_and_dies_seen(result)
 
 
+@reads("model path")
 def test_a_plain_model_path_launch_decodes_with_the_models_own_tokenizer(children):
     """`--model-path` alone: server_args.tokenizer_path stays None and SGLang resolves the
     tokenizer in its runtime context. The model's tokenizer (Qwen2) is not detokd's
@@ -254,6 +270,7 @@ def test_a_plain_model_path_launch_decodes_with_the_models_own_tokenizer(childre
     assert_answers_and_dies_seen(result)
 
 
+@reads("model path")
 def test_settings_are_read_as_sglang_resolved_them_not_as_given(children):
     """`--tool-call-parser qwen25` is SGLang's deprecated name of "qwen": its own
     detokenizer reads the resolved value from the runtime context, and so does detokd."""
@@ -261,12 +278,16 @@ def test_settings_are_read_as_sglang_resolved_them_not_as_given(children):
     assert "tool_call_parser='qwen'" in line and "HTTP workers 1" in line
 
 
+@reads("tokenizer path")
+@detokds_own_code
 def test_a_tokenizer_path_beside_a_bare_model_folder_is_the_tokenizer_detokd_decodes_with(children):
     result = children["tokenizer path"].result()
     assert_detokds(result)
     assert_answers_and_dies_seen(result)
 
 
+@reads("tiktoken")
+@detokds_own_code
 def test_a_tokenizer_detokd_cannot_decode_as_sglang_does_keeps_sglangs_own_with_a_warning(children):
     result = children["tiktoken"].result()
     assert result["sglangs_own"] is True
@@ -275,6 +296,8 @@ def test_a_tokenizer_detokd_cannot_decode_as_sglang_does_keeps_sglangs_own_with_
     assert_answers_and_dies_seen(result)
 
 
+@reads("metrics port taken")
+@detokds_own_code
 def test_a_metrics_port_in_use_keeps_sglangs_own_with_a_warning_not_a_dead_server(children):
     """detokd binds its metrics port after it told SGLang it serves, when failing would end
     SGLang's server: so it tries the port before."""
@@ -285,6 +308,8 @@ def test_a_metrics_port_in_use_keeps_sglangs_own_with_a_warning_not_a_dead_serve
     assert_answers_and_dies_seen(result)
 
 
+@reads("pickle allow malformed")
+@detokds_own_code
 def test_a_malformed_pickle_allow_list_keeps_sglangs_own_with_a_warning_naming_it(children):
     """DETOKD_SGLANG_PICKLE_ALLOW is read before detokd tells the launch it serves: a
     value not of the form module:name is a fallback like any other, never a dead server
@@ -298,6 +323,7 @@ def test_a_malformed_pickle_allow_list_keeps_sglangs_own_with_a_warning_naming_i
     assert_answers_and_dies_seen(result)
 
 
+@reads("two processes")
 def test_several_detokenizer_processes_asked_for_are_one_detokd_on_sglangs_address(children):
     """--detokenizer-worker-num 2: one detokd process serves SGLang's address, as SGLang
     starts one detokenizer (SGLang's router in front of two would cost more per row than
@@ -312,6 +338,7 @@ def test_several_detokenizer_processes_asked_for_are_one_detokd_on_sglangs_addre
     assert_outlives_its_decoding_process(result)
 
 
+@reads("two processes, router")
 def test_with_detokd_sglang_router_they_are_detokds_behind_sglangs_own_router(children):
     """DETOKD_SGLANG_ROUTER=1: SGLang's launch starts two detokd processes on private
     addresses and its own MultiDetokenizerRouter in front of them; the router's answer
@@ -327,6 +354,7 @@ def test_with_detokd_sglang_router_they_are_detokds_behind_sglangs_own_router(ch
     assert_outlives_its_decoding_process(result)
 
 
+@reads("orphan")
 def test_detokds_process_dies_with_sglang(children):
     """SGLang killed without a word (os._exit, no teardown of its children): the
     detokenizer it started goes too (prctl PDEATHSIG, as SGLang's own), never an orphan
@@ -341,6 +369,8 @@ def test_detokds_process_dies_with_sglang(children):
     assert not any(map(alive, pids)), f"detokd's processes {pids} outlived SGLang"
 
 
+@reads("missing CURVE key")
+@detokds_own_code
 def test_a_curve_key_that_cannot_be_read_keeps_sglangs_own_before_the_verdict(children):
     """Every check runs before detokd tells SGLang it serves: a CURVE key file that is
     not there is a fallback with one warning, never a detokenizer that SIGQUITs SGLang
@@ -352,6 +382,8 @@ def test_a_curve_key_that_cannot_be_read_keeps_sglangs_own_before_the_verdict(ch
     assert_answers_and_dies_seen(result)
 
 
+@reads("shared TMPDIR")
+@detokds_own_code
 def test_sglangs_addresses_in_a_folder_every_user_may_write_are_served_with_the_tmpdir_advice(children):
     """A 0777 TMPDIR without the sticky bit: SGLang's own detokenizer serves there, so
     detokd does too (it never refuses what SGLang's own would serve), and says to set
@@ -363,6 +395,7 @@ def test_sglangs_addresses_in_a_folder_every_user_may_write_are_served_with_the_
     assert warnings and all("detokd" in w and "TMPDIR" in w for w in warnings), warnings
 
 
+@reads("model path")
 def test_sglang_mode_counts_ids_and_special_tokens_as_the_tokenizer_command_does(children):
     """The count an operator reads in SGLang's log is the one `detokd tokenizer` prints for
     the same tokenizer (both: the ids skip_special_tokens removes)."""
