@@ -150,6 +150,7 @@ def test_without_detokd_sglang_sglangs_loader_leaves_the_launch_method_alone(chi
 
 
 @reads("loader, false")
+@detokds_own_code
 def test_a_false_detokd_sglang_leaves_the_launch_method_alone(children):
     assert children["loader, false"].result()["replaced"] is False
 
@@ -355,6 +356,7 @@ def test_with_detokd_sglang_router_they_are_detokds_behind_sglangs_own_router(ch
 
 
 @reads("orphan")
+@detokds_own_code
 def test_detokds_process_dies_with_sglang(children):
     """SGLang killed without a word (os._exit, no teardown of its children): the
     detokenizer it started goes too (prctl PDEATHSIG, as SGLang's own), never an orphan
