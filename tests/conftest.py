@@ -21,6 +21,12 @@ pytest.register_assert_rewrite("utils", "messages")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# A run started under `nohup` hands an ignored SIGHUP to every child, and detokd keeps an
+# ignored SIGHUP ignored (docs/deploy.md), so the tests of its SIGHUP stop would hang. A
+# handler, unlike SIG_IGN, is reset to the default at exec, and still keeps this run up.
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)
+
 from detokd import zoo  # noqa: E402
 from detokd.core.decoder import ByteCodec, PieceCodec, WindowCodec, make_codec  # noqa: E402
 from detokd.process import DetokdProcess, ipc_config  # noqa: E402
