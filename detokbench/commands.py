@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -137,4 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     # Tokenizers come from the zoo's packages: nothing is fetched from a model hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # A SIGTERM (a timeout, an operator) unwinds as Ctrl-C does: each command's `finally`
+    # stops what it started, SGLang servers in sessions of their own among them.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])

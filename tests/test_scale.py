@@ -7,10 +7,16 @@ must hold what docs/performance.md quotes.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
+
+from detokrig.waits import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,3 +38,27 @@ def test_scale_script_runs_shards_and_every_stream_is_exact(tmp_path: Path) -> N
         assert all(r["wrong_streams"] == 0 and r["tokens_per_s"] > 0 for r in runs)
     assert len(res["ceilings"]) == 2 and res["ratios"]["2"]["median"] > 0
     assert "2 shards / 1:" in text
+
+
+def test_a_run_stopped_by_sigterm_leaves_none_of_its_processes_behind(tmp_path: Path) -> None:
+    """A timeout or an operator's SIGTERM ends a detokbench command as Ctrl-C does: what it
+    started in sessions of its own (here shards; rust-bench's SGLang servers of ~3 GB)
+    is stopped, not left to run on."""
+    run = subprocess.Popen([sys.executable, "-m", "detokbench", "scale", "--shards", "2", "--rounds", "1000"],
+                           cwd=REPO, stdout=subprocess.DEVNULL)
+
+    def shards() -> list[psutil.Process]:
+        procs = psutil.Process(run.pid).children(recursive=True)
+        return procs if sum("--shard-index" in " ".join(p.info["cmdline"] or ())
+                            for p in psutil.process_iter(["cmdline"]) if p in procs) == 2 else []
+
+    started = wait_until(shards, 120, "two shards of the run's")
+    run.send_signal(signal.SIGTERM)
+    try:
+        assert run.wait(60) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(started, timeout=30)
+        assert alive == [], [p.cmdline() for p in alive]
+    finally:
+        for p in started:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
