@@ -18,7 +18,7 @@ failed=()
 step "lint and types"
 bash scripts/lint.sh || failed+=(lint)
 step "main suite"
-python -m pytest -q || failed+=("main suite")
+python -m pytest -q --durations=15 || failed+=("main suite")
 step "waiting for SGLang's environments"
 if ! wait "$prepare"; then
   tail -60 "$prepare_log" >&2; echo "FAILED: building SGLang's environments" >&2; exit 1
