@@ -41,7 +41,7 @@ from detokd.sglang.process import run_sglang_detokenizer as detokd_target
 from detokd.tokenizer import load
 from detokrig import sglang_replay as replay
 from detokrig.corpus import corpus
-from detokrig.proc import loadavg, memory, tick_cpu_s
+from detokrig.proc import cpu_s, descendants, loadavg, memory
 
 from .bench.report import log, md_head, pct
 from .commands import command_line, commit, machine, parser, pyplot, versions, write_json
@@ -159,7 +159,10 @@ def run_pass(proc: replay.SglangDetokenizerUnderTest, stream: Stream, window: in
     gc.collect()
     gc.disable()
     load = loadavg()
-    cpu0 = {name: tick_cpu_s(pid) for name, pid in pids.items()}
+    # Each process with its descendants: detokd's SGLang mode decodes in a child of the
+    # process SGLang starts, which only supervises it.
+    trees = {name: descendants(pid) for name, pid in pids.items()}
+    cpu0 = {name: cpu_s(tree) for name, tree in trees.items()}
     t0 = time.perf_counter_ns()
     sent = completed = 0
     try:
@@ -187,7 +190,7 @@ def run_pass(proc: replay.SglangDetokenizerUnderTest, stream: Stream, window: in
                     completed += 1
     finally:
         wall = (time.perf_counter_ns() - t0) / 1e9
-        cpu_by = {name: tick_cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
+        cpu_by = {name: cpu_s(tree) - cpu0[name] for name, tree in trees.items()}
         gc.enable()
     if pull.poll(200):
         raise AssertionError(f"more answers than due ({expected}): the step accounting would be wrong")
@@ -197,6 +200,7 @@ def run_pass(proc: replay.SglangDetokenizerUnderTest, stream: Stream, window: in
     return dict(
         wall_s=wall, rows=stream.rows, tokens=stream.tokens, tokens_per_s=stream.tokens / wall, cpu_s=cpu,
         cpu_us_per_token=cpu / stream.tokens * 1e6, cpu_us_per_row=cpu / stream.rows * 1e6, cpu_s_by_process=cpu_by,
+        processes_measured={name: len(tree) for name, tree in trees.items()},
         loadavg_1m=load, latency_ms=[x / 1e6 for x in latency_ns], **problems, texts=texts, answer_frames=got,
     )
 
@@ -304,6 +308,7 @@ def pooled(mine: list[dict], stream: Stream) -> dict:
             who: sum(p["cpu_s_by_process"][who] for p in mine) / (len(mine) * stream.rows) * 1e6
             for who in mine[0]["cpu_s_by_process"]
         },
+        processes_measured=mine[0]["processes_measured"],
         off_oracle=sum(p["off_oracle"] for p in mine),
         off_oracle_examples=[x for p in mine for x in p["off_oracle_examples"]][:3],
         one_answer_per_step=all(p["one_answer_per_step"] for p in mine), unfinished=sum(p["unfinished"] for p in mine),

@@ -26,6 +26,9 @@ def test_sglang_bench_records_both_processes_in_both_modes_with_every_text_exact
     assert set(got) == {(t, m) for t in ("sglang", "detokd") for m in ("latency", "throughput")}
     for r in got.values():
         assert r["off_oracle"] == 0 and r["text_equal_across_targets"] and r["one_answer_per_step"] and not r["unfinished"]
+    # CPU is every decoding process's: detokd's is a child of the process SGLang starts.
+    assert {t: list(r["processes_measured"].values()) for (t, _), r in got.items()} == {"sglang": [1], "detokd": [2]}
+    assert all(r["cpu_us_per_row"] > 0 for r in got.values())
     assert len(sglang_bench.summary([str(out)]).splitlines()) == 3  # one row: msgpack, B = 8
 
 
