@@ -288,9 +288,6 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-GRACE = 60.0  # s; the drain has half
-
-
 def test_a_stop_while_starting_answers_the_rows_already_queued_and_says_so_last(tmp_path, zctx):
     """SIGTERM while start-up loads the tokenizer (/livez says "starting"), with the
     input already bound and 50 requests queued on it: once up, detokd answers every one
@@ -298,7 +295,8 @@ def test_a_stop_while_starting_answers_the_rows_already_queued_and_says_so_last(
     gate = tmp_path / "gate"
     # The drain's share of the grace counts from the signal, so start-up spends it first: a
     # grace that outlasts a start-up on a loaded machine, not the default's 4 s share.
-    cfg = ipc_config(tmp_path, metrics_port=0, shutdown_grace_s=GRACE)
+    grace = 60.0
+    cfg = ipc_config(tmp_path, metrics_port=0, shutdown_grace_s=grace)
     d = DetokdProcess(cfg, folder=tmp_path, command=[PY, "-c", HELD], env={"DETOKD_TEST_GATE": str(gate)})
     d.spawn()
     try:
@@ -311,7 +309,7 @@ def test_a_stop_while_starting_answers_the_rows_already_queued_and_says_so_last(
         _send_all(d, [{"type": "tokens", "rows": [r.row(len(r.ids))]} for r in reqs])
         d.proc.send_signal(signal.SIGTERM)
         gate.touch()
-        assert _exit_code(d, GRACE) == 0
+        assert _exit_code(d, grace) == 0
         w.wait(lambda: all(w.ended(r.rid) for r in reqs), 20, "an answer for every queued request")
         assert {r.rid: w.text(r.rid) for r in reqs} == {r.rid: r.expected() for r in reqs}
         assert "stopped: got SIGTERM; exit 0" in d.log().strip().splitlines()[-1]
