@@ -1,5 +1,7 @@
-"""Instructions detokd executes per one-row native frame, counted by valgrind's callgrind:
-a count, not a time, so it is the same on a loaded machine and comparable across days.
+"""Instructions detokd executes per one-row native frame, counted by valgrind's callgrind.
+The count still moves with wall time (the same tree read 64-84k across runs: the loop's
+work per second lands on more frames when valgrind runs slower), so compare trees run at
+once, one on each core, and read the difference within a pair.
 
 One request, one id a row, one row a frame, in lockstep (a frame goes out when the previous
 one's text came back): the B 1 one-id frame of `detokbench bench`. Each tree's `detokd
@@ -29,10 +31,13 @@ WARM = 50
 def count(tree: str, frames: int) -> int:
     with tempfile.TemporaryDirectory() as d:
         inp, out = f"ipc://{d}/in.sock", f"ipc://{d}/w0.sock"
+        # The two addresses alone, not this checkout's ipc_config: an older tree's config
+        # refuses the keys it does not know.
         with open(f"{d}/c.toml", "w") as f:
             f.write(f'input = "{inp}"\nworkers = ["{out}"]\n')
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.RCVTIMEO, 600_000)  # a tree that cannot start raises zmq.Again, not a hang
         pull.bind(out)
         proc = subprocess.Popen(
             ["env", f"PYTHONPATH={tree}", "PYTHONHASHSEED=0", "valgrind", "--tool=callgrind",
