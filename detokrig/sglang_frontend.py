@@ -2,8 +2,8 @@
 
 `Frontend` starts `serve_standin.py` (SGLang's launch_server path; the detokenizer is
 detokd through its plugin, or SGLang's own) in a process group of its own, waits until
-/health answers 200 (SGLang's warmup request has then gone through the detokenizer), and
-kills the group on close. The model folder holds a real tokenizer and a config.json of
+/health answers 200 and every HTTP worker's warmup request has gone through the
+detokenizer, and kills the group on close. The model folder holds a real tokenizer and a config.json of
 an architecture SGLang accepts; no weights exist or are read.
 """
 
@@ -88,9 +88,9 @@ class Frontend:
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 1200) -> None:
-        """Until /health answers 200. A launch of the Python server that finished without a
-        detokenizer process fails at once, saying what to do: its /health would never
-        answer here."""
+        """Until /health answers 200 and every HTTP worker has finished its warmup. A
+        launch of the Python server that finished without a detokenizer process fails at
+        once, saying what to do: its /health would never answer here."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -98,12 +98,20 @@ class Frontend:
             if self.launched() == [] and self.detokenizer != "rust":
                 raise RuntimeError(rust_server_default("its launch finished with none running"))
             try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200 and self._all_workers_up():
                     return
             except requests.RequestException:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"SGLang's server did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _all_workers_up(self) -> bool:
+        """Under --tokenizer-worker-num N, each HTTP worker warms up by itself and answers
+        /health (and /health_generate) 503 until it has: one worker's 200 says nothing of
+        the others'. Each logs the line below when its warmup is through."""
+        args = list(self.extra)
+        n = int(args[args.index("--tokenizer-worker-num") + 1]) if "--tokenizer-worker-num" in args else 1
+        return n == 1 or self.log_tail(1 << 30).count("The server is fired up and ready to roll!") >= n
 
     def launched(self) -> list[str] | None:
         """The titles of the detokenizer processes SGLang's launch started, once it said

@@ -75,6 +75,7 @@ class Served:
     titles: list[str]  # its detokenizer processes' titles (the router's not among them)
     health: int | None = None  # /health after the mix (its hang-up included)
     health_generate: int | None = None
+    health_generate_s: float | None = None  # its wait: 503 at once is a worker not up, at ~20 s SGLang's timeout
     exit_after_kill: int | None = None  # the server's exit status once a detokenizer process was killed
     answer_after_kill: tuple[str, str] | None = None  # (what a client got, the oracle's) once it was
     log: str = ""  # the server's log, as it was after the mix
@@ -114,7 +115,9 @@ def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, 
         for key, fe in fes.items():
             if key[2] == "detokd":
                 out[key].health = requests.get(fe.url + "/health", timeout=30).status_code
+                began = time.monotonic()
                 out[key].health_generate = requests.get(fe.url + "/health_generate", timeout=60).status_code
+                out[key].health_generate_s = time.monotonic() - began
         if RESTART_HOST in fes:
             restart_run(fes[RESTART_HOST], out[RESTART_HOST])
         kill_one_each({k: fe for k, fe in fes.items() if k != RESTART_HOST}, out, name)
@@ -226,7 +229,7 @@ def test_a_client_hanging_up_aborts_its_request_and_the_server_stays_healthy(ser
     run = served[key]
     rec = run.records.get("hangup")
     assert rec is not None and rec["finish"]["type"] == "abort", rec
-    assert (run.health, run.health_generate) == (200, 200)
+    assert (run.health, run.health_generate) == (200, 200), f"/health_generate answered in {run.health_generate_s:.1f} s"
 
 
 @pytest.mark.parametrize("key", keys("detokd"), ids=key_id)
