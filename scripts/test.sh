@@ -18,7 +18,9 @@ failed=()
 step "lint and types"
 bash scripts/lint.sh || failed+=(lint)
 step "main suite"
-python -m pytest -q --durations=15 || failed+=("main suite")
+# Two pytest processes, a file each at a time (module fixtures stay whole): one keeps one
+# core busy (740 s of CPU in 807 s alone), two finish in 472 s on two cores.
+python -m pytest -q -n 2 --dist loadfile --durations=15 || failed+=("main suite")
 step "waiting for SGLang's environments"
 if ! wait "$prepare"; then
   tail -60 "$prepare_log" >&2; echo "FAILED: building SGLang's environments" >&2; exit 1
