@@ -28,11 +28,21 @@ WINDOW="0.5.23 0.5.22 0.5.21 0.5.20"
 BETWEEN="tests/sglang/test_schema.py tests/sglang/test_release.py tests/sglang/test_differential.py tests/sglang/test_plugin.py"
 OLDEST_TOO="tests/sglang/test_frontend.py tests/sglang/test_hostile_batches.py"
 
+made_from() {  # RELEASE -> what its environment is made from: this checkout, the scripts, the pins
+  { pwd; cat scripts/install-sglang.sh scripts/test-sglang.sh "scripts/sglang-constraints/$1.txt" pyproject.toml
+  } | sha256sum | cut -d' ' -f1
+}
+
 prepare() {  # RELEASE -> the python of its venv, with SGLang and detokd installed
   local release="$1" venv="${DETOKD_SGLANG_VENV:-.venv-sglang-$1}"
-  local py="$venv/bin/python" log
+  local py="$venv/bin/python" log stamp="$venv/made-from"
   if [ -n "${DETOKD_SGLANG_PREPARED:-}" ] && [ -x "$py" ]; then echo "$py"; return; fi
+  # An environment this build made from the same inputs is ready: .ci/run's background
+  # build, then scripts/test.sh's own check, would otherwise each reinstall detokd and the
+  # test dependencies (~20 s a release).
+  if [ -x "$py" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$(made_from "$release")" ]; then echo "$py"; return; fi
   [ -x "$py" ] || python -m venv "$venv"
+  rm -f "$stamp"
   PYTHON="$py" bash scripts/install-sglang.sh "$release" >&2
   # detokd as a user installs it beside SGLang (no --no-deps): what pip says SGLang's
   # environment held before is kept, for tests/sglang/test_install.py to compare; then
@@ -51,6 +61,7 @@ prepare() {  # RELEASE -> the python of its venv, with SGLang and detokd install
            jsonschema python-multipart soundfile "${newest[@]}"; } >"$log" 2>&1; then
     tail -40 "$log" >&2; echo "FAILED: installing detokd and its test dependencies into $venv" >&2; exit 1
   fi
+  made_from "$release" > "$stamp"
   echo "$py"
 }
 
