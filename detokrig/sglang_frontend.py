@@ -3,8 +3,8 @@
 `Frontend` starts `serve_standin.py` (SGLang's launch_server path; the detokenizer is
 detokd through its plugin, or SGLang's own) in a process group of its own, waits until
 /health answers 200 and every HTTP worker's warmup request has gone through the
-detokenizer, and kills the group on close. The model folder holds a real tokenizer and a config.json of
-an architecture SGLang accepts; no weights exist or are read.
+detokenizer, and kills the group on close. The model folder holds a real tokenizer and a
+config.json of an architecture SGLang accepts; no weights exist or are read.
 """
 
 from __future__ import annotations
