@@ -64,6 +64,8 @@ class Frontend:
                  plugin_path: Path, log_dir: Path, extra: tuple[str, ...] = (), env: dict | None = None,
                  tag: str = ""):
         self.detokenizer, self.encoding, self.workers, self.extra = detokenizer, encoding, workers, extra
+        # SGLang's HTTP workers (--tokenizer-worker-num): each warms up, and answers /health, by itself.
+        self.http_workers = int(extra[extra.index("--tokenizer-worker-num") + 1]) if "--tokenizer-worker-num" in extra else 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         tag = f"{model.name}-{detokenizer}-{encoding}-{workers}{'-router' if router else ''}{tag}"
@@ -109,8 +111,7 @@ class Frontend:
         """Under --tokenizer-worker-num N, each HTTP worker warms up by itself and answers
         /health (and /health_generate) 503 until it has: one worker's 200 says nothing of
         the others'. Each logs the line below when its warmup is through."""
-        args = list(self.extra)
-        n = int(args[args.index("--tokenizer-worker-num") + 1]) if "--tokenizer-worker-num" in args else 1
+        n = self.http_workers
         return n == 1 or self.log_tail(1 << 30).count("The server is fired up and ready to roll!") >= n
 
     def launched(self) -> list[str] | None:

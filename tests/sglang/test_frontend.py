@@ -114,7 +114,7 @@ def run_case(root: Path, plugin_path: Path, name: str, enc: str) -> dict[tuple, 
         for key, fe in fes.items():
             answers = {r["rid"]: answer for (k, r), answer in zip(jobs, done, strict=True) if k == key}
             titles = [" ".join(p.cmdline()) for p in fe.detokenizer_processes()]
-            launched = None if "--tokenizer-worker-num" in fe.extra else fe.wait_launched()
+            launched = None if fe.http_workers > 1 else fe.wait_launched()
             out[key] = Served(mix, answers, fe.records(), titles, log=fe.log_tail(1 << 22), launched=launched)
         for key, fe in fes.items():
             if key[2] == "detokd":
